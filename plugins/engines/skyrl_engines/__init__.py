@@ -1,0 +1,4 @@
+"""skyrl-engines: engines (embedded, vllm).
+
+Each feature is one module here with its own ``skyrl`` entry point.
+"""

@@ -1,0 +1,211 @@
+"""The ``skyrl`` command line: run | validate | plugins, plus plugin commands."""
+
+from __future__ import annotations
+
+import importlib.metadata as importlib_metadata
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+import click
+
+from skyrl_host.errors import USER_ERROR_EXIT_CODE, JobFailed, UserError
+from skyrl_host.plugins import ENV_ALLOW, ENV_DISABLE, PluginHost, build_host
+
+
+def host_version() -> str:
+    try:
+        return importlib_metadata.version("skyrl-host")
+    except importlib_metadata.PackageNotFoundError:  # running from a source tree
+        return "unknown"
+
+
+def _version_text(host: PluginHost) -> str:
+    lines = [f"skyrl-host {host_version()}"]
+    for dist, version in host.plugin_distributions():
+        if dist != "skyrl-host":
+            lines.append(f"  {dist} {version}")
+    return "\n".join(lines)
+
+
+def _host(ctx: click.Context) -> PluginHost:
+    return ctx.find_object(PluginHost)  # type: ignore[return-value]
+
+
+SET_HELP = "Override a job key, e.g. --set job.steps=10 (VALUE is a TOML value). Repeatable."
+
+
+def make_cli(host: PluginHost) -> click.Group:
+    """Build the CLI for ``host``; plugins add their commands through
+    ``skyrl_register_commands``."""
+
+    @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+    @click.version_option(message=_version_text(host), help="Show the host and plugin versions and exit.")
+    @click.pass_context
+    def cli(ctx: click.Context) -> None:
+        """skyrl: reinforcement-learning post-training of open LLMs, built from plugins.
+
+        A job file (TOML) names a job kind and the plugins it uses; `skyrl run`
+        runs it. Plugins are discovered through the `skyrl` entry-point group;
+        block or allow them with SKYRL_DISABLE_PLUGINS / SKYRL_LOAD_PLUGINS
+        (comma-separated plugin or distribution names).
+        """
+        ctx.obj = host
+
+    @cli.command()
+    @click.argument("job_file", type=click.Path(dir_okay=False))
+    @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help=SET_HELP)
+    @click.option("--overwrite", is_flag=True, help="Replace a previous run in the job's output folder.")
+    @click.pass_context
+    def run(ctx: click.Context, job_file: str, overrides: Sequence[str], overwrite: bool) -> None:
+        """Validate JOB_FILE, resolve its plugins and run its job kind."""
+        from skyrl_host.config import load_job
+        from skyrl_host.runner import run_job
+
+        spec = load_job(job_file, _host(ctx), overrides)
+        start = time.monotonic()
+        result = run_job(_host(ctx), spec, overwrite=overwrite)
+        click.echo(
+            f"{spec.kind.name} job {spec.name!r} completed {result.last_step} step(s) in "
+            f"{time.monotonic() - start:.1f} s; results in {result.output_dir}",
+            err=True,
+        )
+
+    @cli.command()
+    @click.argument("job_file", type=click.Path(dir_okay=False))
+    @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help=SET_HELP)
+    @click.option("--explain", is_flag=True, help="List every key the job may set: type, default, value, description.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the resolved job as JSON.")
+    @click.pass_context
+    def validate(ctx: click.Context, job_file: str, overrides: Sequence[str], explain: bool, as_json: bool) -> None:
+        """Check JOB_FILE and its plugins without running anything."""
+        from skyrl_host.config import explain_job, load_job
+        from skyrl_host.runner import describe_spec
+
+        spec = load_job(job_file, _host(ctx), overrides)
+        if as_json:
+            click.echo(json.dumps(describe_spec(spec), indent=2, default=str))
+            return
+        k = spec.kind
+        click.echo(f"{job_file}: valid {k.name!r} job ({k.origin}), {spec.job.steps} steps, seed {spec.job.seed}")
+        for choice in spec.choices():
+            click.echo(f"  [{choice.slot}] {choice.name:<16} {choice.registration.origin}")
+        click.echo(f"  [cluster] launcher = {spec.cluster.launcher!r}")
+        click.echo(f"  output: {spec.output_dir}")
+        if explain:
+            values = _flatten(spec)
+            click.echo("\nkeys (type; default; value in this job; description):")
+            for doc in explain_job(spec):
+                value = values.get(doc.key, "-")
+                click.echo(f"  {doc.key}: {doc.type}; default {doc.default}; value {value}")
+                if doc.help:
+                    click.echo(f"      {doc.help}  [{doc.owner}]")
+
+    @cli.command()
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+    @click.option("--all", "show_all", is_flag=True, help="Include blocked plugins and tracebacks of failures.")
+    @click.option("--hook", "hook_name", metavar="NAME", help="Only plugins that implement hook NAME.")
+    @click.pass_context
+    def plugins(ctx: click.Context, as_json: bool, show_all: bool, hook_name: str | None) -> None:
+        """List plugins: distribution, version, hooks and registered names."""
+        h = _host(ctx)
+        h.registry  # noqa: B018 - calling the registration hooks fills record.registered
+        if hook_name is not None and not hasattr(h.pm.hook, hook_name):
+            from skyrl_host.errors import did_you_mean
+
+            known = [n for n in dir(h.pm.hook) if n.startswith("skyrl_")]
+            raise UserError(f"--hook: unknown hook {hook_name!r}{did_you_mean(hook_name, known)}")
+        records = [
+            r
+            for r in h.records.values()
+            if (show_all or r.status != "blocked") and (hook_name is None or hook_name in r.hooks)
+        ]
+        conflicts = [c.message() for c in h.registry.conflicts()]
+        if as_json:
+            rows = []
+            for r in records:
+                row = r.to_json()
+                if not show_all:
+                    row.pop("traceback")
+                rows.append(row)
+            click.echo(json.dumps({"plugins": rows, "conflicts": conflicts}, indent=2))
+            return
+        for r in records:
+            dist = f"{r.distribution} {r.version}" if r.distribution else "(registered in-process)"
+            click.echo(f"{r.name}  [{r.status}]  {dist}" + (f"  {r.entry_point}" if r.entry_point else ""))
+            if r.hooks:
+                click.echo(f"    hooks: {', '.join(r.hooks)}")
+            for kind, names in sorted(r.registered.items()):
+                click.echo(f"    {kind}: {', '.join(sorted(names))}")
+            if r.error:
+                click.echo(f"    error: {r.error}")
+            if show_all and r.traceback:
+                click.echo("    " + r.traceback.rstrip().replace("\n", "\n    "))
+        for msg in conflicts:
+            click.echo(f"conflict: {msg}")
+        blocked = sum(r.status == "blocked" for r in h.records.values())
+        if blocked and not show_all:
+            click.echo(f"({blocked} blocked by {ENV_DISABLE}/{ENV_ALLOW}; --all lists them)")
+
+    host.add_commands(cli)
+    return cli
+
+
+def _flatten(spec: Any) -> dict[str, str]:
+    """Dotted key -> repr(value) for every value the job resolved to."""
+    from skyrl_host.runner import describe_spec
+
+    desc = describe_spec(spec)
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = repr(value)
+
+    walk("job", desc["job"])
+    walk("job", desc["kind"]["config"])
+    walk("cluster", desc["cluster"])
+    from skyrl_host.config import SLOTS
+
+    for table, entries in desc["plugins"].items():
+        slot = SLOTS[table]
+        names = [e["name"] for e in entries]
+        out[f"{table}.{slot.selector}"] = repr(names if slot.many else names[0])
+        for entry in entries:
+            prefix = f"{table}.{entry['name']}" if SLOTS[table].many else table
+            walk(prefix, entry["config"])
+    return out
+
+
+def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
+    """Console entry point: user errors print one message and exit with code 2.
+
+    ``host`` defaults to a new host with the installed plugins loaded."""
+    try:
+        host = build_host() if host is None else host
+        cli = make_cli(host)
+        rc = cli.main(args=list(argv) if argv is not None else None, prog_name="skyrl", standalone_mode=False)
+    except UserError as exc:
+        click.echo(exc.render(), err=True)
+        return USER_ERROR_EXIT_CODE
+    except JobFailed as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 1
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return rc if isinstance(rc, int) else 0
+
+
+def entry() -> None:
+    sys.exit(main())

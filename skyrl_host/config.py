@@ -1,0 +1,669 @@
+"""Job files: TOML -> attrs classes, each plugin validating its own table.
+
+The host owns ``[job]`` (kind, seed, steps, output_dir, name), ``[cluster]`` and
+the keys that select plugins (``[model] family``, ``[engine] name``, ...). The
+selected plugin's attrs config class validates the rest of its table; the job
+kind's config class validates the rest of ``[job]``.
+
+Every problem is collected, located (file, dotted key path, line) and reported at
+once as a :class:`~skyrl_host.errors.UserError`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tomllib
+import types
+import typing
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+
+import attrs
+import cattrs
+
+from skyrl_host.errors import Problem, UserError, did_you_mean, quoted_list
+from skyrl_host.registry import KINDS, Registration
+
+if typing.TYPE_CHECKING:  # pragma: no cover
+    from skyrl_host.plugins import PluginHost
+
+
+# ---------------------------------------------------------------------------
+# Helpers for plugin authors: documented options and readable validators.
+# ---------------------------------------------------------------------------
+
+
+def option(default: Any = attrs.NOTHING, *, help: str, validator: Any = None, factory: Any = None) -> Any:
+    """An attrs field with a description shown by ``skyrl validate --explain``."""
+    if factory is not None:
+        return attrs.field(factory=factory, validator=validator, metadata={"help": help})
+    return attrs.field(default=default, validator=validator, metadata={"help": help})
+
+
+def _bound(op: str, limit: float, test: Callable[[Any], bool]) -> Callable[[Any, Any, Any], None]:
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if value is not None and not test(value):
+            raise ValueError(f"expected a value {op} {limit}, found {value!r}")
+
+    check.__doc__ = f"{op} {limit}"
+    return check
+
+
+def gt(limit: float) -> Callable[[Any, Any, Any], None]:
+    return _bound(">", limit, lambda v: v > limit)
+
+
+def ge(limit: float) -> Callable[[Any, Any, Any], None]:
+    return _bound(">=", limit, lambda v: v >= limit)
+
+
+def lt(limit: float) -> Callable[[Any, Any, Any], None]:
+    return _bound("<", limit, lambda v: v < limit)
+
+
+def le(limit: float) -> Callable[[Any, Any, Any], None]:
+    return _bound("<=", limit, lambda v: v <= limit)
+
+
+def in_interval(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Callable[..., None]:
+    """``low <= value <= high``, with either end open: ``in_interval(0, 1, low_open=True)`` is (0, 1]."""
+    text = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+    def check(_inst: Any, _attr: Any, value: Any) -> None:
+        if value is None:
+            return
+        ok_low = value > low if low_open else value >= low
+        ok_high = value < high if high_open else value <= high
+        if not (ok_low and ok_high):
+            raise ValueError(f"expected a value in {text}, found {value!r}")
+
+    check.__doc__ = f"in {text}"
+    return check
+
+
+# ---------------------------------------------------------------------------
+# The host-owned tables.
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class JobSection:
+    """The keys of ``[job]`` that the host owns."""
+
+    kind: str = option(help="the job kind to run (a registered job plugin)")
+    seed: int = option(0, help="seed for every random choice of the job", validator=ge(0))
+    steps: int = option(100, help="number of steps to run", validator=gt(0))
+    output_dir: str | None = option(None, help="folder for metrics, plots and checkpoints (default: runs/<name>)")
+    name: str | None = option(None, help="run name (default: the job file's stem)")
+
+
+@attrs.frozen
+class ClusterSection:
+    """``[cluster]``: where the job's processes run."""
+
+    launcher: Literal["local", "ray"] = option("local", help="'local': one process; 'ray': Ray actors")
+    address: str | None = option(None, help="address of a running Ray cluster (default: start one)")
+    num_cpus: int | None = option(None, help="CPUs the job may use (default: all)", validator=gt(0))
+    num_gpus: int | None = option(None, help="GPUs the job may use (default: all)", validator=ge(0))
+
+
+HOST_JOB_KEYS = tuple(f.name for f in attrs.fields(JobSection))
+
+
+@attrs.frozen
+class Slot:
+    """A table of the job file that selects a plugin of one kind."""
+
+    table: str
+    kind: str
+    selector: str
+    many: bool = False  # selector takes a list of names, each with its own sub-table
+
+
+SLOTS: dict[str, Slot] = {
+    s.table: s
+    for s in (
+        Slot("model", "models", "family"),
+        Slot("engine", "engines", "name"),
+        Slot("sampler", "samplers", "name"),
+        Slot("algorithm", "algorithms", "name"),
+        Slot("replay", "replay_strategies", "strategies", many=True),
+        Slot("precision", "precisions", "name"),
+        Slot("weight_sync", "weight_transports", "transport"),
+        Slot("dataset", "datasets", "name"),
+        Slot("backend", "backends", "name"),
+    )
+}
+HOST_TABLES = ("job", "cluster")
+
+
+@attrs.frozen
+class PluginChoice:
+    """A plugin selected by a job file, with its validated configuration."""
+
+    slot: str
+    registration: Registration
+    config: Any
+
+    @property
+    def name(self) -> str:
+        return self.registration.name
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the plugin's factory with its config (heavy imports happen here)."""
+        return self.registration.create(self.config, *args, **kwargs)
+
+
+@attrs.frozen
+class JobSpec:
+    """A validated job file with every plugin resolved."""
+
+    path: pathlib.Path
+    job: JobSection
+    kind: Registration
+    kind_config: Any
+    cluster: ClusterSection
+    plugins: Mapping[str, PluginChoice | tuple[PluginChoice, ...]]
+    raw: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.job.name or self.path.stem
+
+    @property
+    def output_dir(self) -> pathlib.Path:
+        if self.job.output_dir:
+            return pathlib.Path(self.job.output_dir)
+        return pathlib.Path("runs") / self.name
+
+    def choices(self) -> list[PluginChoice]:
+        out: list[PluginChoice] = []
+        for value in self.plugins.values():
+            out += list(value) if isinstance(value, tuple) else [value]
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Reading TOML, with line numbers for key paths.
+# ---------------------------------------------------------------------------
+
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_ASSIGN = re.compile(r"^\s*((?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'))*)\s*=")
+
+
+def _split_dotted(key: str) -> list[str]:
+    parts = re.findall(r"\"[^\"]*\"|'[^']*'|[^.\s]+", key)
+    return [p[1:-1] if p[:1] in "\"'" else p for p in parts]
+
+
+def locate_keys(text: str) -> dict[str, int]:
+    """Map dotted key paths (and table paths) to the line where they appear."""
+    lines: dict[str, int] = {}
+    table: list[str] = []
+    in_multiline: str | None = None
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if in_multiline:
+            if line.count(in_multiline) % 2 == 1:
+                in_multiline = None
+            continue
+        header = _HEADER.match(line)
+        if header:
+            table = _split_dotted(header.group(1))
+            lines.setdefault(".".join(table), lineno)
+            continue
+        assign = _ASSIGN.match(line)
+        if assign:
+            path = ".".join(table + _split_dotted(assign.group(1)))
+            lines.setdefault(path, lineno)
+            rest = line[assign.end() :]
+            for quote in ('"""', "'''"):
+                if rest.count(quote) % 2 == 1:
+                    in_multiline = quote
+    return lines
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``key.path=value`` -> (path, value); the value is parsed as a TOML value,
+    falling back to a plain string for bare words (``cluster.launcher=ray``)."""
+    if "=" not in text:
+        raise UserError(Problem(f"expected KEY.PATH=VALUE, found {text!r}", file="--set"))
+    key, _, value = text.partition("=")
+    path = _split_dotted(key.strip())
+    if not path or not all(path):
+        raise UserError(Problem(f"expected KEY.PATH=VALUE, found {text!r}", file="--set"))
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return path, parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[Problem]:
+    problems: list[Problem] = []
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(
+                    Problem(f"{'.'.join(path[: i + 1])} is {_found(child)}, not a table", file="--set", key=".".join(path))
+                )
+                break
+            node = child
+        else:
+            node[path[-1]] = value
+    return problems
+
+
+def read_toml(path: str | pathlib.Path) -> tuple[dict[str, Any], str]:
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise UserError(Problem("no such job file", file=str(path)))
+    if p.is_dir():
+        raise UserError(Problem("is a folder, expected a TOML job file", file=str(path)))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(Problem(f"cannot read: {exc}", file=str(path))) from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as exc:
+        msg = str(exc)
+        m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        line = int(m.group(1)) if m else None
+        msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", msg)
+        if m:
+            msg += f" (column {m.group(2)})"
+        raise UserError(Problem(f"invalid TOML: {msg}", file=str(path), line=line)) from None
+
+
+# ---------------------------------------------------------------------------
+# Strict structuring of values into attrs classes.
+# ---------------------------------------------------------------------------
+
+
+def _found(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"float {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, list):
+        return f"array {value!r}"
+    if isinstance(value, dict):
+        return "a table"
+    return f"{type(value).__name__} {value!r}"
+
+
+def describe_type(tp: Any) -> str:
+    """Human words for a type annotation."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return "any value"
+    if tp is bool:
+        return "a boolean"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp is pathlib.Path:
+        return "a path (string)"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        parts = [describe_type(a) for a in args if a is not type(None)]
+        return " or ".join(parts)
+    if origin in (list, tuple, Sequence, typing.Sequence) or tp in (list, tuple):
+        inner = describe_type(args[0]) if args else "any value"
+        return f"an array of {inner.removeprefix('a ').removeprefix('an ')}s" if args else "an array"
+    if origin in (dict, Mapping) or tp is dict:
+        return "a table"
+    if attrs.has(tp):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _strict(check: Callable[[Any], bool], convert: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    def hook(value: Any, _tp: Any) -> Any:
+        if not check(value):
+            raise TypeError("mismatch")
+        return convert(value)
+
+    return hook
+
+
+def make_converter() -> cattrs.Converter:
+    """A cattrs converter that never coerces: "1" is not an int, 1.5 is not an int."""
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(bool, _strict(lambda v: isinstance(v, bool), bool))
+    conv.register_structure_hook(int, _strict(lambda v: isinstance(v, int) and not isinstance(v, bool), int))
+    conv.register_structure_hook(
+        float, _strict(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), float)
+    )
+    conv.register_structure_hook(str, _strict(lambda v: isinstance(v, str), str))
+    conv.register_structure_hook(pathlib.Path, _strict(lambda v: isinstance(v, str), pathlib.Path))
+    return conv
+
+
+_CONVERTER = make_converter()
+
+
+class _Located:
+    """Collects problems for one job file, with line numbers."""
+
+    def __init__(self, file: str, lines: Mapping[str, int]):
+        self.file = file
+        self.lines = lines
+        self.problems: list[Problem] = []
+
+    def add(self, key: str | None, message: str) -> None:
+        line = None
+        if key:
+            probe = key
+            while probe and line is None:
+                line = self.lines.get(probe)
+                probe = probe.rpartition(".")[0]
+        self.problems.append(Problem(message, file=self.file, key=key, line=line))
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    attrs.resolve_types(cls)
+    return {f.name: f.type for f in attrs.fields(cls)}
+
+
+def structure_table(
+    cls: type,
+    data: Mapping[str, Any],
+    prefix: str,
+    out: _Located,
+    *,
+    skip: Iterable[str] = (),
+    extra_known: Iterable[str] = (),
+) -> Any:
+    """Validate ``data`` against the attrs class ``cls``; problems go to ``out``.
+
+    Returns an instance, or None when anything was wrong. ``skip`` are keys owned
+    by someone else (the host's selector keys); ``extra_known`` are additional
+    valid key names, used only for did-you-mean suggestions.
+    """
+    types_ = _field_types(cls)
+    fields = {f.name: f for f in attrs.fields(cls) if f.init}
+    skip = set(skip)
+    before = len(out.problems)
+    for key in data:
+        if key in skip or key in fields:
+            continue
+        known = list(fields) + list(skip) + list(extra_known)
+        out.add(_join(prefix, key), f"unknown key{did_you_mean(key, known)}; valid keys: {quoted_list(known)}")
+    kwargs: dict[str, Any] = {}
+    for name, field in fields.items():
+        path = _join(prefix, name)
+        if name not in data:
+            if field.default is attrs.NOTHING:
+                out.add(path, f"missing required key ({describe_type(types_[name])})")
+            continue
+        value = data[name]
+        tp = types_[name]
+        if attrs.has(tp):
+            if not isinstance(value, dict):
+                out.add(path, f"expected a table, found {_found(value)}")
+                continue
+            sub = structure_table(tp, value, path, out)
+            if sub is not None:
+                kwargs[name] = sub
+            continue
+        try:
+            kwargs[name] = _CONVERTER.structure(value, tp)
+        except Exception:  # noqa: BLE001 - cattrs raises several types; all mean "wrong type"
+            hint = ""
+            if typing.get_origin(tp) is Literal and isinstance(value, str):
+                hint = did_you_mean(value, [str(a) for a in typing.get_args(tp)])
+            out.add(path, f"expected {describe_type(tp)}, found {_found(value)}{hint}")
+    if len(out.problems) > before:
+        return None
+    with attrs.validators.disabled():
+        try:
+            inst = cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            out.add(prefix or None, str(exc))
+            return None
+    for name, field in fields.items():
+        if field.validator is None:
+            continue
+        try:
+            field.validator(inst, field, getattr(inst, name))
+        except (TypeError, ValueError) as exc:
+            out.add(_join(prefix, name), str(exc))
+    if len(out.problems) > before:
+        return None
+    return inst
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+# ---------------------------------------------------------------------------
+# The job file as a whole.
+# ---------------------------------------------------------------------------
+
+
+def load_job(
+    path: str | pathlib.Path,
+    host: PluginHost,
+    overrides: Sequence[str] = (),
+) -> JobSpec:
+    """Read, override, validate and resolve a job file, or raise a UserError
+    listing every problem found."""
+    data, text = read_toml(path)
+    file = str(path)
+    out = _Located(file, locate_keys(text))
+    out.problems += apply_overrides(data, overrides)
+    registry = host.registry
+
+    for key, value in data.items():
+        if key in HOST_TABLES or key in SLOTS:
+            if not isinstance(value, dict):
+                out.add(key, f"expected a table [{key}], found {_found(value)}")
+            continue
+        tables = list(HOST_TABLES) + list(SLOTS)
+        out.add(key, f"unknown table{did_you_mean(key, tables)}; valid tables: {quoted_list(tables)}")
+
+    # [job]: host keys, then the kind's own keys.
+    job_table = data.get("job")
+    job = kind = kind_config = None
+    if job_table is None:
+        out.add("job", "missing required table [job] (with at least kind = \"...\")")
+    elif isinstance(job_table, dict):
+        kind_name = job_table.get("kind")
+        if isinstance(kind_name, str):
+            kind = _resolve(host, "jobs", kind_name, "job.kind", out)
+        kind_fields = [f.name for f in attrs.fields(kind.config)] if kind and kind.config else []
+        if kind is None and "kind" in job_table:
+            # The kind is unknown, so its own keys cannot be checked: check only the host's.
+            host_part = {k: v for k, v in job_table.items() if k in HOST_JOB_KEYS}
+        else:
+            host_part = {k: v for k, v in job_table.items() if k in HOST_JOB_KEYS or k not in kind_fields}
+        job = structure_table(JobSection, host_part, "job", out, extra_known=kind_fields)
+        if kind is not None:
+            own = {k: v for k, v in job_table.items() if k not in HOST_JOB_KEYS and k in kind_fields}
+            kind_config = structure_table(kind.config, own, "job", out) if kind.config else None
+
+    cluster_table = data.get("cluster", {})
+    cluster = structure_table(ClusterSection, cluster_table, "cluster", out) if isinstance(cluster_table, dict) else None
+
+    # Plugin tables: the ones the kind uses, with defaults; others are errors.
+    plugins: dict[str, PluginChoice | tuple[PluginChoice, ...]] = {}
+    uses: Mapping[str, str | None] | None = kind.slots if kind is not None else None
+    for table, slot in SLOTS.items():
+        present = table in data and isinstance(data[table], dict)
+        if uses is not None and table not in uses:
+            if table in data:
+                used = ", ".join(f"[{t}]" for t in uses) or "no plugin tables"
+                out.add(table, f"job kind {kind.name!r} does not use [{table}]; it uses {used}")  # type: ignore[union-attr]
+            continue
+        if not present and uses is None:
+            continue
+        section = data.get(table, {}) if present else {}
+        default = uses.get(table) if uses is not None else None
+        if not present and uses is not None and default is None:
+            out.add(table, f"missing required table [{table}] (job kind {kind.name!r} needs a {KINDS[slot.kind].noun})")  # type: ignore[union-attr]
+            continue
+        choice = _choose(host, slot, section, default, out)
+        if choice is not None:
+            plugins[table] = choice
+
+    if out.problems:
+        raise UserError(out.problems)
+    assert job is not None and kind is not None and cluster is not None
+    return JobSpec(
+        path=pathlib.Path(path),
+        job=job,
+        kind=kind,
+        kind_config=kind_config,
+        cluster=cluster,
+        plugins=plugins,
+        raw=data,
+    )
+
+
+def _resolve(host: PluginHost, kind: str, name: str, key: str, out: _Located) -> Registration | None:
+    try:
+        return host.get(kind, name)
+    except UserError as exc:
+        for p in exc.problems:
+            out.add(key, p.message)
+        return None
+
+
+def _choose(
+    host: PluginHost, slot: Slot, section: Mapping[str, Any], default: str | None, out: _Located
+) -> PluginChoice | tuple[PluginChoice, ...] | None:
+    selector_path = f"{slot.table}.{slot.selector}"
+    selected = section.get(slot.selector, default)
+    if selected is None:
+        out.add(selector_path, f"missing required key (the {KINDS[slot.kind].noun} to use)")
+        return None
+    if not slot.many:
+        if not isinstance(selected, str):
+            out.add(selector_path, f"expected a string (a {KINDS[slot.kind].noun} name), found {_found(selected)}")
+            return None
+        reg = _resolve(host, slot.kind, selected, selector_path, out)
+        if reg is None:
+            return None
+        config = _plugin_config(reg, section, slot.table, [slot.selector], out)
+        return PluginChoice(slot.table, reg, config) if config is not _INVALID else None
+
+    if not (isinstance(selected, list) and all(isinstance(s, str) for s in selected)):
+        out.add(selector_path, f"expected an array of {KINDS[slot.kind].noun} names, found {_found(selected)}")
+        return None
+    if len(set(selected)) != len(selected):
+        out.add(selector_path, f"lists a name twice: {selected!r}")
+        return None
+    for key in section:
+        if key != slot.selector and key not in selected:
+            hint = "" if isinstance(section[key], dict) else " (strategy options go in their own sub-table)"
+            out.add(
+                f"{slot.table}.{key}",
+                f"unknown key{did_you_mean(key, [slot.selector, *selected])}: not a selected "
+                f"{KINDS[slot.kind].noun} in {selector_path}{hint}",
+            )
+    chosen = []
+    for name in selected:
+        reg = _resolve(host, slot.kind, name, selector_path, out)
+        if reg is None:
+            continue
+        sub = section.get(name, {})
+        if not isinstance(sub, dict):
+            out.add(f"{slot.table}.{name}", f"expected a table, found {_found(sub)}")
+            continue
+        config = _plugin_config(reg, sub, f"{slot.table}.{name}", [], out)
+        if config is not _INVALID:
+            chosen.append(PluginChoice(slot.table, reg, config))
+    return tuple(chosen)
+
+
+_INVALID = object()
+
+
+def _plugin_config(reg: Registration, section: Mapping[str, Any], prefix: str, skip: list[str], out: _Located) -> Any:
+    if reg.config is None:
+        extra = [k for k in section if k not in skip]
+        for k in extra:
+            out.add(f"{prefix}.{k}", f"unknown key: {KINDS[reg.kind].noun} {reg.name!r} takes no options")
+        return _INVALID if extra else None
+    config = structure_table(reg.config, section, prefix, out, skip=skip)
+    return _INVALID if config is None else config
+
+
+# ---------------------------------------------------------------------------
+# --explain: every key of the selected plugins.
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class KeyDoc:
+    key: str
+    type: str
+    default: str
+    help: str
+    owner: str
+
+
+def _default_text(field: attrs.Attribute) -> str:
+    if field.default is attrs.NOTHING:
+        return "(required)"
+    if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+        try:
+            return repr(field.default.factory())  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001
+            return "(computed)"
+    return repr(field.default)
+
+
+def explain_class(cls: type, prefix: str, owner: str, skip: Iterable[str] = ()) -> list[KeyDoc]:
+    docs: list[KeyDoc] = []
+    types_ = _field_types(cls)
+    for field in attrs.fields(cls):
+        if field.name in skip or not field.init:
+            continue
+        tp = types_[field.name]
+        key = _join(prefix, field.name)
+        if attrs.has(tp):
+            docs += explain_class(tp, key, owner)
+            continue
+        help_text = field.metadata.get("help", "")
+        check = getattr(field.validator, "__doc__", None) if field.validator else None
+        if check and check.split()[0] in {">", ">=", "<", "<=", "in"}:
+            help_text = f"{help_text} ({check})" if help_text else check
+        docs.append(KeyDoc(key, describe_type(tp), _default_text(field), help_text, owner))
+    return docs
+
+
+def explain_job(spec: JobSpec) -> list[KeyDoc]:
+    """Every key the job file may set, given its kind and selected plugins."""
+    docs = explain_class(JobSection, "job", "host")
+    if spec.kind.config:
+        docs += explain_class(spec.kind.config, "job", str(spec.kind.origin))
+    docs += explain_class(ClusterSection, "cluster", "host")
+    for table, value in spec.plugins.items():
+        slot = SLOTS[table]
+        choices = value if isinstance(value, tuple) else (value,)
+        noun = KINDS[slot.kind].noun
+        if slot.many:
+            names = ", ".join(repr(c.name) for c in choices)
+            docs.append(KeyDoc(f"{table}.{slot.selector}", f"an array of {noun} names", "[]", f"selected: {names}", "host"))
+        else:
+            docs.append(KeyDoc(f"{table}.{slot.selector}", f"a {noun} name", repr(choices[0].name), "selects the plugin", "host"))
+        for c in choices:
+            if c.registration.config:
+                prefix = f"{table}.{c.name}" if slot.many else table
+                docs += explain_class(c.registration.config, prefix, str(c.registration.origin), skip=[slot.selector])
+    return docs

@@ -1,0 +1,1 @@
+"""Job drivers (job kinds). Each module registers one kind through its own entry point."""

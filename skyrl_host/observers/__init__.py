@@ -1,0 +1,1 @@
+"""Built-in observers: plugins on the lifecycle hooks, loaded through entry points."""

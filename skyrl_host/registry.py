@@ -1,0 +1,218 @@
+"""Typed registries filled by the registration hooks.
+
+Every registered name records its factory, its attrs config class, a one-line
+description and its origin (plugin, distribution, version). A name registered by
+two plugins within one kind is a conflict, resolved only when exactly one of them
+said ``override=True``; a job that uses a conflicting name gets an error naming
+both plugins.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable, Mapping, Protocol
+
+import attrs
+
+from skyrl_host.errors import UserError, did_you_mean, quoted_list
+
+
+@attrs.frozen
+class Kind:
+    """A plugin kind: the registry it fills and the hook that fills it."""
+
+    key: str  # "models"
+    hook: str  # "skyrl_register_models"
+    noun: str  # "model family"
+
+
+KINDS: dict[str, Kind] = {
+    k.key: k
+    for k in (
+        Kind("models", "skyrl_register_models", "model family"),
+        Kind("algorithms", "skyrl_register_algorithms", "algorithm"),
+        Kind("replay_strategies", "skyrl_register_replay_strategies", "replay strategy"),
+        Kind("precisions", "skyrl_register_precisions", "precision"),
+        Kind("weight_transports", "skyrl_register_weight_transports", "weight transport"),
+        Kind("samplers", "skyrl_register_samplers", "sampler"),
+        Kind("datasets", "skyrl_register_datasets", "dataset"),
+        Kind("engines", "skyrl_register_engines", "engine"),
+        Kind("backends", "skyrl_register_backends", "backend"),
+        Kind("jobs", "skyrl_register_jobs", "job kind"),
+    )
+}
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*$")
+
+
+@attrs.frozen
+class Origin:
+    """Where a registration came from."""
+
+    plugin: str
+    distribution: str | None = None
+    version: str | None = None
+
+    def __str__(self) -> str:
+        if self.distribution:
+            return f"plugin {self.plugin!r} ({self.distribution} {self.version})"
+        return f"plugin {self.plugin!r}"
+
+
+@attrs.frozen
+class Registration:
+    """One registered name of one kind."""
+
+    kind: str
+    name: str
+    factory: Callable[..., Any]
+    config: type | None
+    description: str
+    origin: Origin
+    override: bool = False
+    slots: Mapping[str, str | None] = attrs.field(factory=dict)  # job kinds only
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the factory (this is where heavy imports may happen)."""
+        return self.factory(*args, **kwargs)
+
+
+class Register(Protocol):
+    """The ``register`` callable each registration hook receives."""
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        config: type | None = None,
+        description: str,
+        override: bool = False,
+        slots: Mapping[str, str | None] | None = None,
+    ) -> None: ...
+
+
+def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Register:
+    """A ``register`` callable that validates its arguments and appends to ``sink``."""
+
+    def register(
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        config: type | None = None,
+        description: str,
+        override: bool = False,
+        slots: Mapping[str, str | None] | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"invalid {KINDS[kind].noun} name {name!r}: use letters, digits, '_', '-', '.'")
+        if not callable(factory):
+            raise TypeError(f"{KINDS[kind].noun} {name!r}: factory must be callable, got {factory!r}")
+        if config is not None and not attrs.has(config):
+            raise TypeError(f"{KINDS[kind].noun} {name!r}: config must be an attrs class, got {config!r}")
+        if not isinstance(description, str) or not description.strip() or "\n" in description.strip():
+            raise ValueError(f"{KINDS[kind].noun} {name!r}: description must be one non-empty line")
+        if slots is not None and kind != "jobs":
+            raise TypeError(f"{KINDS[kind].noun} {name!r}: only job kinds take slots")
+        sink.append(
+            Registration(
+                kind=kind,
+                name=name,
+                factory=factory,
+                config=config,
+                description=description.strip(),
+                origin=origin,
+                override=bool(override),
+                slots=dict(slots or {}),
+            )
+        )
+
+    return register
+
+
+@attrs.frozen
+class Conflict:
+    kind: str
+    name: str
+    candidates: tuple[Registration, ...]
+
+    def message(self) -> str:
+        noun = KINDS[self.kind].noun
+        who = " and ".join(str(r.origin) for r in self.candidates)
+        n_override = sum(r.override for r in self.candidates)
+        why = "both pass override=True" if n_override > 1 else "neither passes override=True"
+        return (
+            f"{noun} {self.name!r} is registered by {who} and {why}; block one with "
+            f"SKYRL_DISABLE_PLUGINS or let one register with override=True"
+        )
+
+
+class Registry:
+    """Names per kind, resolved from every plugin's registrations."""
+
+    def __init__(self, registrations: Iterable[Registration] = ()):
+        self._candidates: dict[str, dict[str, list[Registration]]] = {k: {} for k in KINDS}
+        for reg in registrations:
+            self._candidates[reg.kind].setdefault(reg.name, []).append(reg)
+
+    def _resolve(self, kind: str, name: str) -> Registration | Conflict | None:
+        regs = self._candidates[kind].get(name)
+        if not regs:
+            return None
+        if len(regs) == 1:
+            return regs[0]
+        overriding = [r for r in regs if r.override]
+        if len(overriding) == 1:
+            return overriding[0]
+        return Conflict(kind, name, tuple(regs))
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._candidates[kind])
+
+    def entries(self, kind: str) -> list[Registration]:
+        """The winning registration of every name (conflicts left out)."""
+        out = []
+        for name in self.names(kind):
+            got = self._resolve(kind, name)
+            if isinstance(got, Registration):
+                out.append(got)
+        return out
+
+    def all_registrations(self) -> list[Registration]:
+        return [r for kind in KINDS for regs in self._candidates[kind].values() for r in regs]
+
+    def conflicts(self) -> list[Conflict]:
+        out = []
+        for kind in KINDS:
+            for name in self.names(kind):
+                got = self._resolve(kind, name)
+                if isinstance(got, Conflict):
+                    out.append(got)
+        return out
+
+    def overridden(self) -> list[tuple[Registration, Registration]]:
+        """(winner, loser) pairs of resolved overrides."""
+        pairs = []
+        for kind in KINDS:
+            for name in self.names(kind):
+                got = self._resolve(kind, name)
+                if isinstance(got, Registration):
+                    pairs += [(got, r) for r in self._candidates[kind][name] if r is not got]
+        return pairs
+
+    def lookup(self, kind: str, name: str) -> Registration | Conflict | None:
+        return self._resolve(kind, name)
+
+    def get(self, kind: str, name: str) -> Registration:
+        """The registration of ``name``, or a :class:`UserError` saying what exists."""
+        got = self._resolve(kind, name)
+        if isinstance(got, Registration):
+            return got
+        if isinstance(got, Conflict):
+            raise UserError(got.message())
+        raise UserError(self.unknown_message(kind, name))
+
+    def unknown_message(self, kind: str, name: Any) -> str:
+        noun = KINDS[kind].noun
+        names = self.names(kind)
+        return f"unknown {noun} {name!r}{did_you_mean(name, names)}; available: {quoted_list(names)}"

@@ -1,0 +1,132 @@
+"""Running a validated job: the output folder, the driver, the lifecycle hooks."""
+
+from __future__ import annotations
+
+import json
+import numbers
+import pathlib
+import shutil
+import time
+from typing import Any, Mapping
+
+import attrs
+import cattrs
+
+from skyrl_host.config import JobSpec, PluginChoice
+from skyrl_host.errors import Problem, UserError
+from skyrl_host.plugins import PluginHost
+
+RUN_RECORD = "job.json"
+
+
+@attrs.define
+class Run:
+    """One execution of a job: what drivers and observers see."""
+
+    spec: JobSpec
+    host: PluginHost
+    output_dir: pathlib.Path
+    total_steps: int
+    scratch: dict[str, Any] = attrs.field(factory=dict)  # observers keep state here, by plugin name
+    headline: list[str] = attrs.field(factory=list)  # metric names the progress display shows first
+    last_step: int = 0
+    started_at: float = attrs.field(factory=time.monotonic)
+
+    @property
+    def job(self) -> JobSpec:
+        return self.spec
+
+    def plugin(self, table: str) -> PluginChoice | tuple[PluginChoice, ...]:
+        """The plugin (or plugins) selected by ``[table]``."""
+        return self.spec.plugins[table]
+
+    def report(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Called by drivers once per step: checks the metrics and fires
+        ``skyrl_step_finished``."""
+        if step <= self.last_step:
+            raise ValueError(f"steps must increase: step {step} reported after step {self.last_step}")
+        clean: dict[str, float | int] = {}
+        for key, value in metrics.items():
+            if not isinstance(key, str) or not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"metric {key!r} must map a name to a number, got {value!r}")
+            clean[key] = float(value) if not isinstance(value, int) else value
+        self.last_step = step
+        self.host.pm.hook.skyrl_step_finished(run=self, step=step, metrics=clean)
+
+
+def describe_spec(spec: JobSpec) -> dict[str, Any]:
+    """A JSON-able record of the resolved job: configs and plugin origins."""
+    conv = cattrs.Converter()
+    plugins: dict[str, Any] = {}
+    for choice in spec.choices():
+        entry = {
+            "name": choice.name,
+            "plugin": choice.registration.origin.plugin,
+            "distribution": choice.registration.origin.distribution,
+            "version": choice.registration.origin.version,
+            "config": conv.unstructure(choice.config) if choice.config is not None else {},
+        }
+        plugins.setdefault(choice.slot, []).append(entry)
+    return {
+        "file": str(spec.path),
+        "name": spec.name,
+        "job": conv.unstructure(spec.job),
+        "kind": {
+            "name": spec.kind.name,
+            "plugin": spec.kind.origin.plugin,
+            "distribution": spec.kind.origin.distribution,
+            "version": spec.kind.origin.version,
+            "config": conv.unstructure(spec.kind_config) if spec.kind_config is not None else {},
+        },
+        "cluster": conv.unstructure(spec.cluster),
+        "plugins": plugins,
+    }
+
+
+def prepare_output_dir(spec: JobSpec, overwrite: bool) -> pathlib.Path:
+    out = spec.output_dir
+    if out.exists() and not out.is_dir():
+        raise UserError(Problem(f"output folder {str(out)!r} exists and is not a folder", file=str(spec.path), key="job.output_dir"))
+    if (out / RUN_RECORD).exists():
+        if not overwrite:
+            raise UserError(
+                Problem(
+                    f"{str(out)!r} already holds a run; pass --overwrite to replace it, "
+                    f"or choose another folder with --set job.output_dir=...",
+                    file=str(spec.path),
+                    key="job.output_dir",
+                )
+            )
+        shutil.rmtree(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(Problem(f"cannot create output folder: {exc}", file=str(spec.path), key="job.output_dir")) from None
+    return out
+
+
+def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False) -> Run:
+    """Run ``spec``'s driver between ``skyrl_job_started`` and ``skyrl_job_finished``."""
+    out = prepare_output_dir(spec, overwrite)
+    record = json.dumps(describe_spec(spec), indent=2, default=str)
+    tmp = out / (RUN_RECORD + ".tmp")
+    tmp.write_text(record + "\n")
+    tmp.replace(out / RUN_RECORD)
+
+    run = Run(spec=spec, host=host, output_dir=out, total_steps=spec.job.steps)
+    hook = host.pm.hook
+    hook.skyrl_job_started(run=run)
+    status, error = "failed", None
+    try:
+        driver = spec.kind.create(run)
+        driver.run()
+        status = "completed"
+    except KeyboardInterrupt as exc:
+        status, error = "interrupted", exc
+        raise
+    except BaseException as exc:
+        status, error = "failed", exc
+        raise
+    finally:
+        hook.skyrl_job_finished(run=run, status=status, error=error)
+    return run

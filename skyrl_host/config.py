@@ -188,7 +188,9 @@ class JobSpec:
 # ---------------------------------------------------------------------------
 
 _HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_ASSIGN = re.compile(r"^\s*((?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'))*)\s*=")
+_KEY_PART = r"(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')"
+_KEY = re.compile(rf"{_KEY_PART}(?:\s*\.\s*{_KEY_PART})*")
+_ASSIGN = re.compile(rf"^\s*({_KEY.pattern})\s*=")
 
 
 def _split_dotted(key: str) -> list[str]:
@@ -200,11 +202,10 @@ def locate_keys(text: str) -> dict[str, int]:
     """Map dotted key paths (and table paths) to the line where they appear."""
     lines: dict[str, int] = {}
     table: list[str] = []
-    in_multiline: str | None = None
+    value: tuple[str | None, int] = (None, 0)  # a value that goes on: open multi-line string, bracket depth
     for lineno, line in enumerate(text.splitlines(), 1):
-        if in_multiline:
-            if line.count(in_multiline) % 2 == 1:
-                in_multiline = None
+        if value != (None, 0):
+            value = _scan_value(line, value)
             continue
         header = _HEADER.match(line)
         if header:
@@ -215,11 +216,33 @@ def locate_keys(text: str) -> dict[str, int]:
         if assign:
             path = ".".join(table + _split_dotted(assign.group(1)))
             lines.setdefault(path, lineno)
-            rest = line[assign.end() :]
-            for quote in ('"""', "'''"):
-                if rest.count(quote) % 2 == 1:
-                    in_multiline = quote
+            value = _scan_value(line[assign.end() :], (None, 0))
     return lines
+
+
+def _scan_value(text: str, state: tuple[str | None, int]) -> tuple[str | None, int]:
+    """Carry (open multi-line string delimiter, array/inline-table depth) of a
+    TOML value over one more line, skipping strings and comments."""
+    quote, depth = state
+    i = 0
+    while i < len(text):
+        if quote:
+            if text[i] == "\\" and quote[0] == '"':
+                i += 2
+            elif text.startswith(quote, i):
+                i, quote = i + len(quote), None
+            else:
+                i += 1
+            continue
+        if text[i] == "#":
+            break
+        if text[i] in "\"'":
+            quote = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
+            i += len(quote)
+            continue
+        depth += (text[i] in "[{") - (text[i] in "]}")
+        i += 1
+    return (quote if quote and len(quote) == 3 else None), depth
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -229,7 +252,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(Problem(f"expected KEY.PATH=VALUE, found {text!r}", file="--set"))
     key, _, value = text.partition("=")
     path = _split_dotted(key.strip())
-    if not path or not all(path):
+    if not _KEY.fullmatch(key.strip()) or not all(path):
         raise UserError(Problem(f"expected KEY.PATH=VALUE, found {text!r}", file="--set"))
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
@@ -238,12 +261,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, parsed
 
 
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[Problem]:
+def apply_overrides(
+    data: dict[str, Any], overrides: Sequence[str], sources: dict[str, str] | None = None
+) -> list[Problem]:
+    """Apply ``--set`` overrides to ``data``. ``sources``, when given, receives the
+    dotted path of every key (and new table) set, mapped to the override's text."""
     problems: list[Problem] = []
+    sources = {} if sources is None else sources
     for text in overrides:
         path, value = parse_override(text)
         node = data
         for i, part in enumerate(path[:-1]):
+            if part not in node:
+                sources[".".join(path[: i + 1])] = text.strip()
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 problems.append(
@@ -253,6 +283,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> list[Prob
             node = child
         else:
             node[path[-1]] = value
+            sources[".".join(path)] = text.strip()
     return problems
 
 
@@ -358,14 +389,20 @@ _CONVERTER = make_converter()
 class _Located:
     """Collects problems for one job file, with line numbers."""
 
-    def __init__(self, file: str, lines: Mapping[str, int]):
+    def __init__(self, file: str, lines: Mapping[str, int], overridden: Mapping[str, str] | None = None):
         self.file = file
         self.lines = lines
+        self.overridden = {} if overridden is None else overridden  # key path -> the --set that gave it its value
         self.problems: list[Problem] = []
 
     def add(self, key: str | None, message: str) -> None:
         line = None
-        if key:
+        parts = key.split(".") if key else []
+        prefixes = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+        source = next((self.overridden[p] for p in prefixes if p in self.overridden), None)
+        if source is not None:
+            message = f"{message} (from --set {source})"
+        elif key:
             probe = key
             while probe and line is None:
                 line = self.lines.get(probe)
@@ -464,8 +501,9 @@ def load_job(
     listing every problem found."""
     data, text = read_toml(path)
     file = str(path)
-    out = _Located(file, locate_keys(text))
-    out.problems += apply_overrides(data, overrides)
+    overridden: dict[str, str] = {}
+    out = _Located(file, locate_keys(text), overridden)
+    out.problems += apply_overrides(data, overrides, overridden)
     registry = host.registry
 
     for key, value in data.items():
@@ -509,8 +547,8 @@ def load_job(
                 used = ", ".join(f"[{t}]" for t in uses) or "no plugin tables"
                 out.add(table, f"job kind {kind.name!r} does not use [{table}]; it uses {used}")  # type: ignore[union-attr]
             continue
-        if not present and uses is None:
-            continue
+        if not present and (uses is None or table in data):
+            continue  # absent and not needed, or not a table (reported above)
         section = data.get(table, {}) if present else {}
         default = uses.get(table) if uses is not None else None
         if not present and uses is not None and default is None:
@@ -657,11 +695,13 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
         slot = SLOTS[table]
         choices = value if isinstance(value, tuple) else (value,)
         noun = KINDS[slot.kind].noun
+        default = spec.kind.slots.get(table)
+        default_text = "(required)" if default is None else repr(default)
         if slot.many:
             names = ", ".join(repr(c.name) for c in choices)
-            docs.append(KeyDoc(f"{table}.{slot.selector}", f"an array of {noun} names", "[]", f"selected: {names}", "host"))
+            docs.append(KeyDoc(f"{table}.{slot.selector}", f"an array of {noun} names", default_text, f"selected: {names}", "host"))
         else:
-            docs.append(KeyDoc(f"{table}.{slot.selector}", f"a {noun} name", repr(choices[0].name), "selects the plugin", "host"))
+            docs.append(KeyDoc(f"{table}.{slot.selector}", f"a {noun} name", default_text, "selects the plugin", "host"))
         for c in choices:
             if c.registration.config:
                 prefix = f"{table}.{c.name}" if slot.many else table

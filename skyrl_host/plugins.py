@@ -281,14 +281,15 @@ class PluginHost:
 
     def unknown_message(self, kind: str, name: Any) -> str:
         msg = self.registry.unknown_message(kind, name)
-        failed = self.failures()
-        same = [r for r in failed if _norm(r.name) == _norm(str(name))]
+        same = [
+            r for r in self.records.values() if r.status != "loaded" and _norm(r.name) == _norm(str(name))
+        ]
         if same:
             r = same[0]
-            return (
-                f"{KINDS[kind].noun} {name!r} would come from {r.describe()}, which failed to load: "
-                f"{r.error} (run `skyrl plugins --all` for details)"
-            )
+            why = "which failed to load: " if r.status == "failed" else "which is "
+            hint = " (run `skyrl plugins --all` for details)" if r.status == "failed" else ""
+            return f"{KINDS[kind].noun} {name!r} would come from {r.describe()}, {why}{r.error}{hint}"
+        failed = self.failures()
         if failed:
             msg += "; plugins that failed to load and may provide it: " + ", ".join(
                 f"{r.describe()}: {r.error}" for r in failed

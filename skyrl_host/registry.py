@@ -127,6 +127,7 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
             )
         )
 
+    register.__qualname__ = "register"  # error messages read "register() missing ..."
     return register
 
 

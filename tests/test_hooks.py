@@ -1,0 +1,285 @@
+"""One test per hook (``test_hook_<hook name>``), and the meta-tests that keep it so:
+every hook in hookspecs.py has a test here and a heading in docs/hooks.md."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import textwrap
+
+import attrs
+import click
+import pytest
+
+from skyrl_host import hookimpl, hookspecs
+from skyrl_host.config import SLOTS, gt, load_job, option
+from skyrl_host.registry import KINDS
+from skyrl_host.runner import run_job
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HOOKS = sorted(n for n in dir(hookspecs) if n.startswith("skyrl_") and callable(getattr(hookspecs, n)))
+
+
+@attrs.frozen
+class LevelConfig:
+    level: int = option(1, help="a level", validator=gt(0))
+
+
+class Driver:
+    """A job kind that reports ``steps`` steps with one metric."""
+
+    def __init__(self, run):
+        self.run_ = run
+
+    def run(self) -> None:
+        for step in range(1, self.run_.total_steps + 1):
+            self.run_.report(step, {"square": step * step, "level": self.run_.spec.kind_config.level})
+
+
+def _register_job(register, name="counting", slots=None):
+    register(name, Driver, config=LevelConfig, description="reports squares", slots=slots or {})
+
+
+def _check_registration(host, tmp_path, kind_key: str) -> None:
+    """Register "thing" of ``kind_key``; select it from a job file; call its factory."""
+    calls = []
+    kind = KINDS[kind_key]
+
+    def factory(config, *args, **kwargs):
+        calls.append(config)
+        return config
+
+    class Plugin:
+        pass
+
+    def register_thing(register):
+        register("thing", factory, config=LevelConfig, description=f"a {kind.noun}")
+
+    setattr(Plugin, kind.hook, staticmethod(hookimpl(register_thing)))
+    host.add_plugin(Plugin(), "thing_plugin")
+    table = next(t for t, s in SLOTS.items() if s.kind == kind_key)
+
+    class JobPlugin:
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            _register_job(register, "uses_it", {table: None})
+
+    host.add_plugin(JobPlugin(), "job_plugin")
+    slot = SLOTS[table]
+    if slot.many:
+        body = f'[{table}]\n{slot.selector} = ["thing"]\n[{table}.thing]\nlevel = 3\n'
+    else:
+        body = f'[{table}]\n{slot.selector} = "thing"\nlevel = 3\n'
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nkind = "uses_it"\n' + body)
+    spec = load_job(job, host)
+    choice = spec.plugins[table][0] if slot.many else spec.plugins[table]
+    assert choice.registration.origin.plugin == "thing_plugin"
+    assert choice.create() == LevelConfig(level=3)
+    assert calls == [LevelConfig(level=3)]
+
+
+def test_hook_skyrl_register_models(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "models")
+
+
+def test_hook_skyrl_register_algorithms(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "algorithms")
+
+
+def test_hook_skyrl_register_replay_strategies(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "replay_strategies")
+
+
+def test_hook_skyrl_register_precisions(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "precisions")
+
+
+def test_hook_skyrl_register_weight_transports(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "weight_transports")
+
+
+def test_hook_skyrl_register_samplers(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "samplers")
+
+
+def test_hook_skyrl_register_datasets(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "datasets")
+
+
+def test_hook_skyrl_register_engines(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "engines")
+
+
+def test_hook_skyrl_register_backends(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "backends")
+
+
+def test_hook_skyrl_register_jobs(skyrl_cli, skyrl_plugin, tmp_path) -> None:
+    class JobPlugin:
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            _register_job(register)
+
+    skyrl_plugin(JobPlugin(), "counting_plugin")
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nkind = "counting"\nsteps = 4\nlevel = 2\noutput_dir = "{tmp_path / "out"}"\n')
+    result = skyrl_cli("run", str(job))
+    assert result.exit_code == 0, result.stderr
+    assert "counting job 'job' completed 4 step(s)" in result.stderr
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["square"], r["level"]) for r in lines if "step" in r] == [(1, 1, 2), (2, 4, 2), (3, 9, 2), (4, 16, 2)]
+    record = json.loads((tmp_path / "out" / "job.json").read_text())
+    assert record["kind"] == {
+        "name": "counting", "plugin": "counting_plugin", "distribution": None, "version": None, "config": {"level": 2}
+    }
+
+
+def test_hook_skyrl_register_commands(skyrl_cli, skyrl_plugin) -> None:
+    class Commands:
+        @hookimpl
+        def skyrl_register_commands(self, cli):
+            @cli.command()
+            @click.argument("who")
+            def greet(who):
+                """Say hello."""
+                click.echo(f"hello {who}")
+
+    class Broken:
+        @hookimpl
+        def skyrl_register_commands(self, cli):
+            @cli.command()
+            def half():
+                """Added before the failure."""
+
+            raise RuntimeError("cannot add commands")
+
+    class Hijack:
+        @hookimpl
+        def skyrl_register_commands(self, cli):
+            @cli.command(name="run")
+            def run():
+                """Replace the built-in run."""
+
+    skyrl_plugin(Commands(), "greeter")
+    broken = skyrl_plugin(Broken(), "broken_commands")
+    hijack = skyrl_plugin(Hijack(), "hijack")
+    assert skyrl_cli("greet", "world").stdout == "hello world\n"
+    helptext = skyrl_cli("--help").stdout
+    assert "greet" in helptext and "Say hello." in helptext and "half" not in helptext
+    assert broken.status == "failed" and broken.error == "skyrl_register_commands raised RuntimeError: cannot add commands"
+    assert hijack.status == "failed" and "command 'run' already exists" in hijack.error
+    assert "Validate JOB_FILE, resolve its plugins and run its job kind." in skyrl_cli("run", "--help").stdout
+
+
+class Recorder:
+    """An observer that records every lifecycle call."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def skyrl_job_started(self, run):
+        self.calls.append(("started", run.total_steps, (run.output_dir / "job.json").exists()))
+
+    @hookimpl
+    def skyrl_step_finished(self, run, step, metrics):
+        self.calls.append(("step", step, dict(metrics)))
+
+    @hookimpl
+    def skyrl_job_finished(self, run, status, error):
+        self.calls.append(("finished", status, type(error).__name__ if error else None))
+
+
+def _job(host, tmp_path, steps=3, driver=Driver):
+    class JobPlugin:
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            register("counting", driver, config=LevelConfig, description="test job")
+
+    host.add_plugin(JobPlugin(), "counting_plugin")
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nkind = "counting"\nsteps = {steps}\noutput_dir = "{tmp_path / "out"}"\n')
+    return load_job(job, host)
+
+
+def test_hook_skyrl_job_started(skyrl_empty_host, tmp_path) -> None:
+    rec = Recorder()
+    skyrl_empty_host.add_plugin(rec, "recorder")
+    run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path, steps=2))
+    assert rec.calls[0] == ("started", 2, True)
+
+
+def test_hook_skyrl_step_finished(skyrl_empty_host, tmp_path) -> None:
+    rec = Recorder()
+    skyrl_empty_host.add_plugin(rec, "recorder")
+    run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path, steps=3))
+    steps = [c for c in rec.calls if c[0] == "step"]
+    assert steps == [("step", s, {"square": s * s, "level": 1}) for s in (1, 2, 3)]
+
+
+def test_hook_skyrl_job_finished(skyrl_empty_host, tmp_path) -> None:
+    rec = Recorder()
+    skyrl_empty_host.add_plugin(rec, "recorder")
+    run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path, steps=1))
+    assert rec.calls[-1] == ("finished", "completed", None)
+
+
+@pytest.mark.parametrize("exc, status", [(RuntimeError("driver fault"), "failed"), (KeyboardInterrupt(), "interrupted")])
+def test_job_finished_fires_when_the_driver_raises(skyrl_empty_host, tmp_path, exc, status) -> None:
+    class Failing(Driver):
+        def run(self):
+            self.run_.report(1, {"x": 1.0})
+            raise exc
+
+    rec = Recorder()
+    skyrl_empty_host.add_plugin(rec, "recorder")
+    spec = _job(skyrl_empty_host, tmp_path, driver=Failing)
+    with pytest.raises(type(exc)):
+        run_job(skyrl_empty_host, spec)
+    assert [c[0] for c in rec.calls] == ["started", "step", "finished"]
+    assert rec.calls[-1] == ("finished", status, type(exc).__name__)
+
+
+def test_lifecycle_order_is_pinned(skyrl_empty_host, tmp_path) -> None:
+    rec = Recorder()
+    skyrl_empty_host.add_plugin(rec, "recorder")
+    run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path, steps=3))
+    assert [c[:2] for c in rec.calls] == [
+        ("started", 3), ("step", 1), ("step", 2), ("step", 3), ("finished", "completed")
+    ]
+
+
+def test_metrics_must_be_numbers_and_steps_increase(skyrl_empty_host, tmp_path) -> None:
+    class BadMetrics(Driver):
+        def run(self):
+            self.run_.report(1, {"loss": "low"})
+
+    class Backwards(Driver):
+        def run(self):
+            self.run_.report(2, {})
+            self.run_.report(2, {})
+
+    with pytest.raises(TypeError, match="metric 'loss' must map a name to a number, got 'low'"):
+        run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path, driver=BadMetrics))
+    skyrl_empty_host.remove_plugin("counting_plugin")
+    with pytest.raises(ValueError, match="step 2 reported after step 2"):
+        run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path, driver=Backwards), overwrite=True)
+
+
+def test_every_hook_has_a_test() -> None:
+    missing = [h for h in HOOKS if f"test_hook_{h}" not in globals()]
+    assert HOOKS and not missing, f"hooks without a test_hook_<name> test: {missing}"
+
+
+def test_every_hook_is_documented() -> None:
+    doc = (ROOT / "docs" / "hooks.md").read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("###")]
+    missing = [h for h in HOOKS if not any(f"`{h}" in line for line in headings)]
+    assert not missing, f"hooks missing from docs/hooks.md: {missing}"
+
+
+def test_every_hook_docstring_states_its_contract() -> None:
+    for name in HOOKS:
+        doc = textwrap.dedent(getattr(hookspecs, name).__doc__ or "")
+        assert len(doc.split()) >= 12, f"{name} needs a docstring saying when it fires, args, returns"

@@ -697,11 +697,12 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
         noun = KINDS[slot.kind].noun
         default = spec.kind.slots.get(table)
         default_text = "(required)" if default is None else repr(default)
+        key = f"{table}.{slot.selector}"
         if slot.many:
             names = ", ".join(repr(c.name) for c in choices)
-            docs.append(KeyDoc(f"{table}.{slot.selector}", f"an array of {noun} names", default_text, f"selected: {names}", "host"))
+            docs.append(KeyDoc(key, f"an array of {noun} names", default_text, f"selected: {names}", "host"))
         else:
-            docs.append(KeyDoc(f"{table}.{slot.selector}", f"a {noun} name", default_text, "selects the plugin", "host"))
+            docs.append(KeyDoc(key, f"a {noun} name", default_text, "selects the plugin", "host"))
         for c in choices:
             if c.registration.config:
                 prefix = f"{table}.{c.name}" if slot.many else table

@@ -49,7 +49,7 @@ class Run:
         for key, value in metrics.items():
             if not isinstance(key, str) or not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise TypeError(f"metric {key!r} must map a name to a number, got {value!r}")
-            clean[key] = float(value) if not isinstance(value, int) else value
+            clean[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
         self.last_step = step
         self.host.pm.hook.skyrl_step_finished(run=self, step=step, metrics=clean)
 

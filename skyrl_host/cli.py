@@ -12,6 +12,7 @@ import click
 
 from skyrl_host.errors import USER_ERROR_EXIT_CODE, JobFailed, UserError
 from skyrl_host.plugins import ENV_ALLOW, ENV_DISABLE, PluginHost, build_host
+from skyrl_host.registry import KINDS
 
 
 def host_version() -> str:
@@ -137,7 +138,8 @@ def make_cli(host: PluginHost) -> click.Group:
             if r.hooks:
                 click.echo(f"    hooks: {', '.join(r.hooks)}")
             for kind, names in sorted(r.registered.items()):
-                click.echo(f"    {kind}: {', '.join(sorted(names))}")
+                for name in sorted(names):
+                    click.echo(f"    {KINDS[kind].noun} {name}: {_description(h, kind, name, r.name)}")
             if r.error:
                 click.echo(f"    error: {r.error}")
             if show_all and r.traceback:
@@ -150,6 +152,13 @@ def make_cli(host: PluginHost) -> click.Group:
 
     host.add_commands(cli)
     return cli
+
+
+def _description(host: PluginHost, kind: str, name: str, plugin: str) -> str:
+    for reg in host.registry.all_registrations():
+        if (reg.kind, reg.name, reg.origin.plugin) == (kind, name, plugin):
+            return reg.description
+    return ""
 
 
 def _flatten(spec: Any) -> dict[str, str]:

@@ -465,22 +465,48 @@ def structure_table(
             out.add(path, f"expected {describe_type(tp)}, found {_found(value)}{hint}")
     if len(out.problems) > before:
         return None
-    with attrs.validators.disabled():
-        try:
-            inst = cls(**kwargs)
-        except (TypeError, ValueError) as exc:
-            out.add(prefix or None, str(exc))
-            return None
+    # Field validators first, on an instance built without __init__ (so method
+    # validators work), then the cross-field checks of __attrs_post_init__,
+    # which may rely on every field being valid.
+    bare = _bare_instance(cls, kwargs)
     for name, field in fields.items():
         if field.validator is None:
             continue
         try:
-            field.validator(inst, field, getattr(inst, name))
+            field.validator(bare, field, getattr(bare, name))
         except (TypeError, ValueError) as exc:
-            out.add(_join(prefix, name), str(exc))
+            out.add(_join(prefix, name), _message(exc))
     if len(out.problems) > before:
         return None
+    with attrs.validators.disabled():
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            out.add(prefix or None, _message(exc))
+            return None
+
+
+def _bare_instance(cls: type, kwargs: Mapping[str, Any]) -> Any:
+    inst = object.__new__(cls)
+    for field in attrs.fields(cls):
+        if field.name in kwargs:
+            value = kwargs[field.name]
+            if field.converter is not None:
+                value = field.converter(value)
+        elif isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+            factory = field.default
+            value = factory.factory(inst) if factory.takes_self else factory.factory()  # type: ignore[union-attr]
+        else:
+            value = field.default
+        object.__setattr__(inst, field.name, value)
     return inst
+
+
+def _message(exc: BaseException) -> str:
+    """attrs' own validators raise with a tuple of internals; keep the sentence."""
+    if exc.args and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc)
 
 
 def _join(prefix: str, key: str) -> str:

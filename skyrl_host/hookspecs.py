@@ -43,8 +43,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # takes no keys besides the selector). Registering a name twice within one kind is
 # an error naming both plugins, unless exactly one of them passes override=True.
 # The host calls every implementation; return values are ignored. If an
-# implementation raises, none of its registrations for that hook are kept and the
-# plugin is listed as failed.
+# implementation raises, the plugin is listed as failed and taken back whole:
+# none of its registrations (from any hook) are kept and its other hooks no
+# longer fire, so a plugin never half-applies.
 # ---------------------------------------------------------------------------
 
 
@@ -167,7 +168,8 @@ def skyrl_register_commands(cli: click.Group) -> None:
 @hookspec
 def skyrl_job_started(run: Run) -> None:
     """The job's plugins are resolved and its output folder exists; the driver
-    has not started yet.
+    has not started yet. If an implementation raises, the job does not start
+    and ``skyrl_job_finished`` fires with status ``"failed"``.
 
     ``run`` carries the validated job (``run.job``), the output folder
     (``run.output_dir``), the planned number of steps (``run.total_steps``) and a

@@ -114,6 +114,8 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
             raise ValueError(f"{KINDS[kind].noun} {name!r}: description must be one non-empty line")
         if slots is not None and kind != "jobs":
             raise TypeError(f"{KINDS[kind].noun} {name!r}: only job kinds take slots")
+        if kind == "jobs":
+            _check_job_kind(name, config, slots or {})
         sink.append(
             Registration(
                 kind=kind,
@@ -131,6 +133,23 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
     return register
 
 
+def _check_job_kind(name: str, config: type | None, slots: Mapping[str, str | None]) -> None:
+    from skyrl_host.config import HOST_JOB_KEYS, SLOTS  # config imports this module
+
+    for table, default in slots.items():
+        if table not in SLOTS:
+            raise ValueError(
+                f"job kind {name!r}: unknown slot table {table!r}{did_you_mean(table, SLOTS)}; "
+                f"tables: {quoted_list(SLOTS)}"
+            )
+        if default is not None and not isinstance(default, str):
+            raise TypeError(f"job kind {name!r}: the default of slot {table!r} must be a name or None")
+    if config is not None:
+        clash = sorted(set(HOST_JOB_KEYS) & {f.name for f in attrs.fields(config)})
+        if clash:
+            raise ValueError(f"job kind {name!r}: config key {clash[0]!r} is owned by the host's [job] table")
+
+
 @attrs.frozen
 class Conflict:
     kind: str
@@ -139,12 +158,15 @@ class Conflict:
 
     def message(self) -> str:
         noun = KINDS[self.kind].noun
-        who = " and ".join(str(r.origin) for r in self.candidates)
+        names = [str(r.origin) for r in self.candidates]
+        who = ", ".join(names[:-1]) + " and " + names[-1]
         n_override = sum(r.override for r in self.candidates)
-        why = "both pass override=True" if n_override > 1 else "neither passes override=True"
+        why = "none passes override=True" if n_override == 0 else f"{n_override} pass override=True"
+        if len(self.candidates) == 2:
+            why = {0: "neither passes override=True", 2: "both pass override=True"}[n_override]
         return (
-            f"{noun} {self.name!r} is registered by {who} and {why}; block one with "
-            f"SKYRL_DISABLE_PLUGINS or let one register with override=True"
+            f"{noun} {self.name!r} is registered by {who} and {why}; block all but one with "
+            f"SKYRL_DISABLE_PLUGINS, or let exactly one register with override=True"
         )
 
 

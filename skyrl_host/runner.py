@@ -115,9 +115,9 @@ def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False) -> Run:
 
     run = Run(spec=spec, host=host, output_dir=out, total_steps=spec.job.steps)
     hook = host.pm.hook
-    hook.skyrl_job_started(run=run)
     status, error = "failed", None
     try:
+        hook.skyrl_job_started(run=run)
         driver = spec.kind.create(run)
         driver.run()
         status = "completed"

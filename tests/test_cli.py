@@ -42,9 +42,12 @@ def test_help_on_every_command(skyrl_host, skyrl_cli) -> None:
 def test_plugins_text_lists_distribution_hooks_and_names(skyrl_cli) -> None:
     out = skyrl_cli("plugins").stdout
     assert "letter_count  [loaded]  skyrl-letter-count 0.1.0  skyrl_letter_count\n" in out
-    assert "    hooks: skyrl_register_datasets\n    datasets: letter_count\n" in out
+    assert (
+        "    hooks: skyrl_register_datasets\n"
+        "    dataset letter_count: Count a letter in a random word; partial credit for near misses\n"
+    ) in out
     assert "reward_check  [loaded]  skyrl-host 0.1.0  skyrl_host.jobs.reward_check\n" in out
-    assert "    jobs: reward_check\n" in out
+    assert "    job kind reward_check: Audit a dataset: reproducible batches, rewards in [0, 1], references earn 1\n" in out
 
 
 def test_plugins_json_and_hook_filter(skyrl_cli) -> None:

@@ -283,3 +283,17 @@ def test_every_hook_docstring_states_its_contract() -> None:
     for name in HOOKS:
         doc = textwrap.dedent(getattr(hookspecs, name).__doc__ or "")
         assert len(doc.split()) >= 12, f"{name} needs a docstring saying when it fires, args, returns"
+
+
+def test_job_finished_fires_when_an_observer_fails_to_start(skyrl_empty_host, tmp_path) -> None:
+    class BadStart:
+        @hookimpl
+        def skyrl_job_started(self, run):
+            raise OSError("cannot open the dashboard")
+
+    rec = Recorder()
+    skyrl_empty_host.add_plugin(rec, "recorder")
+    skyrl_empty_host.add_plugin(BadStart(), "bad_start")  # newest first: it fires before the recorder
+    with pytest.raises(OSError):
+        run_job(skyrl_empty_host, _job(skyrl_empty_host, tmp_path))
+    assert rec.calls == [("finished", "failed", "OSError")]

@@ -529,7 +529,8 @@ CASES = [
         """,
         [
             "error: {path}:5: dataset.name: unknown dataset 'letter_cout' (did you mean 'letter_count'?); "
-            "available: 'letter_count'"
+            "available: ",
+            "'letter_count'",
         ],
     ),
     case(
@@ -864,7 +865,9 @@ CASES = [
         """,
         [
             "error: {path}: dataset.name: unknown dataset 'letter_cout' (did you mean 'letter_count'?); "
-            "available: 'letter_count' (from --set dataset={{name = \"letter_cout\"}})"
+            "available: ",
+            "'letter_count'",
+            " (from --set dataset={{name = \"letter_cout\"}})",
         ],
         args=["--set", 'dataset={name = "letter_cout"}'],
     ),

@@ -122,3 +122,34 @@ def test_register_checks_its_arguments(skyrl_empty_host, kwargs, error) -> None:
 def test_every_kind_has_its_registration_hook(skyrl_empty_host) -> None:
     for kind in KINDS.values():
         assert getattr(skyrl_empty_host.pm.hook, kind.hook).has_spec(), kind.hook
+
+
+@pytest.mark.parametrize(
+    "slots, config, error",
+    [
+        ({"datasets": None}, None, "ValueError: job kind 'k': unknown slot table 'datasets' (did you mean 'dataset'?)"),
+        ({"sampler": 3}, None, "TypeError: job kind 'k': the default of slot 'sampler' must be a name or None"),
+        ({}, attrs.make_class("C", {"steps": attrs.field(default=1)}), "ValueError: job kind 'k': config key 'steps' is owned by the host's [job] table"),
+    ],
+)
+def test_job_kind_registration_checks_slots_and_keys(skyrl_empty_host, slots, config, error) -> None:
+    class Plugin:
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            register("k", dict, config=config, description="a job kind", slots=slots)
+
+    rec = skyrl_empty_host.add_plugin(Plugin(), "jobs")
+    assert skyrl_empty_host.registry.names("jobs") == []
+    assert rec.error.startswith(f"skyrl_register_jobs raised {error}")
+
+
+def test_conflict_among_three_plugins(skyrl_empty_host) -> None:
+    skyrl_empty_host.add_plugin(dataset_plugin("squares"), "a")
+    skyrl_empty_host.add_plugin(dataset_plugin("squares", override=True), "b")
+    skyrl_empty_host.add_plugin(dataset_plugin("squares", override=True), "c")
+    with pytest.raises(UserError) as info:
+        skyrl_empty_host.get("datasets", "squares")
+    assert str(info.value) == (
+        "error: dataset 'squares' is registered by plugin 'a', plugin 'b' and plugin 'c' and 2 pass override=True; "
+        "block all but one with SKYRL_DISABLE_PLUGINS, or let exactly one register with override=True"
+    )

@@ -40,7 +40,7 @@ def test_fixtures_in_a_plugin_authors_test_suite(pytester) -> None:
             result = skyrl_cli("plugins", "--hook", "skyrl_register_samplers")
             assert result.exit_code == 0
             assert "greedy_plugin  [loaded]  (registered in-process)" in result.stdout
-            assert "samplers: greedy" in result.stdout
+            assert "sampler greedy: always the top token" in result.stdout
         """
     )
     result = pytester.runpytest("-p", "no:cacheprovider")

@@ -1,0 +1,66 @@
+"""How plugin config classes are validated: attrs validators, method validators,
+cross-field checks, converters and factories."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from skyrl_host.config import _Located, explain_class, gt, in_interval, option, structure_table
+
+
+@attrs.frozen
+class Quant:
+    block_size: int = attrs.field(default=128, validator=attrs.validators.in_([64, 128]))
+    scale: float = option(1.0, help="scale", validator=gt(0))
+    name: str = attrs.field(default="fp8", validator=attrs.validators.matches_re(r"[a-z0-9]+"))
+    groups: list[int] = attrs.field(factory=lambda: [32])
+    low: int = option(0, help="low")
+    high: int = option(10, help="high", validator=in_interval(0, 100))
+
+    @groups.validator
+    def _groups(self, attribute, value):
+        if any(g <= 0 for g in value) or value != sorted(value):
+            raise ValueError(f"expected increasing positive sizes, found {value!r}")
+
+    def __attrs_post_init__(self):
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
+
+
+def check(data):
+    out = _Located("job.toml", {})
+    inst = structure_table(Quant, data, "precision", out, skip=["name_"])
+    return inst, [f"{p.key}: {p.message}" for p in out.problems]
+
+
+def test_valid_table_with_defaults() -> None:
+    inst, problems = check({"block_size": 64, "groups": [16, 32]})
+    assert problems == []
+    assert inst == Quant(block_size=64, groups=[16, 32])
+
+
+def test_attrs_builtin_validators_give_their_sentence_not_a_tuple() -> None:
+    _, problems = check({"block_size": 96, "name": "FP8!"})
+    assert problems[0] == "precision.block_size: 'block_size' must be in [64, 128] (got 96)"
+    assert problems[1].startswith("precision.name: 'name' must match regex '[a-z0-9]+' ('FP8!' doesn't)")
+
+
+def test_every_field_validator_runs_and_cross_checks_wait_for_valid_fields() -> None:
+    _, problems = check({"scale": -1.0, "groups": [32, 16], "low": 50, "high": 200})
+    assert problems == [
+        "precision.scale: expected a value > 0, found -1.0",
+        "precision.groups: expected increasing positive sizes, found [32, 16]",
+        "precision.high: expected a value in [0, 100], found 200",
+    ]
+    _, problems = check({"low": 50, "high": 20})
+    assert problems == ["precision: low (50) must not exceed high (20)"]
+
+
+def test_explain_lists_defaults_from_factories_and_bounds() -> None:
+    docs = {d.key: d for d in explain_class(Quant, "precision", "test")}
+    assert docs["precision.groups"].default == "[32]"
+    assert docs["precision.groups"].type == "an array of integers"
+    assert docs["precision.scale"].help == "scale (> 0)"
+    assert docs["precision.high"].help == "high (in [0, 100])"
+    assert docs["precision.block_size"].default == "128"

@@ -11,6 +11,7 @@ once as a :class:`~skyrl_host.errors.UserError`.
 
 from __future__ import annotations
 
+import collections.abc
 import pathlib
 import re
 import tomllib
@@ -38,6 +39,16 @@ def option(default: Any = attrs.NOTHING, *, help: str, validator: Any = None, fa
     if factory is not None:
         return attrs.field(factory=factory, validator=validator, metadata={"help": help})
     return attrs.field(default=default, validator=validator, metadata={"help": help})
+
+
+class OptionError(ValueError):
+    """Raise from ``__attrs_post_init__`` to locate a cross-field problem at a key:
+    ``raise OptionError("min_len", "must not exceed max_len (5), found 9")``."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
 
 
 def _bound(op: str, limit: float, test: Callable[[Any], bool]) -> Callable[[Any, Any, Any], None]:
@@ -380,6 +391,24 @@ def make_converter() -> cattrs.Converter:
     )
     conv.register_structure_hook(str, _strict(lambda v: isinstance(v, str), str))
     conv.register_structure_hook(pathlib.Path, _strict(lambda v: isinstance(v, str), pathlib.Path))
+
+    # cattrs would turn the string "+-" into ["+", "-"]; only a TOML array is an array.
+    def is_sequence(tp: Any) -> bool:
+        return typing.get_origin(tp) in (list, tuple, collections.abc.Sequence) or tp in (list, tuple)
+
+    def structure_sequence(value: Any, tp: Any) -> Any:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError("mismatch")
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is tuple or tp is tuple:
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(conv.structure(v, args[0]) for v in value)
+            if args and len(args) != len(value):
+                raise TypeError("mismatch")
+            return tuple(conv.structure(v, a) for v, a in zip(value, args)) if args else tuple(value)
+        return [conv.structure(v, args[0]) for v in value] if args else list(value)
+
+    conv.register_structure_hook_func(is_sequence, structure_sequence)
     return conv
 
 
@@ -481,6 +510,9 @@ def structure_table(
     with attrs.validators.disabled():
         try:
             return cls(**kwargs)
+        except OptionError as exc:
+            out.add(_join(prefix, exc.key), exc.message)
+            return None
         except (TypeError, ValueError) as exc:
             out.add(prefix or None, _message(exc))
             return None

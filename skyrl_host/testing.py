@@ -37,16 +37,20 @@ class CliResult:
 
 @pytest.fixture
 def skyrl_host() -> Iterator[PluginHost]:
+    """A new plugin host with the installed plugins loaded, as `skyrl` loads them."""
     yield build_host()
 
 
 @pytest.fixture
 def skyrl_empty_host() -> Iterator[PluginHost]:
+    """A new plugin host with no plugins at all."""
     yield build_host(entry_points=False)
 
 
 @pytest.fixture
 def skyrl_plugin(skyrl_host: PluginHost) -> Iterator[Callable[..., PluginRecord]]:
+    """``skyrl_plugin(obj, name=None)``: register a plugin object on ``skyrl_host``
+    for this test only; returns its record."""
     added: list[str] = []
 
     def register(obj: Any, name: str | None = None) -> PluginRecord:
@@ -62,6 +66,8 @@ def skyrl_plugin(skyrl_host: PluginHost) -> Iterator[Callable[..., PluginRecord]
 
 @pytest.fixture
 def skyrl_cli(skyrl_host: PluginHost, capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """``skyrl_cli(*args)``: run the `skyrl` CLI in-process against ``skyrl_host``;
+    returns a CliResult(exit_code, stdout, stderr)."""
     from skyrl_host.cli import main
 
     def invoke(*args: str) -> CliResult:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from skyrl_host.config import _Located, explain_class, gt, in_interval, option, structure_table
+from skyrl_host.config import OptionError, _Located, explain_class, gt, in_interval, option, structure_table
 
 
 @attrs.frozen
@@ -64,3 +64,47 @@ def test_explain_lists_defaults_from_factories_and_bounds() -> None:
     assert docs["precision.scale"].help == "scale (> 0)"
     assert docs["precision.high"].help == "high (in [0, 100])"
     assert docs["precision.block_size"].default == "128"
+
+
+@attrs.frozen
+class Lists:
+    ops: list[str] = option(factory=lambda: ["+"], help="operations")
+    pair: tuple[int, int] = option((1, 2), help="two integers")
+    sizes: tuple[int, ...] = option((), help="any number of integers")
+
+
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        ({"ops": "+-"}, "lists.ops: expected an array of strings, found string '+-'"),
+        ({"ops": {"a": 1}}, "lists.ops: expected an array of strings, found a table"),
+        ({"ops": ["+", 1]}, "lists.ops: expected an array of strings, found array ['+', 1]"),
+        ({"pair": [1, 2, 3]}, "lists.pair: expected an array of integers, found array [1, 2, 3]"),
+        ({"sizes": [1, 2.5]}, "lists.sizes: expected an array of integers, found array [1, 2.5]"),
+    ],
+)
+def test_arrays_are_never_made_from_strings_or_tables(data, problem) -> None:
+    out = _Located("job.toml", {})
+    assert structure_table(Lists, data, "lists", out) is None
+    assert [f"{p.key}: {p.message}" for p in out.problems] == [problem]
+
+
+def test_arrays_structure_to_their_types() -> None:
+    out = _Located("job.toml", {})
+    inst = structure_table(Lists, {"ops": ["+", "*"], "pair": [3, 4], "sizes": [1, 2, 3]}, "lists", out)
+    assert inst == Lists(ops=["+", "*"], pair=(3, 4), sizes=(1, 2, 3))
+
+
+def test_option_error_locates_a_cross_field_problem_at_its_key() -> None:
+    @attrs.frozen
+    class Range:
+        low: int = option(0, help="low")
+        high: int = option(1, help="high")
+
+        def __attrs_post_init__(self):
+            if self.low > self.high:
+                raise OptionError("low", f"expected at most high ({self.high}), found {self.low}")
+
+    out = _Located("job.toml", {"range.low": 3, "range": 2})
+    assert structure_table(Range, {"low": 5, "high": 1}, "range", out) is None
+    assert [str(p) for p in out.problems] == ["job.toml:3: range.low: expected at most high (1), found 5"]

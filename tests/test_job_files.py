@@ -470,7 +470,7 @@ CASES = [
         min_len = 10
         max_len = 3
         """,
-        ["error: {path}:4: dataset: min_len (10) must not exceed max_len (3)"],
+        ["error: {path}:6: dataset.min_len: expected at most max_len (3), found 10"],
     ),
     case(
         "alphabet-field-validator",

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import ge, gt, in_interval, option
+from skyrl_host.config import OptionError, ge, gt, in_interval, option
 from skyrl_host.interfaces import Task
 
 
@@ -35,8 +35,8 @@ class LetterCountConfig:
             raise ValueError(f"expected at least 2 distinct letters, found {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        if self.min_len > self.max_len:
-            raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+        if self.min_len > self.max_len:  # located at the key: job.toml:5: dataset.min_len: ...
+            raise OptionError("min_len", f"expected at most max_len ({self.max_len}), found {self.min_len}")
 
 
 class LetterCount:

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import ge, gt, option
+from skyrl_host.config import OptionError, ge, gt, option
 from skyrl_host.errors import did_you_mean
 from skyrl_host.interfaces import Task
 from skyrl_datasets._scoring import first_token, positional_credit
@@ -53,7 +53,7 @@ class ArithmeticConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.min_digits > self.max_digits:
-            raise ValueError(f"min_digits ({self.min_digits}) must not exceed max_digits ({self.max_digits})")
+            raise OptionError("min_digits", f"expected at most max_digits ({self.max_digits}), found {self.min_digits}")
 
 
 class Arithmetic:

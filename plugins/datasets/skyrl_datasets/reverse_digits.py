@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import ge, in_interval, option
+from skyrl_host.config import OptionError, ge, in_interval, option
 from skyrl_host.interfaces import Task
 from skyrl_datasets._scoring import first_token, positional_credit
 
@@ -31,7 +31,7 @@ class ReverseDigitsConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.min_len > self.max_len:
-            raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+            raise OptionError("min_len", f"expected at most max_len ({self.max_len}), found {self.min_len}")
 
 
 def prompt_for(digits: str) -> str:

@@ -98,7 +98,7 @@ def test_default_config_is_addition_of_one_or_two_digit_numbers() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"min_digits": 3, "max_digits": 2}, "min_digits (3) must not exceed max_digits (2)"),
+        ({"min_digits": 3, "max_digits": 2}, "min_digits: expected at most max_digits (2), found 3"),
         ({"min_digits": 0}, "expected a value > 0, found 0"),
         ({"operations": []}, "found an empty array"),
         ({"operations": ["+", "/"]}, "found '/'"),

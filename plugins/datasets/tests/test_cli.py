@@ -104,8 +104,8 @@ def test_validate_reports_min_digits_above_max_digits(skyrl_cli, tmp_path) -> No
     job = job_file(tmp_path, '[dataset]\nname = "arithmetic"\nmin_digits = 4\nmax_digits = 2\n')
     result = skyrl_cli("validate", str(job))
     assert result.exit_code == 2
-    # A check across two keys runs in __attrs_post_init__; the host locates it at the table.
-    assert f"error: {job}:7: dataset: min_digits (4) must not exceed max_digits (2)" in result.stderr
+    # A check across two keys runs in __attrs_post_init__ and names its key with OptionError.
+    assert f"error: {job}:9: dataset.min_digits: expected at most max_digits (2), found 4" in result.stderr
     assert "Traceback" not in result.stderr
 
 

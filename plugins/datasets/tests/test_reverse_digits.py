@@ -74,7 +74,7 @@ def test_batches_are_reproducible_and_differ_across_steps_and_seeds() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"min_len": 6, "max_len": 5}, "min_len (6) must not exceed max_len (5)"),
+        ({"min_len": 6, "max_len": 5}, "min_len: expected at most max_len (5), found 6"),
         ({"max_len": 11}, "expected a value in [1, 10], found 11"),
         ({"min_len": 0}, "expected a value in [1, 10], found 0"),
     ],

@@ -617,6 +617,8 @@ def load_job(
             plugins[table] = choice
 
     if out.problems:
+        # In file order; problems without a line (a missing table, --set) last.
+        out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)
     assert job is not None and kind is not None and cluster is not None
     return JobSpec(
@@ -646,6 +648,9 @@ def _choose(
     selected = section.get(slot.selector, default)
     if selected is None:
         out.add(selector_path, f"missing required key (the {KINDS[slot.kind].noun} to use)")
+        for key in section:
+            if did_you_mean(key, [slot.selector]):
+                out.add(f"{slot.table}.{key}", f"unknown key{did_you_mean(key, [slot.selector])}")
         return None
     if not slot.many:
         if not isinstance(selected, str):

@@ -888,6 +888,28 @@ CASES = [
         args=["--set", "job.steps=0"],
         problems=2,
     ),
+    case(
+        "misspelled-selector-in-readme",
+        """
+        [job]
+        kind = "reward_check"
+        steps = 0
+
+        [dataset]
+        nmae = "letter_count"
+
+        [cluster]
+        launcher = "rya"
+        """,
+        [
+            "error: 4 problems\n"
+            "  - {path}:3: job.steps: expected a value > 0, found 0\n"
+            "  - {path}:5: dataset.name: missing required key (the dataset to use)\n"
+            "  - {path}:6: dataset.nmae: unknown key (did you mean 'name'?)\n"
+            "  - {path}:9: cluster.launcher: expected one of 'local', 'ray', found string 'rya' (did you mean 'ray'?)\n"
+        ],
+        problems=4,
+    ),
 ]
 
 

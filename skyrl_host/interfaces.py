@@ -4,15 +4,14 @@ A registration hook registers a *factory*; the factory, called with the plugin's
 validated config, returns an object of the matching Protocol below. The host and
 the drivers only ever talk to plugins through these Protocols.
 
-The engine/trainer contracts (ModelFamily, Engine, Backend, Algorithm, Sampler,
-ReplayStrategy, Precision, WeightTransport) meet in a packed RolloutBatch. Only
-their entry methods are fixed so far; the RL loop (issue 3) completes them with
-the RolloutBatch contract. Dataset and JobDriver are complete.
+The engine and trainer contracts meet in the packed
+:class:`skyrl_host.rollout.RolloutBatch`. This module imports no heavy module:
+tensors are typed ``Any`` and documented by shape.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -35,6 +34,10 @@ class Dataset(Protocol):
         """``size`` tasks for ``step`` (counting from 1)."""
         ...
 
+    # Datasets for models built from presets also provide ``alphabet: str``: every
+    # character a prompt or a good answer can contain, so the model family can
+    # build a character-level tokenizer for the task.
+
     def reward(self, task: Task, completion: str) -> float:
         """The reward of ``completion`` for ``task``, in [0, 1]."""
         ...
@@ -48,67 +51,177 @@ class JobDriver(Protocol):
     def run(self) -> None: ...
 
 
+@attrs.define
+class LoadedModel:
+    """What a model family hands the backend and the engine."""
+
+    model: Any  # a torch.nn.Module (a transformers PreTrainedModel for the built-in families)
+    tokenizer: Any  # a transformers PreTrainedTokenizerFast
+    stop_token_ids: Sequence[int]  # generation ends at any of these (the EOS token first)
+    family: str = ""
+
+
 @runtime_checkable
 class ModelFamily(Protocol):
-    """A model family: which transformers model types it covers, where its routers
-    are, how it loads and saves (``[model] family``)."""
+    """A model family (``[model] family``): which transformers model types it
+    covers, how to build, load and save its models."""
 
     model_types: Sequence[str]
+
+    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
+        """Build a preset (random weights from ``seed``, a tokenizer for the
+        characters of ``alphabet``) or load the local Hugging Face folder the
+        config names."""
+        ...
+
+    def save(self, loaded: LoadedModel, path: str) -> None:
+        """Write a Hugging Face folder (config.json, *.safetensors, tokenizer
+        files) that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        ...
+
+
+@attrs.frozen
+class SampleOutput:
+    token_ids: Any  # torch.LongTensor [B]
+    logprobs: Any  # torch.FloatTensor [B]: log_softmax(logits / temperature) at the chosen ids
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Chooses the next token from logits (``[sampler] name``). ``temperature`` is
+    public so the trainer scores tokens under the same distribution."""
+
+    temperature: float
+
+    def sample(self, logits: Any, generator: Any) -> SampleOutput:
+        """``logits``: float32 [B, V]; ``generator``: a seeded torch.Generator. The
+        returned logprobs are of the temperature-scaled full distribution (what
+        the trainer computes), not of the truncated one."""
+        ...
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """Generates rollouts (``[engine] name``)."""
+    """Generates rollouts (``[engine] name``) and receives new weights."""
 
-    def generate(self, prompts: Sequence[Any], sampler: Any) -> Any: ...
+    weight_version: int
+
+    def start(self, loaded: LoadedModel) -> None:
+        """Take the model to serve (the engine keeps its own copy or view)."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        sampler: Sampler,
+        max_new_tokens: int,
+        seed: int,
+        group_offset: int = 0,
+    ) -> Any:
+        """Sample ``n`` responses for every prompt (token ids); returns a
+        :class:`skyrl_host.rollout.RolloutBatch` whose sequences are ordered
+        prompt by prompt, with ``group_ids = group_offset + prompt index``, stop
+        tokens included in the response, and the current ``weight_version``."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Apply a complete new set of weights at a safe point (between generate
+        calls) and start reporting ``version``."""
+        ...
+
+
+@attrs.define
+class LossInputs:
+    """Per-token tensors of one micro-batch (all float32 [N] unless stated) and the
+    normalisers of the whole optimizer step (all micro-batches, all ranks)."""
+
+    logprobs: Any  # current policy, with grad
+    old_logprobs: Any  # policy before this step's updates (detached)
+    engine_logprobs: Any  # what the engine reported
+    advantages: Any
+    mask: Any  # float32 1/0: tokens that train
+    seq_ids: Any  # int64 [N]: sequence index within the micro-batch, 0..n_seqs-1
+    n_seqs: int
+    global_tokens: float  # masked tokens in the whole step
+    global_seqs: float  # sequences in the whole step
+    ref_logprobs: Any = None  # frozen reference policy, when the algorithm asks for it
+    max_response_len: int = 0  # the job's max_new_tokens (Dr. GRPO's constant normaliser)
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """Rewards to advantages, group filtering, and the policy loss
+    (``[algorithm] name``)."""
+
+    needs_reference: bool  # the backend must keep a frozen reference model
+
+    def shape_rewards(self, batch: Any, max_new_tokens: int) -> Any:
+        """float32 [S]: the rewards used for advantages (e.g. overlong shaping)."""
+        ...
+
+    def keep(self, batch: Any, rewards: Any) -> Any:
+        """bool [S]: sequences to train on (dynamic sampling drops whole groups)."""
+        ...
+
+    def advantages(self, batch: Any, rewards: Any) -> Any:
+        """float32 [T]: one advantage per token of the packed batch (0 outside
+        ``loss_mask``)."""
+        ...
+
+    def loss(self, inputs: LossInputs) -> tuple[Any, Mapping[str, Any]]:
+        """The micro-batch's share of the step loss (summing the shares of every
+        micro-batch and rank gives the step loss) and metric tensors."""
+        ...
 
 
 @runtime_checkable
 class Backend(Protocol):
     """Owns parameters and optimizer; trains on rollouts (``[backend] name``)."""
 
-    def train_step(self, batch: Any, algorithm: Any) -> Mapping[str, float]: ...
+    def start(self, loaded: LoadedModel, *, seed: int, total_steps: int, reference: bool) -> None: ...
 
+    def train_step(
+        self, batch: Any, advantages: Any, algorithm: Algorithm, *, temperature: float, max_new_tokens: int
+    ) -> Mapping[str, float]:
+        """One optimizer step over ``batch`` (a RolloutBatch) with token-level
+        ``advantages`` (float32 [T]); returns metrics (loss, entropy, kl, ...)."""
+        ...
 
-@runtime_checkable
-class Algorithm(Protocol):
-    """Advantages, filters and the policy loss (``[algorithm] name``)."""
+    def named_weights(self) -> Iterable[tuple[str, Any]]:
+        """The weights to publish to the engine, as (name, tensor) pairs."""
+        ...
 
-    def advantages(self, batch: Any) -> Any: ...
+    def state_dict(self) -> Mapping[str, Any]: ...
 
-    def loss(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-@runtime_checkable
-class Sampler(Protocol):
-    """Chooses the next token from logits (``[sampler] name``)."""
-
-    def sample(self, logits: Any, generator: Any) -> Any: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @runtime_checkable
 class ReplayStrategy(Protocol):
     """Replays what the engine did inside the trainer's forward
-    (``[replay] strategies``)."""
+    (``[replay] strategies``); completed by the replay issue."""
 
     def attach(self, model: Any, batch: Any) -> Any: ...
 
 
 @runtime_checkable
 class Precision(Protocol):
-    """How the backend computes and what the sender ships (``[precision] name``)."""
+    """How the backend computes and what the sender ships (``[precision] name``);
+    completed by the precision issue."""
 
     def prepare_model(self, model: Any) -> Any: ...
 
 
 @runtime_checkable
 class WeightTransport(Protocol):
-    """Moves new weights from the backend's sender to the engine's receiver
-    (``[weight_sync] transport``)."""
+    """Moves new weights from the backend to the engine (``[weight_sync] transport``)."""
 
-    def sender(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def receiver(self, *args: Any, **kwargs: Any) -> Any: ...
+    def publish(self, backend: Backend, engine: Engine, version: int) -> Mapping[str, float]:
+        """Make ``version`` of the backend's weights the engine's; returns metrics
+        (bytes moved, seconds)."""
+        ...
 
 
 PROTOCOLS: Mapping[str, type] = {

@@ -1,0 +1,188 @@
+"""RolloutBatch: the one contract between the engine and the trainer.
+
+Packed, never padded: all sequences end to end in one token array, with
+``cu_seqlens`` offsets. Every array is a plain numpy buffer, so a batch crosses
+processes (Ray object store, shared memory) as zero-copy views. Imports numpy
+only.
+
+Per-token arrays (length ``T = n_tokens``) are aligned with ``tokens``:
+``logprobs[t]`` is the engine's log-probability of ``tokens[t]`` given the tokens
+before it in its sequence (0 for prompt tokens), ``loss_mask[t]`` is 1 for tokens
+the policy generated and that train. Per-sequence arrays have length
+``S = n_sequences``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+TOKEN_ARRAYS = ("tokens", "logprobs", "loss_mask")
+SEQUENCE_ARRAYS = ("prompt_lens", "group_ids", "versions", "truncated", "rewards")
+
+
+@attrs.define(eq=False)
+class RolloutBatch:
+    tokens: np.ndarray  # int32 [T]
+    cu_seqlens: np.ndarray  # int64 [S + 1]; cu_seqlens[0] == 0, cu_seqlens[-1] == T
+    prompt_lens: np.ndarray  # int32 [S]
+    logprobs: np.ndarray  # float32 [T]; engine logprob of each token, 0 for prompt tokens
+    loss_mask: np.ndarray  # uint8 [T]; 1 where the policy generated the token and it trains
+    group_ids: np.ndarray  # int64 [S]; samples of the same prompt share an id (GRPO groups)
+    versions: np.ndarray  # int64 [S]; weight version that generated each sequence
+    truncated: np.ndarray  # bool [S]; hit the new-token limit without a stop token
+    rewards: np.ndarray  # float32 [S]; NaN until scored
+    side_channels: dict[str, Any] = attrs.field(factory=dict)  # packed extras (routed experts, support sets)
+
+    # -- construction --------------------------------------------------------
+
+    @classmethod
+    def from_sequences(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        response_logprobs: Sequence[Sequence[float]],
+        *,
+        group_ids: Sequence[int],
+        versions: Sequence[int] | int = 0,
+        truncated: Sequence[bool] | None = None,
+    ) -> "RolloutBatch":
+        """Pack (prompt, response) pairs; mostly for tests and simple engines."""
+        if not (len(prompts) == len(responses) == len(response_logprobs) == len(group_ids)):
+            raise ValueError("prompts, responses, response_logprobs and group_ids must have one entry per sequence")
+        lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        tokens = np.empty(int(cu[-1]), dtype=np.int32)
+        logprobs = np.zeros(int(cu[-1]), dtype=np.float32)
+        mask = np.zeros(int(cu[-1]), dtype=np.uint8)
+        for i, (p, r, lp) in enumerate(zip(prompts, responses, response_logprobs)):
+            if len(lp) != len(r):
+                raise ValueError(f"sequence {i}: {len(r)} response tokens but {len(lp)} logprobs")
+            s = int(cu[i])
+            tokens[s : s + len(p)] = p
+            tokens[s + len(p) : s + len(p) + len(r)] = r
+            logprobs[s + len(p) : s + len(p) + len(r)] = lp
+            mask[s + len(p) : s + len(p) + len(r)] = 1
+        n = len(lens)
+        batch = cls(
+            tokens=tokens,
+            cu_seqlens=cu,
+            prompt_lens=np.asarray([len(p) for p in prompts], dtype=np.int32),
+            logprobs=logprobs,
+            loss_mask=mask,
+            group_ids=np.asarray(group_ids, dtype=np.int64),
+            versions=np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,)).copy(),
+            truncated=np.zeros(n, dtype=bool) if truncated is None else np.asarray(truncated, dtype=bool),
+            rewards=np.full(n, np.nan, dtype=np.float32),
+        )
+        batch.validate()
+        return batch
+
+    # -- shape ---------------------------------------------------------------
+
+    @property
+    def n_sequences(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens)
+
+    @property
+    def response_lens(self) -> np.ndarray:
+        return self.seq_lens - self.prompt_lens
+
+    def seq_ids(self) -> np.ndarray:
+        """int64 [T]: the sequence index of every token."""
+        return np.repeat(np.arange(self.n_sequences, dtype=np.int64), self.seq_lens)
+
+    def positions(self) -> np.ndarray:
+        """int64 [T]: each token's position within its own sequence."""
+        return np.arange(self.n_tokens, dtype=np.int64) - np.repeat(self.cu_seqlens[:-1], self.seq_lens)
+
+    def sequence(self, i: int) -> np.ndarray:
+        return self.tokens[self.cu_seqlens[i] : self.cu_seqlens[i + 1]]
+
+    def prompt(self, i: int) -> np.ndarray:
+        start = int(self.cu_seqlens[i])
+        return self.tokens[start : start + int(self.prompt_lens[i])]
+
+    def response(self, i: int) -> np.ndarray:
+        return self.tokens[int(self.cu_seqlens[i]) + int(self.prompt_lens[i]) : int(self.cu_seqlens[i + 1])]
+
+    def response_logprobs(self, i: int) -> np.ndarray:
+        return self.logprobs[int(self.cu_seqlens[i]) + int(self.prompt_lens[i]) : int(self.cu_seqlens[i + 1])]
+
+    # -- checks and transforms -----------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ValueError if the arrays do not describe one consistent batch."""
+        S, T = self.n_sequences, self.n_tokens
+        if self.cu_seqlens.dtype != np.int64 or self.cu_seqlens[0] != 0 or np.any(np.diff(self.cu_seqlens) < 0):
+            raise ValueError("cu_seqlens must be int64, start at 0 and never decrease")
+        for name in TOKEN_ARRAYS:
+            if len(getattr(self, name)) != T:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, expected one per token ({T})")
+        for name in SEQUENCE_ARRAYS:
+            if len(getattr(self, name)) != S:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, expected one per sequence ({S})")
+        if np.any(self.prompt_lens < 0) or np.any(self.prompt_lens > self.seq_lens):
+            raise ValueError("prompt_lens must lie within each sequence")
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> "RolloutBatch":
+        """A new batch with the given sequences, in the given order (side channels
+        aligned with tokens are selected too)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        starts, ends = self.cu_seqlens[idx], self.cu_seqlens[idx + 1]
+        token_idx = (
+            np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(idx) else np.zeros(0, np.int64)
+        )
+        cu = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(ends - starts, out=cu[1:])
+        return RolloutBatch(
+            tokens=self.tokens[token_idx],
+            cu_seqlens=cu,
+            logprobs=self.logprobs[token_idx],
+            loss_mask=self.loss_mask[token_idx],
+            **{name: getattr(self, name)[idx] for name in SEQUENCE_ARRAYS},
+            side_channels={k: v[token_idx] for k, v in self.side_channels.items() if isinstance(v, np.ndarray)},
+        )
+
+    @staticmethod
+    def concat(batches: Iterable["RolloutBatch"]) -> "RolloutBatch":
+        batches = list(batches)
+        if not batches:
+            raise ValueError("nothing to concatenate")
+        offsets = np.cumsum([0] + [b.n_tokens for b in batches[:-1]])
+        cu = np.concatenate([[0]] + [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets)]).astype(np.int64)
+        keys = set(batches[0].side_channels)
+        return RolloutBatch(
+            cu_seqlens=cu,
+            **{name: np.concatenate([getattr(b, name) for b in batches]) for name in TOKEN_ARRAYS + SEQUENCE_ARRAYS},
+            side_channels={
+                k: np.concatenate([b.side_channels[k] for b in batches])
+                for k in keys
+                if all(isinstance(b.side_channels.get(k), np.ndarray) for b in batches)
+            },
+        )
+
+    def to_arrays(self) -> Mapping[str, np.ndarray]:
+        """Every array by name (side channels prefixed ``side.``), for transports."""
+        out = {name: getattr(self, name) for name in ("cu_seqlens",) + TOKEN_ARRAYS + SEQUENCE_ARRAYS}
+        out.update({f"side.{k}": v for k, v in self.side_channels.items()})
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> "RolloutBatch":
+        side = {k[5:]: v for k, v in arrays.items() if k.startswith("side.")}
+        plain = {k: v for k, v in arrays.items() if not k.startswith("side.")}
+        batch = cls(**plain, side_channels=side)
+        batch.validate()
+        return batch

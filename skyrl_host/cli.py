@@ -58,17 +58,19 @@ def make_cli(host: PluginHost) -> click.Group:
     @click.argument("job_file", type=click.Path(dir_okay=False))
     @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help=SET_HELP)
     @click.option("--overwrite", is_flag=True, help="Replace a previous run in the job's output folder.")
+    @click.option("--resume", is_flag=True, help="Continue the run in the job's output folder from its latest checkpoint.")
     @click.pass_context
-    def run(ctx: click.Context, job_file: str, overrides: Sequence[str], overwrite: bool) -> None:
+    def run(ctx: click.Context, job_file: str, overrides: Sequence[str], overwrite: bool, resume: bool) -> None:
         """Validate JOB_FILE, resolve its plugins and run its job kind."""
         from skyrl_host.config import load_job
         from skyrl_host.runner import run_job
 
         spec = load_job(job_file, _host(ctx), overrides)
         start = time.monotonic()
-        result = run_job(_host(ctx), spec, overwrite=overwrite)
+        result = run_job(_host(ctx), spec, overwrite=overwrite, resume=resume)
+        resumed = f" (resumed after step {result.resume_step})" if result.resuming else ""
         click.echo(
-            f"{spec.kind.name} job {spec.name!r} completed {result.last_step} step(s) in "
+            f"{spec.kind.name} job {spec.name!r} completed {result.last_step} step(s){resumed} in "
             f"{time.monotonic() - start:.1f} s; results in {result.output_dir}",
             err=True,
         )

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import attrs
 import cattrs
 
+from skyrl_host.checkpoints import latest_checkpoint
 from skyrl_host.config import JobSpec, PluginChoice
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.plugins import PluginHost
@@ -29,6 +30,9 @@ class Run:
     total_steps: int
     scratch: dict[str, Any] = attrs.field(factory=dict)  # observers keep state here, by plugin name
     headline: list[str] = attrs.field(factory=list)  # metric names the progress display shows first
+    resuming: bool = False  # `skyrl run --resume`
+    resume_step: int = 0  # the step of the checkpoint the driver resumes from (0: from scratch)
+    resume_path: pathlib.Path | None = None
     last_step: int = 0
     started_at: float = attrs.field(factory=time.monotonic)
 
@@ -83,37 +87,56 @@ def describe_spec(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def prepare_output_dir(spec: JobSpec, overwrite: bool) -> pathlib.Path:
+def prepare_output_dir(spec: JobSpec, overwrite: bool, resume: bool = False) -> pathlib.Path:
     out = spec.output_dir
+    where = {"file": str(spec.path), "key": "job.output_dir"}
     if out.exists() and not out.is_dir():
-        raise UserError(Problem(f"output folder {str(out)!r} exists and is not a folder", file=str(spec.path), key="job.output_dir"))
+        raise UserError(Problem(f"output folder {str(out)!r} exists and is not a folder", **where))
+    if resume:
+        if not (out / RUN_RECORD).exists():
+            raise UserError(Problem(f"--resume: {str(out)!r} holds no run to resume", **where))
+        previous = json.loads((out / RUN_RECORD).read_text())
+        if previous.get("kind", {}).get("name") != spec.kind.name:
+            raise UserError(
+                Problem(f"--resume: {str(out)!r} holds a {previous.get('kind', {}).get('name')!r} run, not {spec.kind.name!r}", **where)
+            )
+        return out
     if (out / RUN_RECORD).exists():
         if not overwrite:
             raise UserError(
                 Problem(
-                    f"{str(out)!r} already holds a run; pass --overwrite to replace it, "
+                    f"{str(out)!r} already holds a run; pass --resume to continue it, --overwrite to replace it, "
                     f"or choose another folder with --set job.output_dir=...",
-                    file=str(spec.path),
-                    key="job.output_dir",
+                    **where,
                 )
             )
         shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(Problem(f"cannot create output folder: {exc}", file=str(spec.path), key="job.output_dir")) from None
+        raise UserError(Problem(f"cannot create output folder: {exc}", **where)) from None
     return out
 
 
-def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False) -> Run:
-    """Run ``spec``'s driver between ``skyrl_job_started`` and ``skyrl_job_finished``."""
-    out = prepare_output_dir(spec, overwrite)
+def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume: bool = False) -> Run:
+    """Run ``spec``'s driver between ``skyrl_job_started`` and ``skyrl_job_finished``.
+
+    With ``resume``, the run continues in its output folder from the latest
+    complete checkpoint (``run.resume_step``; 0 when there is none)."""
+    if overwrite and resume:
+        raise UserError("--overwrite and --resume exclude each other")
+    out = prepare_output_dir(spec, overwrite, resume)
     record = json.dumps(describe_spec(spec), indent=2, default=str)
     tmp = out / (RUN_RECORD + ".tmp")
     tmp.write_text(record + "\n")
     tmp.replace(out / RUN_RECORD)
 
-    run = Run(spec=spec, host=host, output_dir=out, total_steps=spec.job.steps)
+    run = Run(spec=spec, host=host, output_dir=out, total_steps=spec.job.steps, resuming=resume)
+    if resume:
+        found = latest_checkpoint(out)
+        if found is not None:
+            run.resume_step, run.resume_path = found
+            run.last_step = run.resume_step
     hook = host.pm.hook
     status, error = "failed", None
     try:

@@ -110,7 +110,7 @@ def test_run_twice_needs_overwrite(tmp_path) -> None:
     assert f"reward_check job 'reward_check' completed 2 step(s)" in first.stderr
     second = skyrl(*args)
     assert second.returncode == 2
-    assert f"'{out}' already holds a run; pass --overwrite" in second.stderr
+    assert f"'{out}' already holds a run; pass --resume to continue it, --overwrite to replace it" in second.stderr
     assert "Traceback" not in second.stderr
     third = skyrl(*args, "--overwrite")
     assert third.returncode == 0, third.stderr

@@ -19,6 +19,14 @@ import pytest
 
 from skyrl_host import hookimpl
 from skyrl_host.config import ge, in_interval, locate_keys, option
+from skyrl_host.plugins import build_host
+
+
+@pytest.fixture
+def skyrl_host() -> Any:
+    """Only the plugins these job files use, so the messages that list what is
+    available stay the same whatever else is installed."""
+    yield build_host(env={"SKYRL_LOAD_PLUGINS": "letter_count,reward_check,metrics_jsonl"})
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "reward_check.toml"
 USER_ERROR = 2

@@ -25,7 +25,7 @@ def test_host_distribution() -> None:
     assert meta["Name"] == "skyrl-host"
     scripts = {ep.name: ep.value for ep in importlib.metadata.distribution("skyrl-host").entry_points if ep.group == "console_scripts"}
     assert scripts == {"skyrl": "skyrl_host.cli:entry"}
-    assert requirement_names("skyrl-host") == {"pluggy", "attrs", "cattrs", "click", "rich", "numpy"}
+    assert requirement_names("skyrl-host") == {"pluggy", "attrs", "cattrs", "click", "rich", "numpy", "matplotlib"}
 
 
 @pytest.mark.parametrize("kind", PLUGIN_DISTS)

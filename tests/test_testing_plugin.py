@@ -20,15 +20,15 @@ def test_fixtures_in_a_plugin_authors_test_suite(pytester) -> None:
         class Greedy:
             @hookimpl
             def skyrl_register_samplers(self, register):
-                register("greedy", lambda config: "sampler", description="always the top token")
+                register("always_top", lambda config: "sampler", description="always the top token")
 
         def test_register_for_one_test(skyrl_host, skyrl_plugin):
             record = skyrl_plugin(Greedy(), "greedy_plugin")
             assert record.hooks == ["skyrl_register_samplers"]
-            assert skyrl_host.registry.get("samplers", "greedy").origin.plugin == "greedy_plugin"
+            assert skyrl_host.registry.get("samplers", "always_top").origin.plugin == "greedy_plugin"
 
         def test_next_test_gets_a_fresh_host(skyrl_host):
-            assert "greedy" not in skyrl_host.registry.names("samplers")
+            assert "always_top" not in skyrl_host.registry.names("samplers")
             assert "reward_check" in skyrl_host.registry.names("jobs")  # installed plugins are loaded
 
         def test_empty_host(skyrl_empty_host):
@@ -40,7 +40,7 @@ def test_fixtures_in_a_plugin_authors_test_suite(pytester) -> None:
             result = skyrl_cli("plugins", "--hook", "skyrl_register_samplers")
             assert result.exit_code == 0
             assert "greedy_plugin  [loaded]  (registered in-process)" in result.stdout
-            assert "sampler greedy: always the top token" in result.stdout
+            assert "sampler always_top: always the top token" in result.stdout
         """
     )
     result = pytester.runpytest("-p", "no:cacheprovider")

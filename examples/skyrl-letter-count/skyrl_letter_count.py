@@ -45,6 +45,9 @@ class LetterCount:
     def __init__(self, config: LetterCountConfig, seed: int = 0):
         self.config = config
         self.seed = seed + config.seed_offset
+        # Every character of a prompt or an answer, for character-level tokenizers.
+        template = "How many times does '' occur in ''? Answer with a number.0123456789"
+        self.alphabet = "".join(sorted(set(template + config.alphabet)))
 
     def batch(self, step: int, size: int) -> list[Task]:
         rng = random.Random(f"letter_count/{self.seed}/{step}")  # a pure function of (seed, step)

@@ -31,12 +31,32 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _truncate_after(path: Any, step: int) -> None:
+    """Keep the records up to ``step`` (a resumed run rewrites the steps after it)."""
+    if not path.exists():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # a torn last line from a killed run
+            row = json.loads(line)
+            if "step" in row and "event" not in row and row["step"] > step:
+                break
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+
+
 @hookimpl
 def skyrl_job_started(run: Any) -> None:
-    _append(
-        run.output_dir / FILENAME,
-        {"event": "start", "time": time.time(), "job": run.spec.name, "kind": run.spec.kind.name, "steps": run.total_steps},
-    )
+    path = run.output_dir / FILENAME
+    record = {"event": "start", "time": time.time(), "job": run.spec.name, "kind": run.spec.kind.name, "steps": run.total_steps}
+    if run.resuming:
+        _truncate_after(path, run.resume_step)
+        record.update(event="resume", from_step=run.resume_step)
+    _append(path, record)
 
 
 @hookimpl

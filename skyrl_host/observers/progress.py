@@ -32,7 +32,7 @@ def skyrl_job_started(run: Any) -> None:
         transient=False,
     )
     progress.start()
-    task = progress.add_task(run.spec.name, total=run.total_steps, rate="", metrics="")
+    task = progress.add_task(run.spec.name, total=run.total_steps, completed=run.resume_step, rate="", metrics="")
     run.scratch[KEY] = (progress, task)
 
 

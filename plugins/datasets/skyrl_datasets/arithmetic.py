@@ -59,6 +59,9 @@ class ArithmeticConfig:
 class Arithmetic:
     """The dataset (a :class:`skyrl_host.interfaces.Dataset`)."""
 
+    # Every character of a prompt or an answer, for character-level tokenizers.
+    alphabet = "0123456789+-*="
+
     def __init__(self, config: ArithmeticConfig, seed: int = 0):
         self.config = config
         self.seed = seed + config.seed_offset

@@ -117,6 +117,10 @@ class Jsonl:
         self._custom = None if config.reward in BUILTIN_REWARDS else _load_reward(config.reward)
         self.tasks: list[Task] = self._read()
         self._orders: dict[int, list[int]] = {}
+        # Every character of a prompt or an answer, for character-level tokenizers.
+        self.alphabet = "".join(
+            sorted({c for t in self.tasks for c in t.prompt + (t.answer or "") + str(t.meta.get(config.answer_key, ""))})
+        )
 
     # -- reading ---------------------------------------------------------------
 

@@ -42,6 +42,9 @@ def prompt_for(digits: str) -> str:
 class ReverseDigits:
     """The dataset (a :class:`skyrl_host.interfaces.Dataset`)."""
 
+    # Every character of a prompt or an answer, for character-level tokenizers.
+    alphabet = "".join(sorted(set(prompt_for(DIGITS) + DIGITS)))
+
     def __init__(self, config: ReverseDigitsConfig, seed: int = 0):
         self.config = config
         self.seed = seed + config.seed_offset

@@ -114,3 +114,9 @@ def test_config_checks(kwargs: dict, message: str) -> None:
 def test_steps_count_from_one() -> None:
     with pytest.raises(ValueError, match="steps count from 1"):
         Arithmetic(ArithmeticConfig()).batch(0, 4)
+
+
+def test_alphabet_covers_every_prompt_and_answer() -> None:
+    ds = Arithmetic(ArithmeticConfig(operations=["+", "-", "*"], allow_negative=True, max_digits=3), seed=3)
+    for t in ds.batch(1, 64):
+        assert set(t.prompt + t.answer) <= set(ds.alphabet)

@@ -82,3 +82,9 @@ def test_batches_are_reproducible_and_differ_across_steps_and_seeds() -> None:
 def test_config_checks(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         ReverseDigitsConfig(**kwargs)
+
+
+def test_alphabet_covers_every_prompt_and_answer() -> None:
+    ds = ReverseDigits(ReverseDigitsConfig(min_len=2, max_len=10), seed=3)
+    for t in ds.batch(1, 64):
+        assert set(t.prompt + t.answer) <= set(ds.alphabet)

@@ -1,0 +1,254 @@
+"""``kind = "rl"``: generate → reward → filter → advantages → train → sync.
+
+Every part is a plugin selected by the job file: the model family, the engine,
+the sampler, the algorithm, the dataset, the backend and the weight transport.
+This driver only moves data between them, measures, checkpoints and resumes.
+
+Determinism: the prompts of step ``s`` are ``dataset.batch(s, ...)`` and the
+generation seed is a function of (job seed, step, refill round), so a run
+resumed from a checkpoint reproduces the uninterrupted run's metrics exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import random
+import time
+from typing import Any
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.checkpoints import CheckpointWriter
+from skyrl_host.config import ge, gt, option
+from skyrl_host.errors import UserError
+
+SLOTS = {
+    "model": None,
+    "dataset": None,
+    "engine": "embedded",
+    "sampler": "temperature",
+    "algorithm": "grpo",
+    "backend": "torch",
+    "weight_sync": "inproc",
+}
+
+
+@attrs.frozen
+class RLConfig:
+    batch_size: int = option(32, help="prompts per step (groups)", validator=gt(0))
+    n_samples: int = option(8, help="responses sampled per prompt (the group size)", validator=gt(0))
+    max_new_tokens: int = option(16, help="new-token limit per response", validator=gt(0))
+    checkpoint_every: int = option(50, help="steps between checkpoints (0: only at the end)", validator=ge(0))
+    keep_checkpoints: int = option(2, help="checkpoints kept on disk", validator=gt(0))
+    save_final: bool = option(True, help="write the final model as a Hugging Face folder in <output_dir>/final")
+    threads: int | None = option(None, help="torch threads (default: leave torch's choice)", validator=gt(0))
+
+
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The generation seed of a step: a pure function, so resumes reproduce it."""
+    return (seed * 1_000_003 + step * 9_973 + round_ * 101) % (2**63 - 1)
+
+
+class RLDriver:
+    def __init__(self, run: Any):
+        self.run_ = run
+        self.cfg: RLConfig = run.spec.kind_config
+        self.seed = run.spec.job.seed
+
+    # -- set-up ----------------------------------------------------------------
+
+    def _build(self) -> None:
+        import torch
+
+        run, cfg = self.run_, self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        self.dataset = run.plugin("dataset").create(seed=self.seed)
+        self.family = run.plugin("model").create()
+        alphabet = getattr(self.dataset, "alphabet", None)
+        self.loaded = self.family.load(alphabet=alphabet, seed=self.seed)
+        self.tokenizer = self.loaded.tokenizer
+        self.sampler = run.plugin("sampler").create()
+        self.algorithm = run.plugin("algorithm").create()
+        self.backend = run.plugin("backend").create()
+        self.backend.start(
+            self.loaded, seed=self.seed, total_steps=run.total_steps, reference=bool(self.algorithm.needs_reference)
+        )
+        self.engine = run.plugin("engine").create()
+        self.engine.start(self.loaded)
+        self.transport = run.plugin("weight_sync").create()
+        self.start_step = 1
+        if run.resume_path is not None:
+            self._load_checkpoint(run.resume_path)
+            self.start_step = run.resume_step + 1
+        self.transport.publish(self.backend, self.engine, self.start_step - 1)
+
+    # -- one step ----------------------------------------------------------------
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        return [list(self.tokenizer.encode(p)) for p in prompts]
+
+    def _generate(self, step: int, round_: int, tasks: list[Any], group_offset: int) -> Any:
+        return self.engine.generate(
+            self._encode([t.prompt for t in tasks]),
+            n=self.cfg.n_samples,
+            sampler=self.sampler,
+            max_new_tokens=self.cfg.max_new_tokens,
+            seed=step_seed(self.seed, step, round_),
+            group_offset=group_offset,
+        )
+
+    def _score(self, batch: Any, tasks: list[Any], group_offset: int) -> None:
+        import numpy as np
+
+        stop = set(self.loaded.stop_token_ids)
+        rewards = np.empty(batch.n_sequences, dtype=np.float32)
+        for i in range(batch.n_sequences):
+            ids = [int(t) for t in batch.response(i) if int(t) not in stop]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            task = tasks[int(batch.group_ids[i]) - group_offset]
+            rewards[i] = float(self.dataset.reward(task, text))
+        batch.rewards = rewards
+
+    def step(self, step: int) -> dict[str, float]:
+        import numpy as np
+
+        from skyrl_host.rollout import RolloutBatch
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        tasks = list(self.dataset.batch(step, cfg.batch_size))
+        gen_time, gen_tokens = 0.0, 0
+        g0 = time.perf_counter()
+        first = self._generate(step, 0, tasks, 0)
+        gen_time += time.perf_counter() - g0
+        gen_tokens += int(first.loss_mask.sum())
+        self._score(first, tasks, 0)
+        raw = first.rewards.copy()
+        shaped = np.asarray(self.algorithm.shape_rewards(first, cfg.max_new_tokens), dtype=np.float32)
+        keep = np.asarray(self.algorithm.keep(first, shaped), dtype=bool)
+        kept, kept_rewards = [first.select(np.flatnonzero(keep))], [shaped[keep]]
+        n_groups = len(np.unique(first.group_ids[keep]))
+        rounds = 0
+        max_rounds = int(getattr(self.algorithm.config, "max_refill_rounds", 0) or 0) if hasattr(self.algorithm, "config") else 0
+        dynamic = bool(getattr(getattr(self.algorithm, "config", None), "dynamic_sampling", False))
+        # Dynamic sampling: refill with further prompts of this step until the batch is full.
+        while dynamic and n_groups < cfg.batch_size and rounds < max_rounds:
+            rounds += 1
+            more = list(self.dataset.batch(step, cfg.batch_size * (rounds + 1)))[cfg.batch_size * rounds :]
+            offset = cfg.batch_size * rounds
+            g0 = time.perf_counter()
+            extra = self._generate(step, rounds, more, offset)
+            gen_time += time.perf_counter() - g0
+            gen_tokens += int(extra.loss_mask.sum())
+            self._score(extra, more, offset)
+            ex_shaped = np.asarray(self.algorithm.shape_rewards(extra, cfg.max_new_tokens), dtype=np.float32)
+            ex_keep = np.asarray(self.algorithm.keep(extra, ex_shaped), dtype=bool)
+            groups = [g for g in dict.fromkeys(extra.group_ids[ex_keep].tolist())][: cfg.batch_size - n_groups]
+            take = np.flatnonzero(np.isin(extra.group_ids, groups) & ex_keep)
+            kept.append(extra.select(take))
+            kept_rewards.append(ex_shaped[take])
+            n_groups += len(groups)
+        batch = RolloutBatch.concat(kept)
+        rewards = np.concatenate(kept_rewards).astype(np.float32)
+
+        metrics: dict[str, float] = {
+            "reward_mean": float(raw.mean()),
+            "reward_std": float(raw.std()),
+            "accuracy": float((raw >= 1.0).mean()),
+            "response_length_mean": float(first.response_lens.mean()),
+            "truncated_fraction": float(first.truncated.mean()),
+            "kept_groups": float(n_groups),
+            "refill_rounds": float(rounds),
+        }
+        if batch.n_sequences > 0:
+            advantages = np.asarray(self.algorithm.advantages(batch, rewards), dtype=np.float32)
+            t_train = time.perf_counter()
+            train = self.backend.train_step(
+                batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=cfg.max_new_tokens
+            )
+            train_time = time.perf_counter() - t_train
+            metrics.update({k: float(v) for k, v in train.items()})
+            metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
+        sync = self.transport.publish(self.backend, self.engine, step)
+        metrics.update({k: float(v) for k, v in sync.items()})
+        metrics["gen_tokens_per_s"] = float(gen_tokens / max(gen_time, 1e-9))
+        metrics["step_time"] = time.perf_counter() - t0
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _save_checkpoint(self, step: int) -> None:
+        import numpy as np
+        import torch
+
+        with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
+            torch.save(self.backend.state_dict(), folder / "backend.pt")
+            torch.save(
+                {
+                    "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(),
+                },
+                folder / "rng.pt",
+            )
+            (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
+
+    def _load_checkpoint(self, folder: pathlib.Path) -> None:
+        import numpy as np
+        import torch
+
+        try:
+            state = torch.load(folder / "backend.pt", weights_only=False)
+            rng = torch.load(folder / "rng.pt", weights_only=False)
+        except (OSError, RuntimeError) as exc:
+            raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
+        self.backend.load_state_dict(state)
+        torch.set_rng_state(rng["torch_rng"])
+        random.setstate(rng["python_rng"])
+        np.random.set_state(rng["numpy_rng"])
+
+    def _save_final(self) -> None:
+        import torch
+
+        trained = dict(self.backend.named_weights())
+        model = self.loaded.model
+        with torch.no_grad():
+            for name, param in model.state_dict().items():
+                if name in trained and trained[name].data_ptr() != param.data_ptr():
+                    param.copy_(trained[name])
+        self.family.save(self.loaded, str(self.run_.output_dir / "final"))
+
+    # -- the loop ------------------------------------------------------------------
+
+    def run(self) -> None:
+        run, cfg = self.run_, self.cfg
+        run.headline = ["reward_mean", "accuracy", "entropy"]
+        self._build()
+        for step in range(self.start_step, run.total_steps + 1):
+            metrics = self.step(step)
+            bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v) and k.startswith(("loss", "grad"))]
+            if bad:
+                raise FloatingPointError(f"step {step}: {bad[0]} is NaN")
+            run.report(step, metrics)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
+                self._save_checkpoint(step)
+        self._save_checkpoint(run.total_steps)
+        if cfg.save_final:
+            self._save_final()
+
+
+@hookimpl
+def skyrl_register_jobs(register: Any) -> None:
+    register(
+        "rl",
+        RLDriver,
+        config=RLConfig,
+        description="Reinforcement learning: generate, reward, filter, advantages, train, sync",
+        slots=SLOTS,
+    )

@@ -1,0 +1,189 @@
+"""Helpers shared by the model families built on transformers (imports torch).
+
+- :func:`char_tokenizer`: a character-level tokenizer for a dataset's alphabet;
+- :func:`seeded`: build a model's random weights from a seed without touching
+  the process's own random state;
+- :func:`load_folder`: a local Hugging Face folder -> (model, tokenizer), checking
+  the model type against the family's;
+- :func:`stop_token_ids`: the EOS token first, then the generation config's;
+- :func:`save_folder`: model + tokenizer to a Hugging Face folder, atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from skyrl_host.errors import Problem, UserError
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, UNK)  # ids 0, 1, 2; the alphabet's characters follow, sorted
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+NO_ALPHABET = (
+    "the dataset provides no alphabet; a preset model needs one to build its character-level "
+    "tokenizer (use a dataset that defines `alphabet`, or set path to a Hugging Face folder "
+    "that has its own tokenizer)"
+)
+
+
+def char_tokenizer(alphabet: str | None, *, model_max_length: int, key: str = "model.preset") -> Any:
+    """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet``.
+
+    Vocabulary: ``<pad>`` = 0, ``<eos>`` = 1, ``<unk>`` = 2, then the distinct
+    characters of ``alphabet`` in sorted order, so the ids depend only on the set
+    of characters. Encoding adds no special tokens and gives one id per character
+    (characters outside the alphabet -> ``<unk>``); decoding concatenates, so it
+    round-trips any text made of the alphabet. Padding is on the left (batched
+    generation with ``model.generate``).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if alphabet is None:
+        raise UserError(Problem(NO_ALPHABET, key=key))
+    if not isinstance(alphabet, str):
+        raise TypeError(f"a dataset's alphabet must be a str of characters, got {type(alphabet).__name__}")
+    chars = sorted(set(alphabet))
+    if not chars:
+        message = "the dataset's alphabet is empty; a character-level tokenizer needs characters"
+        raise UserError(Problem(message, key=key))
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *chars])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+    backend.decoder = decoders.Fuse()  # join without spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+        model_max_length=model_max_length,
+    )
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed torch's CPU generator for the block and restore the previous state after,
+    so building a model is a pure function of ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def set_special_ids(model: Any, tokenizer: Any) -> None:
+    """Make the model's config and generation config agree with the tokenizer."""
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        if cfg is None:
+            continue
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+
+
+def read_model_type(path: str, *, key: str = "model.path") -> str | None:
+    folder = pathlib.Path(path)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise UserError(Problem(f"expected a folder with config.json, found none in {path!r}", key=key))
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(Problem(f"cannot read {config}: {exc}", key=key)) from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
+def load_folder(
+    path: str,
+    *,
+    family: str,
+    model_types: Sequence[str],
+    dtype: str,
+    attn_implementation: str,
+    key: str = "model.path",
+) -> tuple[Any, Any]:
+    """Load a local Hugging Face folder; the model is in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_type = read_model_type(path, key=key)
+    if model_type not in model_types:
+        supported = ", ".join(repr(t) for t in model_types)
+        found = f"model type {model_type!r}" if model_type else "a config.json without model_type"
+        raise UserError(
+            Problem(f"model family {family!r} loads model types {supported}; {path!r} has {found}", key=key)
+        )
+    # transformers 5 builds an empty tokenizer when a folder has none: refuse instead.
+    if not any((pathlib.Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        names = ", ".join(TOKENIZER_FILES)
+        raise UserError(Problem(f"{path!r} has no tokenizer files (expected one of {names})", key=key))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(Problem(f"cannot load a tokenizer from {path!r}: {exc}", key=key)) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    except OSError as exc:  # missing or unreadable weight files
+        raise UserError(Problem(f"cannot load the model from {path!r}: {exc}", key=key)) from None
+    return model.eval(), tokenizer
+
+
+def stop_token_ids(model: Any, tokenizer: Any, *, key: str = "model.path") -> list[int]:
+    """The tokenizer's EOS first, then any other EOS ids of the generation config
+    (Qwen3 instruct models stop at both ``<|im_end|>`` and ``<|endoftext|>``)."""
+    ids: list[int] = []
+    candidates: list[Any] = [tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None)
+    for cfg in (gen, model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        candidates += eos if isinstance(eos, (list, tuple)) else [eos]
+    for i in candidates:
+        if isinstance(i, int) and i not in ids:
+            ids.append(i)
+    if not ids:
+        raise UserError(Problem("the model's tokenizer and generation config name no end-of-sequence token", key=key))
+    return ids
+
+
+def save_folder(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``model`` and ``tokenizer`` as a Hugging Face folder at ``path``, atomically.
+
+    Everything is written into a new folder beside ``path`` that is renamed into
+    place at the end: readers see the old folder or the complete new one, never a
+    partial one. An existing folder at ``path`` is replaced (moved aside, then
+    deleted once the new one is in place)."""
+    target = pathlib.Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"cannot save a model to {str(target)!r}: it is a file")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:12]
+    tmp = target.parent / f".{target.name}.tmp-{tag}"
+    tmp.mkdir()  # honours the umask, unlike tempfile.mkdtemp
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{tag}"
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -156,6 +156,8 @@ class Algorithm(Protocol):
     (``[algorithm] name``)."""
 
     needs_reference: bool  # the backend must keep a frozen reference model
+    dynamic_sampling: bool  # the driver refills dropped groups with further prompts...
+    max_refill_rounds: int  # ...at most this many times per step
 
     def shape_rewards(self, batch: Any, max_new_tokens: int) -> Any:
         """float32 [S]: the rewards used for advantages (e.g. overlong shaping)."""

@@ -135,8 +135,7 @@ class RLDriver:
         kept, kept_rewards = [first.select(np.flatnonzero(keep))], [shaped[keep]]
         n_groups = len(np.unique(first.group_ids[keep]))
         rounds = 0
-        max_rounds = int(getattr(self.algorithm.config, "max_refill_rounds", 0) or 0) if hasattr(self.algorithm, "config") else 0
-        dynamic = bool(getattr(getattr(self.algorithm, "config", None), "dynamic_sampling", False))
+        dynamic, max_rounds = bool(self.algorithm.dynamic_sampling), int(self.algorithm.max_refill_rounds)
         # Dynamic sampling: refill with further prompts of this step until the batch is full.
         while dynamic and n_groups < cfg.batch_size and rounds < max_rounds:
             rounds += 1

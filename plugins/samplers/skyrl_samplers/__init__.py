@@ -1,4 +1,11 @@
-"""skyrl-samplers: samplers (temperature, top_p, top_k, min_p).
+"""skyrl-samplers: token samplers (temperature, greedy, top_k, top_p, min_p).
 
-Each feature is one module here with its own ``skyrl`` entry point.
+Each feature is one module here with its own ``skyrl`` entry point. The modules
+the entry points name import no torch: the tensor code lives in
+:mod:`skyrl_samplers._processing`, imported by the factories when a job builds
+its sampler.
+
+Every sampler but ``greedy`` is the same composable pipeline, fixed in this
+order: temperature scaling -> top-k -> top-p -> min-p -> sample. The names only
+change the defaults of the four options.
 """

@@ -1,0 +1,35 @@
+"""top_p: nucleus sampling, the smallest set of tokens whose probability reaches
+``top_p`` (default 0.95).
+
+``temperature``, ``top_k`` and ``min_p`` may be set too; the order is fixed:
+temperature -> top-k -> top-p -> min-p -> sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_samplers._options import build_sampler, min_p_option, temperature_option, top_k_option, top_p_option
+
+
+@attrs.frozen
+class TopPConfig:
+    """Options of ``[sampler]`` when ``name = "top_p"``."""
+
+    temperature: float = temperature_option()
+    top_k: int = top_k_option()
+    top_p: float = top_p_option(0.95)
+    min_p: float = min_p_option()
+
+
+@hookimpl
+def skyrl_register_samplers(register: Any) -> None:
+    register(
+        "top_p",
+        build_sampler,
+        config=TopPConfig,
+        description="Nucleus sampling: the fewest tokens whose probability reaches top_p (default 0.95)",
+    )

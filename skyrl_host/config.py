@@ -106,6 +106,7 @@ class JobSection:
     steps: int = option(100, help="number of steps to run", validator=gt(0))
     output_dir: str | None = option(None, help="folder for metrics, plots and checkpoints (default: runs/<name>)")
     name: str | None = option(None, help="run name (default: the job file's stem)")
+    tensorboard: bool = option(False, help="also write TensorBoard event files to <output_dir>/tensorboard")
 
 
 @attrs.frozen

@@ -35,7 +35,7 @@ VALID_TABLES = (
     "valid tables: 'algorithm', 'backend', 'cluster', 'dataset', 'engine', 'job', 'model', "
     "'precision', 'replay', 'sampler', 'weight_sync'"
 )
-JOB_KEYS = "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps'"
+JOB_KEYS = "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps', 'tensorboard'"
 DATASET_KEYS = "valid keys: 'alphabet', 'max_len', 'min_len', 'name', 'partial_credit', 'seed_offset'"
 
 

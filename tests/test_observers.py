@@ -1,0 +1,72 @@
+"""The built-in observers as a user meets them: metrics.jsonl, the plot, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from skyrl_host import hookimpl
+
+
+class Squares:
+    def __init__(self, run):
+        self.run_ = run
+
+    def run(self):
+        self.run_.headline = ["square"]
+        for step in range(1, self.run_.total_steps + 1):
+            self.run_.report(step, {"square": float(step * step), "half": step / 2})
+
+
+class JobPlugin:
+    @hookimpl
+    def skyrl_register_jobs(self, register):
+        register("squares", Squares, description="reports squares")
+
+
+def read_events(folder):
+    """Scalars from TensorBoard event files (TFRecord framing, Event protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                out.append((event.step, v.tag, round(v.simple_value, 4)))
+    return out
+
+
+@pytest.fixture
+def job(skyrl_plugin, tmp_path):
+    skyrl_plugin(JobPlugin(), "squares_plugin")
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nkind = "squares"\nsteps = 12\noutput_dir = "{tmp_path / "out"}"\n')
+    return path
+
+
+def test_metrics_jsonl_and_plot(skyrl_cli, job, tmp_path) -> None:
+    assert skyrl_cli("run", str(job)).exit_code == 0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["event"] == "start" and rows[-1] == {**rows[-1], "event": "end", "status": "completed", "last_step": 12}
+    assert [r["square"] for r in rows[1:-1]] == [float(s * s) for s in range(1, 13)]
+    png = (tmp_path / "out" / "plot.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_tensorboard_when_asked(skyrl_cli, job, tmp_path) -> None:
+    assert skyrl_cli("run", str(job), "--set", "job.tensorboard=true").exit_code == 0
+    events = read_events(tmp_path / "out" / "tensorboard")
+    assert (12, "square", 144.0) in events and (3, "half", 1.5) in events
+    assert len([e for e in events if e[1] == "square"]) == 12
+
+
+def test_no_tensorboard_by_default(skyrl_cli, job, tmp_path) -> None:
+    assert skyrl_cli("run", str(job)).exit_code == 0
+    assert not (tmp_path / "out" / "tensorboard").exists()

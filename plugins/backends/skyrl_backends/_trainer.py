@@ -1,0 +1,534 @@
+"""The torch backend's implementation (imported by the factory in ``skyrl_backends.torch``).
+
+One step over a RolloutBatch:
+
+1. split the sequences into ``mini_batches`` groups (one optimizer update each) and
+   every group into packed micro-batches: whole sequences, in order, while their
+   tokens fit ``micro_batch_tokens``; one row ``[1, n]`` each, positions restarting
+   at 0 for every sequence (transformers then builds a block-diagonal causal mask
+   from the positions when no attention mask and no cache is passed);
+2. all-reduce the normalisers (loss tokens, training sequences) of every
+   mini-batch and the number of micro-batches (ranks with fewer run empty ones so
+   every rank calls the same collectives);
+3. before the first update, in a no-grad pass: the reference logprobs when the
+   algorithm needs them, and the old logprobs when there is more than one update;
+4. per micro-batch: the forward with logits only at the positions that predict a
+   loss token, logprobs of the temperature-scaled distribution, LossInputs, the
+   algorithm's loss, backward (times the world size: DDP and FSDP2 average
+   gradients over ranks, the algorithm's loss is already normalised by global
+   counts); then clip, AdamW step, scheduler step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from skyrl_host.interfaces import LossInputs
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class LrSchedule:
+    """The learning-rate factor of optimizer update ``u`` (0-based): a linear warmup
+    over the first ``warmup`` updates (factor ``(u + 1) / (warmup + 1)``), then
+    constant 1, or a cosine from 1 down to ``min_ratio`` at update ``total``.
+
+    A class, not a closure, so LambdaLR's state dict records it."""
+
+    def __init__(self, warmup: int, total: int, kind: str, min_ratio: float):
+        self.warmup = warmup
+        self.total = total
+        self.kind = kind
+        self.min_ratio = min_ratio
+
+    def __call__(self, u: int) -> float:
+        if u < self.warmup:
+            return (u + 1) / (self.warmup + 1)
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, max(0.0, (u - self.warmup) / max(1, self.total - self.warmup)))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class _Micro:
+    """One packed micro-batch: a row of whole sequences and its loss tokens.
+
+    ``keep`` are the positions whose logits predict the loss tokens (``t - 1`` for a
+    loss token at ``t``); every per-token tensor has one entry per loss token."""
+
+    def __init__(self, *, ids, pos, keep, targets, adv, engine_lp, seq_ids, n_seqs: int, n_tokens: int, n_sequences: int):
+        self.ids = ids  # long [1, n]
+        self.pos = pos  # long [1, n]
+        self.keep = keep  # long [K]
+        self.targets = targets  # long [K]
+        self.adv = adv  # float32 [K]
+        self.engine_lp = engine_lp  # float32 [K]
+        self.seq_ids = seq_ids  # long [K], 0..n_seqs-1 over the sequences with loss tokens
+        self.n_seqs = n_seqs
+        self.n_tokens = n_tokens  # all tokens of the row
+        self.n_sequences = n_sequences  # all sequences of the row
+        self.old: Any = None  # pre-update logprobs [K], from the no-grad pass
+        self.ref: Any = None  # reference logprobs [K]
+
+    @property
+    def n_loss(self) -> int:
+        return int(self.targets.numel())
+
+    @property
+    def dummy(self) -> bool:
+        return self.n_sequences == 0
+
+
+def pack_groups(seq_lens: np.ndarray, seqs: Iterable[int], budget: int) -> list[list[int]]:
+    """Whole sequences, in order, grouped while their total length fits ``budget``;
+    a sequence longer than the budget goes alone."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for s in seqs:
+        n = int(seq_lens[s])
+        if current and used + n > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(int(s))
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tree(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _copy_containers(obj: Any) -> Any:
+    """dicts and lists copied, tensors and other leaves shared."""
+    if isinstance(obj, dict):
+        return {k: _copy_containers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_containers(v) for v in obj]
+    return obj
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu").numpy()
+    return np.asarray(x)
+
+
+def _to_float(v: Any) -> float:
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().float().mean())
+    return float(v)
+
+
+class TorchBackend:
+    """A :class:`skyrl_host.interfaces.Backend` on plain PyTorch (+ DDP / FSDP2)."""
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.steps = 0  # train_step calls done
+        self.module: Any = None  # the model being trained (FSDP2: sharded in place)
+        self.reference: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self._ddp: Any = None
+        self._mesh: Any = None
+        self._dp = False
+        self.rank, self.world = 0, 1
+        self.device = torch.device("cpu")
+
+    # -- set-up ----------------------------------------------------------------
+
+    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool) -> None:
+        cfg = self.config
+        model = loaded.model
+        self._dp = cfg.data_parallel != "none"
+        if self._dp:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"data_parallel = {cfg.data_parallel!r} needs torch.distributed initialised by the launcher "
+                    "(init_process_group with gloo on CPU or nccl on GPU) before the backend starts"
+                )
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = self._pick_device()
+        self.seed = seed
+
+        # float32 master weights (float64 stays float64, e.g. for exactness tests).
+        if any(p.dtype in _LOW_PRECISION for p in model.parameters()):
+            model = model.float()
+        model = model.to(self.device)
+        if self._dp and cfg.data_parallel == "fsdp2":
+            # FSDP2 shards each rank's own copy: make them equal first (DDP does this itself).
+            with torch.no_grad():
+                for t in model.state_dict().values():
+                    dist.broadcast(t, src=0)
+        if reference:
+            ref = copy.deepcopy(model)
+            ref.eval()
+            ref.requires_grad_(False)
+            if self._dp and cfg.data_parallel == "fsdp2":
+                self._fully_shard(ref)
+            self.reference = ref
+
+        if cfg.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if self._dp and cfg.data_parallel == "fsdp2":
+            self._fully_shard(model)
+        self.module = model
+        if self._dp and cfg.data_parallel == "ddp":
+            import inspect
+
+            from torch.nn.parallel import DistributedDataParallel
+
+            # Buffers (rotary tables) are equal on every rank: no broadcast before each forward.
+            params = inspect.signature(DistributedDataParallel.__init__).parameters
+            no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+            self._ddp = DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_buffer_sync
+            )
+
+        decay, no_decay = [], []
+        for p in model.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+        )
+        total_updates = max(1, total_steps) * cfg.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, LrSchedule(cfg.warmup_steps, total_updates, cfg.schedule, cfg.min_lr_ratio)
+        )
+
+    def _pick_device(self) -> torch.device:
+        if torch.cuda.is_available() and (not self._dp or dist.get_backend() != "gloo"):
+            import os
+
+            index = int(os.environ.get("LOCAL_RANK", "0")) if self._dp else torch.cuda.current_device()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def _fully_shard(self, model: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        mesh = self._mesh
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        for sub in model.modules():
+            if sub is not model and type(sub).__name__ in layer_classes:
+                fully_shard(sub, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    @property
+    def _train_module(self) -> Any:
+        return self._ddp if self._ddp is not None else self.module
+
+    # -- one step ----------------------------------------------------------------
+
+    def _plan(self, batch: Any, advantages: np.ndarray) -> list[list[_Micro]]:
+        """The mini-batches of this rank, each a list of packed micro-batches."""
+        cfg = self.config
+        lens = batch.seq_lens
+        positions = batch.positions()
+        trains = (np.asarray(batch.loss_mask) != 0) & (positions > 0)  # a sequence's first token has no context
+        cu = batch.cu_seqlens
+        tokens = np.asarray(batch.tokens)
+        minis = np.array_split(np.arange(batch.n_sequences), cfg.mini_batches)
+        plan = []
+        for seqs in minis:
+            micros = []
+            for group in pack_groups(lens, seqs, cfg.micro_batch_tokens):
+                idx = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in group])
+                local = np.flatnonzero(trains[idx])
+                owner = np.repeat(np.arange(len(group)), lens[group])[local]
+                _, seq_ids = np.unique(owner, return_inverse=True)
+                micros.append(self._micro(tokens[idx], positions[idx], local, advantages[idx[local]],
+                                          np.asarray(batch.logprobs)[idx[local]], seq_ids,
+                                          int(len(np.unique(owner))), len(group)))
+            plan.append(micros)
+        return plan
+
+    def _micro(self, ids, pos, local, adv, engine_lp, seq_ids, n_seqs, n_sequences) -> _Micro:
+        d = self.device
+
+        def long(x: Any) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(x, dtype=np.int64), device=d)
+
+        def f32(x: Any) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(x, dtype=np.float32), device=d)
+
+        return _Micro(
+            ids=long(ids)[None], pos=long(pos)[None], keep=long(local - 1), targets=long(ids[local]),
+            adv=f32(adv), engine_lp=f32(engine_lp), seq_ids=long(seq_ids).reshape(-1),
+            n_seqs=n_seqs, n_tokens=len(ids), n_sequences=n_sequences,
+        )
+
+    def _dummy(self) -> _Micro:
+        """An empty micro-batch (one token, no loss): keeps the ranks' collectives in step."""
+        empty = np.zeros(0, dtype=np.int64)
+        return self._micro(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), empty,
+                           np.zeros(0), np.zeros(0), empty, 0, 0)
+
+    def _autocast(self) -> Any:
+        if self.config.compute_dtype == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logprobs(self, module: Any, mb: _Micro, temperature: float, entropy: bool = False) -> tuple[Any, Any, Any]:
+        """(logprobs [K], entropy [K] or None, logits): logprobs of the loss tokens under
+        ``log_softmax(logits / temperature)``, from logits computed at ``keep`` only."""
+        keep = mb.keep if mb.n_loss else torch.zeros(1, dtype=torch.long, device=self.device)
+        with self._autocast():
+            out = module(input_ids=mb.ids, position_ids=mb.pos, use_cache=False, logits_to_keep=keep)
+        logits = out.logits[0]
+        if logits.dtype in _LOW_PRECISION:
+            logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        if not mb.n_loss:
+            return None, None, logits
+        lse = torch.logsumexp(logits, dim=-1)
+        lp = logits.gather(-1, mb.targets[:, None]).squeeze(-1) - lse
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                z = logits.detach()
+                ent = lse.detach() - (torch.softmax(z, dim=-1) * z).sum(-1)
+        return lp, ent, logits
+
+    def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self._dp and self.world > 1:
+            comm = t.to(self.device) if dist.get_backend() == "nccl" else t.cpu()
+            dist.all_reduce(comm, op=op or dist.ReduceOp.SUM)
+            return comm.to(t.device)
+        return t
+
+    def train_step(
+        self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float, max_new_tokens: int
+    ) -> Mapping[str, float]:
+        if self.module is None:
+            raise RuntimeError("train_step before start()")
+        cfg = self.config
+        t0 = time.perf_counter()
+        needs_ref = bool(getattr(algorithm, "needs_reference", False))
+        if needs_ref and self.reference is None:
+            raise RuntimeError("the algorithm needs a reference model, but the backend was started with reference=False")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the sampler's), found {temperature!r}")
+        adv = _as_numpy(advantages).astype(np.float32, copy=False)
+        if adv.shape != (batch.n_tokens,):
+            raise ValueError(f"advantages must have one entry per token ({batch.n_tokens}), found shape {adv.shape}")
+
+        plan = self._plan(batch, adv)
+        n_mini = len(plan)
+        # Normalisers of each mini-batch over all ranks, and the micro-batch counts to match.
+        local = torch.tensor(
+            [[sum(m.n_loss for m in micros), sum(m.n_seqs for m in micros), sum(m.n_tokens for m in micros),
+              sum(m.n_sequences for m in micros)] for micros in plan],
+            dtype=torch.float64,
+        )
+        totals = self._all_reduce(local)
+        counts = self._all_reduce(torch.tensor([len(m) for m in plan], dtype=torch.int64), dist.ReduceOp.MAX if self._dp else None)
+        for j, micros in enumerate(plan):
+            micros.extend(self._dummy() for _ in range(int(counts[j]) - len(micros)))
+        active = [j for j in range(n_mini) if totals[j, 0] > 0]  # a mini-batch without loss tokens does no update
+
+        # The no-grad pass before the first update.
+        if needs_ref or cfg.mini_batches > 1:
+            with torch.no_grad():
+                for j in active:
+                    for mb in plan[j]:
+                        if cfg.mini_batches > 1:
+                            mb.old = self._logprobs(self.module, mb, temperature)[0]
+                        if needs_ref:
+                            mb.ref = self._logprobs(self.reference, mb, temperature)[0]
+
+        sums: dict[str, torch.Tensor] = {}  # token-weighted sums, reduced over ranks at the end
+        algo_sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def add(d: dict, key: str, value: torch.Tensor) -> None:
+            d[key] = d.get(key, zero) + value.detach().to(torch.float64)
+
+        grad_norms, lr = [], self.optimizer.param_groups[0]["lr"]
+        scale = float(self.world) if self._dp else 1.0
+        module = self._train_module
+        for j in active:
+            micros = plan[j]
+            global_tokens, global_seqs = float(totals[j, 0]), float(totals[j, 1])
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, mb in enumerate(micros):
+                sync = i == len(micros) - 1
+                ctx = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
+                with ctx:
+                    lp, ent, logits = self._logprobs(module, mb, temperature, entropy=True)
+                    if lp is None:
+                        loss = logits.sum() * 0.0  # no loss token: a zero gradient that still reaches every parameter
+                    else:
+                        old = lp.detach() if mb.old is None else mb.old
+                        inputs = LossInputs(
+                            logprobs=lp, old_logprobs=old, engine_logprobs=mb.engine_lp, advantages=mb.adv,
+                            mask=torch.ones_like(mb.adv), seq_ids=mb.seq_ids, n_seqs=mb.n_seqs,
+                            global_tokens=global_tokens, global_seqs=global_seqs, ref_logprobs=mb.ref,
+                            max_response_len=max_new_tokens,
+                        )
+                        loss, metrics = algorithm.loss(inputs)
+                        w = float(mb.n_loss)
+                        for k, v in (metrics or {}).items():
+                            add(algo_sums, k, torch.as_tensor(_to_float(v) * w, device=self.device))
+                        add(sums, "entropy", ent.sum())
+                        # The trainer's pre-update logprob against the engine's.
+                        diff = (old.detach() - mb.engine_lp).abs()
+                        add(sums, "logprob_diff", diff.sum())
+                        maxes["logprob_diff_max"] = torch.maximum(maxes.get("logprob_diff_max", zero), diff.max().double())
+                        if mb.ref is not None:
+                            delta = mb.ref - old.detach()
+                            add(sums, "kl", (torch.exp(delta) - delta - 1).sum())
+                    add(sums, "loss", loss)
+                    (loss * scale if scale != 1.0 else loss).backward()
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.module.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            )
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            grad_norms.append(norm.detach().double())
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # free the gradients until the next step
+        self.steps += 1
+
+        # Reduce the metrics over ranks (the key sets may differ: gather them).
+        local_metrics = {
+            "sums": {k: float(v) for k, v in sums.items()},
+            "algo": {k: float(v) for k, v in algo_sums.items()},
+            "max": {k: float(v) for k, v in maxes.items()},
+        }
+        gathered = [local_metrics]
+        if self._dp and self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, local_metrics)
+        tot: dict[str, float] = {}
+        algo: dict[str, float] = {}
+        mx: dict[str, float] = {}
+        for g in gathered:
+            for k, v in g["sums"].items():
+                tot[k] = tot.get(k, 0.0) + v
+            for k, v in g["algo"].items():
+                algo[k] = algo.get(k, 0.0) + v
+            for k, v in g["max"].items():
+                mx[k] = max(mx.get(k, 0.0), v)
+        n_loss = float(totals[active, 0].sum()) if active else 0.0
+        per_tok = max(n_loss, 1.0)
+        elapsed = time.perf_counter() - t0
+        all_tokens = float(totals[:, 2].sum())
+        out: dict[str, float] = {}
+        for k, v in algo.items():
+            out[k] = v / per_tok
+        own = {
+            "loss": tot.get("loss", 0.0) / max(1, len(active)),
+            "entropy": tot.get("entropy", 0.0) / per_tok,
+            "logprob_diff_mean": tot.get("logprob_diff", 0.0) / per_tok,
+            "logprob_diff_max": mx.get("logprob_diff_max", 0.0),
+            "grad_norm": float(torch.stack(grad_norms).mean()) if grad_norms else 0.0,
+            "lr": float(lr),
+            "updates": float(len(active)),
+            "tokens": all_tokens,
+            "loss_tokens": n_loss,
+            "sequences": float(totals[:, 3].sum()),
+            "tokens_per_s": all_tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed,
+        }
+        if needs_ref:
+            own["kl"] = tot.get("kl", 0.0) / per_tok
+        for k, v in own.items():
+            if k in out:
+                out[f"algorithm_{k}"] = out.pop(k)
+            out[k] = v
+        return out
+
+    # -- weights and checkpoints ---------------------------------------------------
+
+    def _fsdp(self) -> bool:
+        return self._dp and self.config.data_parallel == "fsdp2"
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        """The model's state as (name, tensor) pairs, with Hugging Face names.
+        Under FSDP2 this is a collective (every rank calls it) and only rank 0
+        gets the full tensors (on CPU); the other ranks get none."""
+        if self.module is None:
+            raise RuntimeError("named_weights before start()")
+        if self._fsdp():
+            sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return iter(list(sd.items()))
+        return iter([(k, v.detach()) for k, v in self.module.state_dict().items()])
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """Model, optimizer (keyed by parameter name), scheduler and step counts, on CPU.
+        Under DDP/FSDP2 every rank calls it; rank 0 gets the full state."""
+        if self.module is None:
+            raise RuntimeError("state_dict before start()")
+        model_sd, optim_sd = get_state_dict(
+            self.module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {
+            "format": 1,
+            "model": _clone_tree(model_sd),
+            "optimizer": _clone_tree(optim_sd),
+            "scheduler": _clone_tree(self.scheduler.state_dict()),
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into a started backend. Under DDP/FSDP2 every
+        rank calls it and rank 0's state is broadcast (the others may pass ``{}``)."""
+        if self.module is None:
+            raise RuntimeError("load_state_dict before start(): start the backend, then load")
+        distributed = self._dp and self.world > 1
+        meta = [{"scheduler": state.get("scheduler"), "steps": state.get("steps")}]
+        if distributed:
+            dist.broadcast_object_list(meta, src=0)
+        if meta[0]["steps"] is None:
+            raise ValueError("not a torch backend state: no 'steps'")
+        # Two calls: set_state_dict skips the model on ranks given an empty model state.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+        # (Copies of the containers: torch writes into the dicts it is given.)
+        set_model_state_dict(self.module, _copy_containers(state.get("model", {})), options=options)
+        set_optimizer_state_dict(self.module, self.optimizer, _copy_containers(state.get("optimizer", {})), options=options)
+        self.scheduler.load_state_dict(meta[0]["scheduler"])
+        self.steps = int(meta[0]["steps"])

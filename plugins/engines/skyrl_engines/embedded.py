@@ -1,0 +1,53 @@
+"""embedded: batched KV-cached generation with torch/transformers, in the job's process.
+
+The CPU default engine. It serves the model family's transformers model: it
+shares the model's parameters (same tensors) when the dtype matches, so in a
+one-process job the trainer's updates reach it with nothing copied, and keeps a
+converted copy otherwise. Generation prefills every distinct prompt once
+(left-padded, with an attention mask and position ids), replicates the KV cache
+for the ``n`` samples, then decodes all live sequences together, one token per
+step, dropping finished ones from the batch.
+
+This module only registers the engine: torch and transformers are imported by
+the factory (see :mod:`skyrl_engines._embedded`), so ``skyrl plugins`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.config import gt, option
+
+
+@attrs.frozen
+class EmbeddedConfig:
+    """Options of ``[engine]`` when ``name = "embedded"``."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto",
+        help="dtype the engine computes in; 'auto' = the model's own (then its parameters are shared, not copied)",
+    )
+    max_batch_size: int = option(256, help="most sequences decoded together in one batch", validator=gt(0))
+    threads: int | None = option(
+        None, help="torch CPU threads to use (torch.set_num_threads); unset = leave as is", validator=gt(0)
+    )
+
+
+def Embedded(config: EmbeddedConfig | None = None) -> Any:
+    """The factory: an :class:`skyrl_engines._embedded.EmbeddedEngine`."""
+    from skyrl_engines._embedded import EmbeddedEngine
+
+    return EmbeddedEngine(config if config is not None else EmbeddedConfig())
+
+
+@hookimpl
+def skyrl_register_engines(register: Any) -> None:
+    register(
+        "embedded",
+        Embedded,
+        config=EmbeddedConfig,
+        description="Batched KV-cached torch/transformers generation in the job's process (shares the model's weights)",
+    )

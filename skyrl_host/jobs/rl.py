@@ -131,7 +131,8 @@ class RLDriver:
         self._score(first, tasks, 0)
         raw = first.rewards.copy()
         shaped = np.asarray(self.algorithm.shape_rewards(first, cfg.max_new_tokens), dtype=np.float32)
-        keep = np.asarray(self.algorithm.keep(first, shaped), dtype=bool)
+        # Dynamic sampling judges groups by their outcome (raw rewards), not by shaping.
+        keep = np.asarray(self.algorithm.keep(first, raw), dtype=bool)
         kept, kept_rewards = [first.select(np.flatnonzero(keep))], [shaped[keep]]
         n_groups = len(np.unique(first.group_ids[keep]))
         rounds = 0
@@ -147,7 +148,7 @@ class RLDriver:
             gen_tokens += int(extra.loss_mask.sum())
             self._score(extra, more, offset)
             ex_shaped = np.asarray(self.algorithm.shape_rewards(extra, cfg.max_new_tokens), dtype=np.float32)
-            ex_keep = np.asarray(self.algorithm.keep(extra, ex_shaped), dtype=bool)
+            ex_keep = np.asarray(self.algorithm.keep(extra, extra.rewards), dtype=bool)
             groups = [g for g in dict.fromkeys(extra.group_ids[ex_keep].tolist())][: cfg.batch_size - n_groups]
             take = np.flatnonzero(np.isin(extra.group_ids, groups) & ex_keep)
             kept.append(extra.select(take))

@@ -1,0 +1,159 @@
+"""The RL job end to end on a tiny model: metrics, final checkpoint, dynamic-sampling
+refill, and resume after kill -9 reproducing the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from skyrl_host import hookimpl
+from skyrl_host.interfaces import Task
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
+TIMING = ("time", "tokens_per_s", "seconds", "step_time", "step_time_s", "train_tokens_per_s", "gen_tokens_per_s")
+
+JOB = """
+[job]
+kind = "rl"
+seed = 3
+steps = {steps}
+batch_size = 4
+n_samples = 4
+max_new_tokens = 6
+checkpoint_every = {every}
+threads = 1
+output_dir = "{out}"
+
+[model]
+family = "qwen"
+preset = "tiny"
+
+[dataset]
+name = "reverse_digits"
+min_len = 3
+max_len = 4
+
+[algorithm]
+name = "{algorithm}"
+
+[backend]
+name = "torch"
+lr = 1e-3
+micro_batch_tokens = 128
+"""
+
+
+def write_job(tmp_path, name="job", steps=4, every=0, algorithm="grpo"):
+    out = tmp_path / f"{name}_out"
+    path = tmp_path / f"{name}.toml"
+    path.write_text(JOB.format(steps=steps, every=every, out=out, algorithm=algorithm))
+    return path, out
+
+
+def step_rows(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "step" in r and "event" not in r]
+
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not any(k == t or k.endswith(t) for t in TIMING)}
+
+
+def test_rl_job_runs_and_saves_a_loadable_model(skyrl_cli, tmp_path) -> None:
+    import torch
+    import transformers
+
+    path, out = write_job(tmp_path)
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("reward_mean", "reward_std", "accuracy", "response_length_mean", "loss", "entropy",
+                "clip_fraction", "logprob_diff_mean", "logprob_diff_max", "gen_tokens_per_s",
+                "train_tokens_per_s", "step_time"):
+        assert key in rows[0], key
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert rows[0]["logprob_diff_max"] < 1e-4  # engine and trainer score the same distribution
+    assert (out / "plot.png").exists()
+    final = out / "final"
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    ids = torch.tensor([tok.encode("reverse 123:")])
+    ckpt = torch.load(sorted((out / "checkpoints").iterdir())[-1] / "backend.pt", weights_only=False)
+    state = {k: v for k, v in ckpt["model"].items()} if "model" in ckpt else None
+    assert state is not None
+    ref = transformers.AutoModelForCausalLM.from_pretrained(final)
+    ref.load_state_dict(state, strict=False)
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_resume_after_kill_reproduces_the_uninterrupted_run(tmp_path) -> None:
+    steps = 6
+    full_path, full_out = write_job(tmp_path, "full", steps=steps, every=2)
+    proc = subprocess.run([SKYRL, "run", str(full_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    expected = [comparable(r) for r in step_rows(full_out)]
+
+    path, out = write_job(tmp_path, "killed", steps=steps, every=2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    killed = subprocess.Popen([SKYRL, "run", str(path)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "step_000004").exists():
+        assert killed.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    resumed = subprocess.run([SKYRL, "run", str(path), "--resume"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(resumed after step 4)" in resumed.stderr
+    got = [comparable(r) for r in step_rows(out)]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert got == expected
+
+
+class Mixed:
+    """Half the prompts are trivial (every sample earns 1: an all-equal group),
+    half are scored by the first character of the response."""
+
+    alphabet = "ab0123456789"
+
+    def __init__(self, config, seed=0):
+        self.seed = seed
+
+    def batch(self, step, size):
+        return [Task(prompt=("a" if i % 2 == 0 else "b") + str(step % 10), answer="1") for i in range(size)]
+
+    def reward(self, task, completion):
+        if task.prompt.startswith("a"):
+            return 1.0
+        return 1.0 if completion[:1] in "01234" else 0.0
+
+
+class MixedPlugin:
+    @hookimpl
+    def skyrl_register_datasets(self, register):
+        register("mixed_test", Mixed, description="half all-equal groups")
+
+
+def test_dynamic_sampling_refills_dropped_groups(skyrl_cli, skyrl_plugin, tmp_path) -> None:
+    skyrl_plugin(MixedPlugin(), "mixed_plugin")
+    path, out = write_job(tmp_path, steps=2, algorithm="dapo")
+    path.write_text(path.read_text().replace('name = "reverse_digits"\nmin_len = 3\nmax_len = 4', 'name = "mixed_test"'))
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    for row in step_rows(out):
+        assert row["refill_rounds"] >= 1  # the first round keeps at most the 2 "b" groups
+        assert row["kept_groups"] <= 4
+        assert row["sequences"] == row["kept_groups"] * 4

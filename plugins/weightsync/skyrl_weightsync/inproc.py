@@ -20,20 +20,13 @@ class Inproc:
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         start = time.perf_counter()
-        named = list(backend.named_weights())
-        shared = copied = 0
-        served = dict(engine.named_weights()) if hasattr(engine, "named_weights") else {}
-        for name, tensor in named:
-            other = served.get(name)
-            if other is not None and other.data_ptr() == tensor.data_ptr():
-                shared += tensor.numel() * tensor.element_size()
-            else:
-                copied += tensor.numel() * tensor.element_size()
-        engine.update_weights(named, version)
+        engine.update_weights(backend.named_weights(), version)
+        stats = getattr(engine, "last_update", {}) or {}
         return {
             "sync_seconds": time.perf_counter() - start,
-            "sync_bytes_copied": float(copied),
-            "sync_bytes_shared": float(shared),
+            "sync_bytes_copied": float(stats.get("bytes", 0)),
+            "sync_tensors_shared": float(stats.get("shared", 0)),
+            "sync_tensors_copied": float(stats.get("copied", 0)),
         }
 
 

@@ -83,6 +83,8 @@ def test_rl_job_runs_and_saves_a_loadable_model(skyrl_cli, tmp_path) -> None:
                 "train_tokens_per_s", "step_time"):
         assert key in rows[0], key
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    # Step s generates with the weights published after step s - 1 (version 0: the initial weights).
+    assert [r["weight_version"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
     assert rows[0]["logprob_diff_max"] < 1e-4  # engine and trainer score the same distribution
     assert (out / "plot.png").exists()
     final = out / "final"

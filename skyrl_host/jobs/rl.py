@@ -163,6 +163,7 @@ class RLDriver:
             "accuracy": float((raw >= 1.0).mean()),
             "response_length_mean": float(first.response_lens.mean()),
             "truncated_fraction": float(first.truncated.mean()),
+            "weight_version": float(first.versions.min()),  # the weights that generated this step's rollouts
             "kept_groups": float(n_groups),
             "refill_rounds": float(rounds),
         }

@@ -4,19 +4,23 @@ One step over a RolloutBatch:
 
 1. split the sequences into ``mini_batches`` groups (one optimizer update each) and
    every group into packed micro-batches: whole sequences, in order, while their
-   tokens fit ``micro_batch_tokens``; one row ``[1, n]`` each, positions restarting
-   at 0 for every sequence (transformers then builds a block-diagonal causal mask
-   from the positions when no attention mask and no cache is passed);
+   tokens fit ``micro_batch_tokens``; each micro-batch is laid out in rows of at
+   most ``pack_length`` tokens (whole sequences, in order; a longer sequence gets
+   its own row), ``[n_rows, R]`` with ``R`` the longest row, positions restarting
+   at 0 for every sequence and for the pad tail of a shorter row (transformers then
+   builds a block-diagonal causal mask from the positions when no attention mask
+   and no cache is passed, so attention costs ``R^2`` per row, not ``n^2``);
 2. all-reduce the normalisers (loss tokens, training sequences) of every
    mini-batch and the number of micro-batches (ranks with fewer run empty ones so
    every rank calls the same collectives);
 3. before the first update, in a no-grad pass: the reference logprobs when the
    algorithm needs them, and the old logprobs when there is more than one update;
-4. per micro-batch: the forward with logits only at the positions that predict a
-   loss token, logprobs of the temperature-scaled distribution, LossInputs, the
-   algorithm's loss, backward (times the world size: DDP and FSDP2 average
-   gradients over ranks, the algorithm's loss is already normalised by global
-   counts); then clip, AdamW step, scheduler step.
+4. per micro-batch: the forward (through :class:`_PackedLM`: the base transformer,
+   then the output head on the positions that predict a loss token only), logprobs
+   of the temperature-scaled distribution, LossInputs, the algorithm's loss,
+   backward (times the world size: DDP and FSDP2 average gradients over ranks, the
+   algorithm's loss is already normalised by global counts); then clip, AdamW step,
+   scheduler step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from skyrl_host.interfaces import LossInputs
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_PAD_ID = 0  # the token in the pad tails of packed rows (never attended to by a real token, logits never used)
 
 
 class LrSchedule:
@@ -66,22 +71,23 @@ class LrSchedule:
 
 
 class _Micro:
-    """One packed micro-batch: a row of whole sequences and its loss tokens.
+    """One packed micro-batch: rows of whole sequences and its loss tokens.
 
-    ``keep`` are the positions whose logits predict the loss tokens (``t - 1`` for a
-    loss token at ``t``); every per-token tensor has one entry per loss token."""
+    ``keep`` are the flat positions (into ``ids.reshape(-1)``) whose logits predict
+    the loss tokens (``t - 1`` for a loss token at ``t``, always in the same row);
+    every per-token tensor has one entry per loss token."""
 
     def __init__(self, *, ids, pos, keep, targets, adv, engine_lp, seq_ids, n_seqs: int, n_tokens: int, n_sequences: int):
-        self.ids = ids  # long [1, n]
-        self.pos = pos  # long [1, n]
-        self.keep = keep  # long [K]
+        self.ids = ids  # long [n_rows, R]
+        self.pos = pos  # long [n_rows, R]
+        self.keep = keep  # long [K], flat indices into n_rows * R
         self.targets = targets  # long [K]
         self.adv = adv  # float32 [K]
         self.engine_lp = engine_lp  # float32 [K]
         self.seq_ids = seq_ids  # long [K], 0..n_seqs-1 over the sequences with loss tokens
         self.n_seqs = n_seqs
-        self.n_tokens = n_tokens  # all tokens of the row
-        self.n_sequences = n_sequences  # all sequences of the row
+        self.n_tokens = n_tokens  # all real tokens of the micro-batch (pad tails not counted)
+        self.n_sequences = n_sequences  # all sequences of the micro-batch
         self.old: Any = None  # pre-update logprobs [K], from the no-grad pass
         self.ref: Any = None  # reference logprobs [K]
 
@@ -110,6 +116,111 @@ def pack_groups(seq_lens: np.ndarray, seqs: Iterable[int], budget: int) -> list[
     if current:
         groups.append(current)
     return groups
+
+
+def layout_rows(seq_lens: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Lay out sequences (lengths ``seq_lens``, in order) in rows: whole sequences,
+    greedily, while a row's length fits ``pack_length``; a longer sequence gets a row
+    of its own. Every row is ``R`` long (the longest row); a shorter row ends in a pad
+    tail whose positions restart at 0 (a segment of its own: no real token attends
+    to it under the block-diagonal mask).
+
+    Returns ``(where, positions, n_rows, R)``: ``where`` [n] is the flat index (into
+    ``n_rows * R``) of each token, the sequences' tokens end to end; ``positions``
+    [n_rows * R] is every slot's position id."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    rows = pack_groups(lens, range(len(lens)), pack_length)
+    n_rows = len(rows)
+    row_of = np.empty(len(lens), dtype=np.int64)
+    for r, members in enumerate(rows):
+        row_of[members] = r
+    used = np.bincount(row_of, weights=lens, minlength=n_rows).astype(np.int64)
+    R = int(used.max()) if n_rows else 0
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    row_start = np.zeros(n_rows, dtype=np.int64)  # offset in the batch of each row's first token
+    row_start[1:] = np.cumsum(used)[:-1]
+    seq_start = row_of * R + (cu[:-1] - row_start[row_of])  # flat index of each sequence's first token
+    within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+    where = np.repeat(seq_start, lens) + within
+    slot = np.arange(R, dtype=np.int64)[None, :]
+    positions = np.maximum(slot - used[:, None], 0).reshape(-1)  # the pad tails: 0, 1, 2, ...
+    positions[where] = within
+    return where, positions, n_rows, R
+
+
+class _PackedLM(torch.nn.Module):
+    """A causal LM that computes logits only where they are needed.
+
+    ``forward(ids [rows, R], pos [rows, R], keep [K])`` runs the model's base
+    transformer (``get_decoder()``) on the packed rows (no attention mask, no cache:
+    transformers builds the block-diagonal causal mask from the positions), flattens
+    the hidden states to ``[rows * R, H]``, takes the ``keep`` rows and applies the
+    output head: logits ``[K, V]``. (``logits_to_keep`` cannot do this: it takes the
+    same sequence indices in every row.)
+
+    The data-parallel wrappers (DDP, the FSDP2 root) wrap this module, so their
+    forward/backward hooks run around the call that uses the parameters. It owns the
+    model as ``lm``, so its own parameter names carry an ``lm.`` prefix: names for the
+    engine and checkpoints always come from the model itself.
+
+    ``full_logits``: for a model whose forward changes the head's output (logit
+    scaling or soft-capping), call the whole model and index its logits instead."""
+
+    def __init__(self, model: torch.nn.Module, full_logits: bool = False):
+        super().__init__()
+        self.lm = model
+        self.full_logits = full_logits
+        names = {id(m): n for n, m in model.named_modules()}
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if get_decoder is not None else None
+        if decoder is None or decoder is model:
+            decoder = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if decoder is None or decoder is model or id(decoder) not in names or head is None or id(head) not in names:
+            self.full_logits = True  # no separable base transformer / output head
+            self._decoder_name = self._head_name = ""
+        else:
+            # Names, not modules: registering them again would duplicate the parameters.
+            self._decoder_name, self._head_name = names[id(decoder)], names[id(head)]
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if self.full_logits:
+            logits = self.lm(input_ids=ids, position_ids=pos, use_cache=False).logits
+            return logits.reshape(-1, logits.shape[-1])[keep]
+        out = self.lm.get_submodule(self._decoder_name)(input_ids=ids, position_ids=pos, use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
+        return self.lm.get_submodule(self._head_name)(hidden)
+
+
+def _head_is_plain(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``_PackedLM``'s decoder + head path gives the model's own logits
+    (checked on two short packed rows; a model that scales or soft-caps its logits
+    after the head does not)."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
+        if cfg is not None and (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", None)):
+            return False
+    if hasattr(model, "logit_scale"):
+        return False
+    probe = _PackedLM(model)
+    if probe.full_logits:
+        return False
+    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 8))
+    ids = (torch.arange(12, device=device).reshape(2, 6) * 7 + 3) % vocab
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]], device=device)
+    keep = torch.arange(12, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, position_ids=pos, use_cache=False).logits.reshape(12, -1)
+            got = probe(ids, pos, keep)
+    finally:
+        model.train(was_training)
+    scale = float(want.abs().max()) + 1.0
+    return got.shape == want.shape and bool(((got.float() - want.float()).abs().max() <= 1e-4 * scale))
 
 
 def _clone_tree(obj: Any) -> Any:
@@ -153,6 +264,8 @@ class TorchBackend:
         self.steps = 0  # train_step calls done
         self.module: Any = None  # the model being trained (FSDP2: sharded in place)
         self.reference: Any = None
+        self._lm: Any = None  # _PackedLM around self.module (the FSDP2 root)
+        self._ref_lm: Any = None  # _PackedLM around self.reference
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._ddp: Any = None
@@ -186,12 +299,18 @@ class TorchBackend:
             with torch.no_grad():
                 for t in model.state_dict().values():
                     dist.broadcast(t, src=0)
+        # Logits only at the loss positions, unless the model's forward transforms the head's output.
+        plain = _head_is_plain(model, self.device)
+        if self._dp and self.world > 1:
+            flag = self._all_reduce(torch.tensor([int(plain)], dtype=torch.int64), dist.ReduceOp.MIN)
+            plain = bool(flag[0])
         if reference:
             ref = copy.deepcopy(model)
             ref.eval()
             ref.requires_grad_(False)
+            self._ref_lm = _PackedLM(ref, full_logits=not plain)
             if self._dp and cfg.data_parallel == "fsdp2":
-                self._fully_shard(ref)
+                self._fully_shard(self._ref_lm, ref)
             self.reference = ref
 
         if cfg.gradient_checkpointing:
@@ -201,8 +320,9 @@ class TorchBackend:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        self._lm = _PackedLM(model, full_logits=not plain)
         if self._dp and cfg.data_parallel == "fsdp2":
-            self._fully_shard(model)
+            self._fully_shard(self._lm, model)  # the wrapper is the root: its hooks run around every forward
         self.module = model
         if self._dp and cfg.data_parallel == "ddp":
             import inspect
@@ -213,7 +333,7 @@ class TorchBackend:
             params = inspect.signature(DistributedDataParallel.__init__).parameters
             no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
             self._ddp = DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_buffer_sync
+                self._lm, device_ids=[self.device.index] if self.device.type == "cuda" else None, **no_buffer_sync
             )
 
         decay, no_decay = [], []
@@ -240,7 +360,9 @@ class TorchBackend:
             return torch.device("cuda", index)
         return torch.device("cpu")
 
-    def _fully_shard(self, model: Any) -> None:
+    def _fully_shard(self, root: Any, model: Any) -> None:
+        """``fully_shard`` every decoder layer of ``model`` (its ``_no_split_modules``),
+        then ``root`` (the ``_PackedLM`` around it: the rest of the parameters)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -251,11 +373,11 @@ class TorchBackend:
         for sub in model.modules():
             if sub is not model and type(sub).__name__ in layer_classes:
                 fully_shard(sub, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(root, mesh=mesh)
 
     @property
     def _train_module(self) -> Any:
-        return self._ddp if self._ddp is not None else self.module
+        return self._ddp if self._ddp is not None else self._lm
 
     # -- one step ----------------------------------------------------------------
 
@@ -276,14 +398,19 @@ class TorchBackend:
                 local = np.flatnonzero(trains[idx])
                 owner = np.repeat(np.arange(len(group)), lens[group])[local]
                 _, seq_ids = np.unique(owner, return_inverse=True)
-                micros.append(self._micro(tokens[idx], positions[idx], local, advantages[idx[local]],
+                micros.append(self._micro(tokens[idx], lens[group], local, advantages[idx[local]],
                                           np.asarray(batch.logprobs)[idx[local]], seq_ids,
                                           int(len(np.unique(owner))), len(group)))
             plan.append(micros)
         return plan
 
-    def _micro(self, ids, pos, local, adv, engine_lp, seq_ids, n_seqs, n_sequences) -> _Micro:
+    def _micro(self, ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequences) -> _Micro:
+        """``ids``: the group's tokens end to end; ``seq_lens``: its sequences'
+        lengths; ``local``: the indices (into ``ids``) of its loss tokens."""
         d = self.device
+        where, positions, n_rows, R = layout_rows(seq_lens, self.config.pack_length)
+        flat = np.full(n_rows * R, _PAD_ID, dtype=np.int64)
+        flat[where] = ids
 
         def long(x: Any) -> torch.Tensor:
             return torch.as_tensor(np.asarray(x, dtype=np.int64), device=d)
@@ -292,7 +419,8 @@ class TorchBackend:
             return torch.as_tensor(np.asarray(x, dtype=np.float32), device=d)
 
         return _Micro(
-            ids=long(ids)[None], pos=long(pos)[None], keep=long(local - 1), targets=long(ids[local]),
+            ids=long(flat).reshape(n_rows, R), pos=long(positions).reshape(n_rows, R), keep=long(where[local] - 1),
+            targets=long(ids[local]),
             adv=f32(adv), engine_lp=f32(engine_lp), seq_ids=long(seq_ids).reshape(-1),
             n_seqs=n_seqs, n_tokens=len(ids), n_sequences=n_sequences,
         )
@@ -300,7 +428,7 @@ class TorchBackend:
     def _dummy(self) -> _Micro:
         """An empty micro-batch (one token, no loss): keeps the ranks' collectives in step."""
         empty = np.zeros(0, dtype=np.int64)
-        return self._micro(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), empty,
+        return self._micro(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), empty,
                            np.zeros(0), np.zeros(0), empty, 0, 0)
 
     def _autocast(self) -> Any:
@@ -313,8 +441,7 @@ class TorchBackend:
         ``log_softmax(logits / temperature)``, from logits computed at ``keep`` only."""
         keep = mb.keep if mb.n_loss else torch.zeros(1, dtype=torch.long, device=self.device)
         with self._autocast():
-            out = module(input_ids=mb.ids, position_ids=mb.pos, use_cache=False, logits_to_keep=keep)
-        logits = out.logits[0]
+            logits = module(mb.ids, mb.pos, keep)
         if logits.dtype in _LOW_PRECISION:
             logits = logits.float()
         if temperature != 1.0:
@@ -373,9 +500,9 @@ class TorchBackend:
                 for j in active:
                     for mb in plan[j]:
                         if cfg.mini_batches > 1:
-                            mb.old = self._logprobs(self.module, mb, temperature)[0]
+                            mb.old = self._logprobs(self._lm, mb, temperature)[0]
                         if needs_ref:
-                            mb.ref = self._logprobs(self.reference, mb, temperature)[0]
+                            mb.ref = self._logprobs(self._ref_lm, mb, temperature)[0]
 
         sums: dict[str, torch.Tensor] = {}  # token-weighted sums, reduced over ranks at the end
         algo_sums: dict[str, torch.Tensor] = {}

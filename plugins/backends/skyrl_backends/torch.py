@@ -2,9 +2,9 @@
 
 One process, or data parallel across processes (DDP or FSDP2) when the launcher
 has initialised ``torch.distributed`` (gloo on CPU, NCCL on GPU). Sequences are
-packed into micro-batches of at most ``micro_batch_tokens`` tokens, one row each,
-with positions restarting at 0 for every sequence, so attention never crosses a
-sequence boundary. See docs/backends.md.
+packed into micro-batches of at most ``micro_batch_tokens`` tokens, laid out in
+rows of at most ``pack_length`` tokens, with positions restarting at 0 for every
+sequence, so attention never crosses a sequence boundary. See docs/backends.md.
 
 This module only declares the options and registers the backend: it imports
 neither torch nor transformers (the implementation lives in
@@ -50,6 +50,12 @@ class TorchBackendConfig:
     micro_batch_tokens: int = option(
         4096,
         help="token budget of one packed micro-batch (whole sequences; a longer sequence goes alone)",
+        validator=gt(0),
+    )
+    pack_length: int = option(
+        256,
+        help="row length a micro-batch is packed into (whole sequences per row; a longer sequence gets its own row): "
+        "attention costs pack_length^2 per row, not micro_batch_tokens^2",
         validator=gt(0),
     )
     mini_batches: int = option(1, help="optimizer updates per step: the batch's sequences are split into this many", validator=gt(0))

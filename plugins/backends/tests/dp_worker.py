@@ -24,7 +24,7 @@ import _tiny as tiny  # noqa: E402
 # Global batches and how they are split over 2 ranks (sequence indices).
 BATCHES = [(20, 6), (21, 4)]  # (seed, sequences)
 SHARDS = [[[0], [1, 2, 3, 4, 5]], [[], [0, 1, 2, 3]]]
-OPTIONS = dict(micro_batch_tokens=12, lr=1e-2, max_grad_norm=0.5, weight_decay=0.1, warmup_steps=1)
+OPTIONS = dict(micro_batch_tokens=16, pack_length=7, lr=1e-2, max_grad_norm=0.5, weight_decay=0.1, warmup_steps=1)
 
 
 def shard(batch, adv, seqs):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_backends._trainer import LrSchedule, pack_groups
+from skyrl_backends._trainer import LrSchedule, layout_rows, pack_groups
 from skyrl_backends.torch import TorchBackendConfig
 
 
@@ -67,19 +67,42 @@ def padded_reference(model, batch, adv, temperature):
 # -- (1) packing ---------------------------------------------------------------
 
 
+# (pack_length, batch): one row of every sequence; several rows with whole sequences
+# (lengths 7 4 | 10 6 | 9 | 16 | 20 | 18 | 7 | 19 for pack_length 16: rows of two
+# sequences, sequences longer than pack_length in rows of their own, R = 20, pad tails).
+PACKINGS = {"one_row": (4096, dict(seed=0, n=6)), "rows": (16, dict(seed=1, n=10, response=(1, 16)))}
+
+
+def packed_rows(be, batch, adv):
+    """The micro-batches' (ids, pos) the backend builds for ``batch``."""
+    return [(mb.ids, mb.pos) for micros in be._plan(batch, adv) for mb in micros]
+
+
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_micro_batch_equals_padded_batch(tiny, attn) -> None:
-    batch = tiny.tiny_batch(0, n=6)
+def test_packed_micro_batch_equals_padded_batch(tiny, attn, packing) -> None:
+    pack_length, spec = PACKINGS[packing]
+    spec = dict(spec)
+    batch = tiny.tiny_batch(spec.pop("seed"), **spec)
     adv = tiny.tiny_advantages(batch)
     temperature = 0.7
     ref_loss, ref_lp, ref_grads = padded_reference(tiny.tiny_model(0, attn=attn), batch, adv, temperature)
 
-    be = start(tiny, micro_batch_tokens=4096, max_grad_norm=0.0, model_kw={"attn": attn})
+    be = start(tiny, micro_batch_tokens=4096, pack_length=pack_length, max_grad_norm=0.0, model_kw={"attn": attn})
+    assert not be._lm.full_logits  # the output head runs on the loss positions only
+    [(ids, pos)] = packed_rows(be, batch, adv)  # one micro-batch
+    lens = batch.seq_lens
+    if packing == "one_row":
+        assert ids.shape == (1, batch.n_tokens)
+    else:
+        assert ids.shape == (8, int(lens.max())) and lens.max() > pack_length  # a long sequence sets R
+        assert ((pos[:, 1:] - pos[:, :-1]) != 1).sum(1).max() >= 2  # a row with two sequences and a pad tail
+        assert ids.numel() > batch.n_tokens  # pad tails
     grads = capture_grads(be)
     algo = tiny.TokenMean()
     m = be.train_step(batch, adv, algo, temperature=temperature, max_new_tokens=8)
 
-    assert len(algo.calls) == 1 and algo.calls[0].n_seqs == 6  # one packed row held every sequence
+    assert len(algo.calls) == 1 and algo.calls[0].n_seqs == batch.n_sequences  # one micro-batch held every sequence
     torch.testing.assert_close(algo.calls[0].logprobs.detach(), ref_lp, atol=1e-5, rtol=0)
     assert m["loss"] == pytest.approx(ref_loss, abs=1e-5)
     assert grads.keys() == ref_grads.keys()
@@ -108,12 +131,77 @@ def test_packing_without_restarted_positions_would_attend_across_sequences(tiny)
     assert (packed[0, second] - cached[0, second]).abs().max() > 1e-3
 
 
+def test_layout_rows_places_whole_sequences_and_restarts_pad_positions() -> None:
+    lens = np.array([3, 2, 6, 1, 2])
+    where, pos, n_rows, R = layout_rows(lens, 5)
+    assert (n_rows, R) == (3, 6)  # rows [3, 2] [6] [1, 2]: the 6-long sequence sets R
+    assert where.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    assert pos.reshape(n_rows, R).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [0, 0, 1, 0, 1, 2]]
+    where, pos, n_rows, R = layout_rows(lens, 100)
+    assert (n_rows, R) == (1, 14) and where.tolist() == list(range(14))
+
+
 def test_pack_groups_keeps_order_and_whole_sequences() -> None:
     lens = np.array([3, 4, 10, 2, 2, 7])
     assert pack_groups(lens, range(6), 8) == [[0, 1], [2], [3, 4], [5]]
     assert pack_groups(lens, range(6), 100) == [[0, 1, 2, 3, 4, 5]]
     assert pack_groups(lens, [3, 4], 1) == [[3], [4]]
     assert pack_groups(lens, [], 8) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pack_length_changes_speed_not_results(tiny, dtype) -> None:
+    """The same micro-batch in one row or in rows of at most 32 tokens: the same
+    logprobs, loss, metrics, gradients (1e-6 in float32) and update."""
+    batch = tiny.tiny_batch(3, n=24)
+    adv = tiny.tiny_advantages(batch, seed=4)
+    results = []
+    for pack_length in (32, 4096):
+        be = start(tiny, micro_batch_tokens=4096, pack_length=pack_length, model_kw={"dtype": dtype})
+        [(ids, _)] = packed_rows(be, batch, adv)
+        grads = capture_grads(be)
+        algo = tiny.TokenMean(metrics=True)
+        m = be.train_step(batch, adv, algo, temperature=0.8, max_new_tokens=8)
+        results.append((ids.shape, algo.calls[0].logprobs.detach(), m, grads, tiny.params(be)))
+    (shape_small, lp_small, m_small, g_small, p_small), (shape_big, lp_big, m_big, g_big, p_big) = results
+    assert shape_small[0] >= 6 and shape_small[1] <= 32 and shape_big == (1, batch.n_tokens)
+    torch.testing.assert_close(lp_small, lp_big, atol=1e-6, rtol=0)
+    assert g_small.keys() == g_big.keys()
+    for name in g_big:
+        torch.testing.assert_close(g_small[name], g_big[name], atol=1e-6, rtol=0, msg=name)
+    if dtype == torch.float64:
+        for name in p_big:
+            torch.testing.assert_close(p_small[name], p_big[name], atol=1e-10, rtol=0, msg=name)
+    for key in ("loss", "entropy", "grad_norm", "logprob_diff_mean", "logprob_diff_max", "tokens", "loss_tokens"):
+        assert m_small[key] == pytest.approx(m_big[key], abs=1e-6), key
+
+
+def test_model_that_transforms_its_logits_gets_the_full_forward(tiny) -> None:
+    """A model whose forward changes the output head's logits (here: times 2) is
+    detected at start and trained through its own forward (all logits, indexed)."""
+    batch = tiny.tiny_batch(0, n=6)
+    adv = tiny.tiny_advantages(batch)
+    out = {}
+    for scaled in (False, True):
+        loaded = tiny.loaded(0)
+        model = loaded.model
+        if scaled:
+            forward = model.forward
+
+            def doubled(*args, **kwargs):
+                res = forward(*args, **kwargs)
+                res.logits = res.logits * 2.0
+                return res
+
+            model.forward = doubled
+        be = tiny.make_backend(pack_length=8)
+        be.start(loaded, seed=0, total_steps=1, reference=False)
+        assert be._lm.full_logits == scaled
+        algo = tiny.TokenMean()
+        be.train_step(batch, adv, algo, temperature=2.0 if scaled else 1.0, max_new_tokens=8)
+        out[scaled] = algo.calls[0].logprobs.detach()
+    # logits * 2 at temperature 2 is the plain model at temperature 1.
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
 
 
 # -- (2) micro-batch split invariance -------------------------------------------------
@@ -197,12 +285,13 @@ def test_grad_clipping_caps_the_norm(tiny) -> None:
 # -- (5) gradient checkpointing, (6) bf16 -----------------------------------------------
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tiny) -> None:
+@pytest.mark.parametrize("pack_length", [256, 12])
+def test_gradient_checkpointing_gives_the_same_gradients(tiny, pack_length) -> None:
     batch = tiny.tiny_batch(5, n=6)
     adv = tiny.tiny_advantages(batch)
     out = []
     for gc in (False, True):
-        be = start(tiny, gradient_checkpointing=gc, micro_batch_tokens=20)
+        be = start(tiny, gradient_checkpointing=gc, micro_batch_tokens=20, pack_length=pack_length)
         grads = capture_grads(be)
         be.train_step(batch, adv, tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
         out.append(grads)
@@ -343,7 +432,8 @@ def test_options_are_validated() -> None:
     assert "did you mean 'fsdp2'" in str(out.problems)
 
     out = _Located("job.toml", {})
-    bad = {"lr": 0, "betas": [0.9, 1.5], "micro_batch_tokens": 0, "max_grad_norm": -1, "warmup_steps": -1}
+    bad = {"lr": 0, "betas": [0.9, 1.5], "micro_batch_tokens": 0, "max_grad_norm": -1, "warmup_steps": -1,
+           "pack_length": 0}
     assert structure_table(TorchBackendConfig, bad, "backend", out) is None
     assert {p.key for p in out.problems} == {f"backend.{k}" for k in bad}
 
@@ -353,7 +443,7 @@ def test_options_are_validated() -> None:
 
     out = _Located("job.toml", {})
     ok = structure_table(TorchBackendConfig, {"schedule": "cosine", "min_lr_ratio": 0.5, "betas": [0.9, 0.95]}, "backend", out)
-    assert out.problems == [] and ok.betas == (0.9, 0.95) and ok.data_parallel == "none"
+    assert out.problems == [] and ok.betas == (0.9, 0.95) and ok.data_parallel == "none" and ok.pack_length == 256
 
 
 def test_the_registered_module_does_not_import_torch() -> None:

@@ -195,6 +195,10 @@ class Backend(Protocol):
         """The weights to publish to the engine, as (name, tensor) pairs."""
         ...
 
+    # Backends that keep a reference model also offer
+    # ``reference_logprobs(batch, *, temperature) -> float32 [T]`` (0 outside the
+    # loss tokens), used when an algorithm applies its KL penalty to the rewards.
+
     def state_dict(self) -> Mapping[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...

@@ -159,3 +159,14 @@ def test_dynamic_sampling_refills_dropped_groups(skyrl_cli, skyrl_plugin, tmp_pa
         assert row["refill_rounds"] >= 1  # the first round keeps at most the 2 "b" groups
         assert row["kept_groups"] <= 4
         assert row["sequences"] == row["kept_groups"] * 4
+
+
+def test_kl_in_reward_penalises_rewards(skyrl_cli, tmp_path) -> None:
+    path, out = write_job(tmp_path, steps=3)
+    text = path.read_text().replace('[algorithm]\nname = "grpo"', '[algorithm]\nname = "grpo"\nkl_coef = 0.5\nkl_in_reward = true\nkl_estimator = "k1"')
+    path.write_text(text)
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = step_rows(out)
+    assert rows[0]["kl_reward_penalty_mean"] == pytest.approx(0.0, abs=1e-5)  # step 1: policy == reference
+    assert any(abs(r["kl_reward_penalty_mean"]) > 1e-4 for r in rows[1:])  # then they part

@@ -110,7 +110,9 @@ class RLDriver:
         rewards = np.empty(batch.n_sequences, dtype=np.float32)
         for i in range(batch.n_sequences):
             ids = [int(t) for t in batch.response(i) if int(t) not in stop]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            # Only the stop tokens are dropped: any other special token the policy emits
+            # stays in the text the reward sees (else emitting <unk> would be free).
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
             task = tasks[int(batch.group_ids[i]) - group_offset]
             rewards[i] = float(self.dataset.reward(task, text))
         batch.rewards = rewards
@@ -167,6 +169,12 @@ class RLDriver:
             "kept_groups": float(n_groups),
             "refill_rounds": float(rounds),
         }
+        if batch.n_sequences > 0 and self._kl_in_reward():
+            # KL against the reference policy as a reward penalty (instead of a loss term).
+            ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)
+            penalty = np.asarray(self.algorithm.kl_reward_penalty(batch, ref), dtype=np.float32)
+            rewards = rewards - penalty
+            metrics["kl_reward_penalty_mean"] = float(penalty.mean())
         if batch.n_sequences > 0:
             advantages = np.asarray(self.algorithm.advantages(batch, rewards), dtype=np.float32)
             t_train = time.perf_counter()
@@ -174,13 +182,18 @@ class RLDriver:
                 batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=cfg.max_new_tokens
             )
             train_time = time.perf_counter() - t_train
-            metrics.update({k: float(v) for k, v in train.items()})
+            # The backend's own timings are superseded by the driver's, measured alike for every backend.
+            metrics.update({k: float(v) for k, v in train.items() if k not in ("tokens_per_s", "step_time_s")})
             metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
         sync = self.transport.publish(self.backend, self.engine, step)
         metrics.update({k: float(v) for k, v in sync.items()})
         metrics["gen_tokens_per_s"] = float(gen_tokens / max(gen_time, 1e-9))
         metrics["step_time"] = time.perf_counter() - t0
         return metrics
+
+    def _kl_in_reward(self) -> bool:
+        config = getattr(self.algorithm, "config", None)
+        return bool(self.algorithm.needs_reference and getattr(config, "kl_in_reward", False))
 
     # -- checkpoints ----------------------------------------------------------------
 

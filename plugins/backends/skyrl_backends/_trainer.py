@@ -90,6 +90,7 @@ class _Micro:
         self.n_sequences = n_sequences  # all sequences of the micro-batch
         self.old: Any = None  # pre-update logprobs [K], from the no-grad pass
         self.ref: Any = None  # reference logprobs [K]
+        self.batch_idx: Any = None  # numpy int64 [K]: each loss token's index in the RolloutBatch
 
     @property
     def n_loss(self) -> int:
@@ -398,9 +399,11 @@ class TorchBackend:
                 local = np.flatnonzero(trains[idx])
                 owner = np.repeat(np.arange(len(group)), lens[group])[local]
                 _, seq_ids = np.unique(owner, return_inverse=True)
-                micros.append(self._micro(tokens[idx], lens[group], local, advantages[idx[local]],
-                                          np.asarray(batch.logprobs)[idx[local]], seq_ids,
-                                          int(len(np.unique(owner))), len(group)))
+                micro = self._micro(tokens[idx], lens[group], local, advantages[idx[local]],
+                                    np.asarray(batch.logprobs)[idx[local]], seq_ids,
+                                    int(len(np.unique(owner))), len(group))
+                micro.batch_idx = idx[local]
+                micros.append(micro)
             plan.append(micros)
         return plan
 
@@ -613,6 +616,21 @@ class TorchBackend:
 
     def _fsdp(self) -> bool:
         return self._dp and self.config.data_parallel == "fsdp2"
+
+    def reference_logprobs(self, batch: Any, *, temperature: float) -> np.ndarray:
+        """float32 [T]: the frozen reference policy's logprobs of the batch's loss
+        tokens (0 elsewhere), for KL penalties applied to rewards."""
+        if self._ref_lm is None:
+            raise RuntimeError("reference_logprobs needs start(..., reference=True)")
+        out = np.zeros(batch.n_tokens, dtype=np.float32)
+        plan = self._plan(batch, np.zeros(batch.n_tokens, dtype=np.float32))
+        with torch.no_grad():
+            for micros in plan:
+                for mb in micros:
+                    if mb.n_loss:
+                        lp = self._logprobs(self._ref_lm, mb, temperature)[0]
+                        out[mb.batch_idx] = lp.float().cpu().numpy()
+        return out
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The model's state as (name, tensor) pairs, with Hugging Face names.

@@ -171,8 +171,16 @@ def save_folder(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> Non
     tmp = target.parent / f".{target.name}.tmp-{tag}"
     tmp.mkdir()  # honours the umask, unlike tempfile.mkdtemp
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break our own progress display
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
         if target.exists():
             old = target.parent / f".{target.name}.old-{tag}"
             os.rename(target, old)

@@ -60,7 +60,7 @@ class RLDriver:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _build(self) -> None:
+    def build(self) -> None:
         import torch
 
         run, cfg = self.run_, self.cfg
@@ -243,7 +243,7 @@ class RLDriver:
     def run(self) -> None:
         run, cfg = self.run_, self.cfg
         run.headline = ["reward_mean", "accuracy", "entropy"]
-        self._build()
+        self.build()
         for step in range(self.start_step, run.total_steps + 1):
             metrics = self.step(step)
             bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v) and k.startswith(("loss", "grad"))]

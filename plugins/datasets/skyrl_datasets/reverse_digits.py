@@ -28,26 +28,26 @@ class ReverseDigitsConfig:
     min_len: int = option(3, help="fewest digits in a prompt", validator=in_interval(1, 10))
     max_len: int = option(5, help="most digits in a prompt (digits are distinct, so at most 10)", validator=in_interval(1, 10))
     seed_offset: int = option(0, help="added to the job's seed, to draw other prompts", validator=ge(0))
+    prefix: str = option("reverse ", help="text before the digits in each prompt (the prompt is PREFIX + digits + ':')")
 
     def __attrs_post_init__(self) -> None:
         if self.min_len > self.max_len:
             raise OptionError("min_len", f"expected at most max_len ({self.max_len}), found {self.min_len}")
 
 
-def prompt_for(digits: str) -> str:
+def prompt_for(digits: str, prefix: str = "reverse ") -> str:
     """The prompt text for a digit string: ``"reverse 4071:"``."""
-    return f"reverse {digits}:"
+    return f"{prefix}{digits}:"
 
 
 class ReverseDigits:
     """The dataset (a :class:`skyrl_host.interfaces.Dataset`)."""
 
-    # Every character of a prompt or an answer, for character-level tokenizers.
-    alphabet = "".join(sorted(set(prompt_for(DIGITS) + DIGITS)))
-
     def __init__(self, config: ReverseDigitsConfig, seed: int = 0):
         self.config = config
         self.seed = seed + config.seed_offset
+        # Every character of a prompt or an answer, for character-level tokenizers.
+        self.alphabet = "".join(sorted(set(prompt_for(DIGITS, config.prefix) + DIGITS)))
 
     def batch(self, step: int, size: int) -> list[Task]:
         if step < 1:
@@ -56,11 +56,12 @@ class ReverseDigits:
         tasks = []
         for _ in range(size):
             digits = "".join(rng.sample(DIGITS, rng.randint(self.config.min_len, self.config.max_len)))
-            tasks.append(Task(prompt=prompt_for(digits), answer=digits[::-1], meta={"digits": digits}))
+            tasks.append(Task(prompt=prompt_for(digits, self.config.prefix), answer=digits[::-1], meta={"digits": digits}))
         return tasks
 
     def reward(self, task: Task, completion: str) -> float:
-        """(positions right + 1 if the length is right) / (len(answer) + 1), on the first token."""
+        """(positions right + 1 if the length is right) / (max(len(answer), len(guess)) + 1),
+        on the first whitespace-separated token ``guess`` of the completion."""
         if task.answer is None:
             return 0.0
         return positional_credit(task.answer, first_token(completion))

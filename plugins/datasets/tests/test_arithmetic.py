@@ -23,7 +23,7 @@ TASK = Task(prompt="37+85=", answer="122")
         ("123", 3 / 4),
         ("221", 2 / 4),  # only the middle '2' in place: (1 + 1) / 4
         ("12", 2 / 4),  # '1', '2' in place, length wrong: (2 + 0) / 4
-        ("1220", 3 / 4),  # all three in place, length wrong
+        ("1220", 3 / 5),  # all three in place, length wrong; the extra character counts against it
         ("999", 1 / 4),  # nothing in place, length right
         ("9", 0.0),
         ("", 0.0),

@@ -23,7 +23,7 @@ TASK = Task(prompt="reverse 4071:", answer="1704")
         ("1074", 3 / 5),  # '1', '4' in place + length right
         ("4071", 1 / 5),  # the prompt itself: nothing in place, length right
         ("170", 3 / 5),  # 3 in place, length wrong
-        ("17045", 4 / 5),  # 4 in place, length wrong
+        ("17045", 4 / 6),  # 4 in place, length wrong, over the longer length (5) + 1
         ("9999", 1 / 5),
         ("", 0.0),
     ],

@@ -150,8 +150,8 @@ def test_a_failing_check_exits_1_without_traceback(skyrl_cli, skyrl_plugin, tmp_
 
 
 @pytest.mark.slow
-def test_readme_quickstart_command_runs(tmp_path) -> None:
-    """The command the README's first line runs (after installing)."""
+def test_reward_check_example_runs(tmp_path) -> None:
+    """examples/reward_check.toml, run from another folder."""
     result = skyrl("run", str(ROOT / "examples" / "reward_check.toml"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(x) for x in (tmp_path / "runs" / "reward_check" / "metrics.jsonl").read_text().splitlines()]

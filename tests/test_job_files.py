@@ -990,7 +990,7 @@ def test_example_job_file_is_valid(skyrl_cli: Any) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"{EXAMPLE}: valid 'reward_check' job (plugin 'reward_check' (skyrl-host ")
     assert lines[0].endswith("), 20 steps, seed 1")
-    assert re.fullmatch(r"  \[dataset\] letter_count +plugin 'letter_count' \(skyrl-letter-count \S+\)", lines[1])
+    assert re.fullmatch(r"  \[dataset\] +letter_count +plugin 'letter_count' \(skyrl-letter-count \S+\)", lines[1])
     assert "  [cluster] launcher = 'local'" in lines
     assert "  output: runs/reward_check" in lines
 
@@ -1325,10 +1325,10 @@ def test_multi_slot_default_slot_may_be_omitted(multi: Any, skyrl_cli: Any, tmp_
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     assert out.startswith(f"{path}: valid 'multi' job (plugin 'multi_slots'), 100 steps, seed 0\n")
-    assert re.search(r"^  \[sampler\] greedy +plugin 'multi_slots'$", out, re.M)
-    assert re.search(r"^  \[replay\] fifo +plugin 'multi_slots'$", out, re.M)
-    assert re.search(r"^  \[replay\] prioritized +plugin 'multi_slots'$", out, re.M)
-    assert re.search(r"^  \[dataset\] letter_count +plugin 'letter_count' \(skyrl-letter-count ", out, re.M)
+    assert re.search(r"^  \[sampler\] +greedy +plugin 'multi_slots'$", out, re.M)
+    assert re.search(r"^  \[replay\] +fifo +plugin 'multi_slots'$", out, re.M)
+    assert re.search(r"^  \[replay\] +prioritized +plugin 'multi_slots'$", out, re.M)
+    assert re.search(r"^  \[dataset\] +letter_count +plugin 'letter_count' \(skyrl-letter-count ", out, re.M)
     for text in [
         "  sampler.name: a sampler name; default 'greedy'; value 'greedy'\n",
         "  sampler.top_p: a number; default 1.0; value 1.0\n"

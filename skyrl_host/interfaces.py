@@ -61,6 +61,18 @@ class LoadedModel:
     family: str = ""
 
 
+@attrs.frozen
+class RouterInfo:
+    """One MoE router of a model, as a model family describes it (for routing capture
+    in the engine and routing replay in the trainer)."""
+
+    layer: int  # index of the decoder layer
+    path: str  # dotted module path of the router, e.g. "model.layers.1.mlp.gate"
+    kind: str  # "softmax_topk" | "sigmoid_group_topk"
+    n_experts: int
+    top_k: int
+
+
 @runtime_checkable
 class ModelFamily(Protocol):
     """A model family (``[model] family``): which transformers model types it
@@ -78,6 +90,9 @@ class ModelFamily(Protocol):
         """Write a Hugging Face folder (config.json, *.safetensors, tokenizer
         files) that ``AutoModelForCausalLM.from_pretrained`` loads."""
         ...
+
+    # Families of MoE models also offer ``routers(model) -> list[RouterInfo]`` (in
+    # layer order; empty for a dense model) and ``lora_targets: Sequence[str]``.
 
 
 @attrs.frozen

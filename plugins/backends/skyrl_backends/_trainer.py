@@ -119,6 +119,24 @@ def pack_groups(seq_lens: np.ndarray, seqs: Iterable[int], budget: int) -> list[
     return groups
 
 
+_RECURRENT_LAYER_TYPES = ("mamba", "linear_attention", "linear", "ssm", "deltanet")
+
+
+def has_recurrent_layers(config: Any) -> bool:
+    """True for models with layers that carry state along the sequence (Mamba,
+    linear attention): they ignore position ids, so sequences packed into one row
+    would leak state into each other."""
+    for attr in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+        kinds = getattr(config, attr, None)
+        if kinds is None:
+            continue
+        text = " ".join(kinds) if not isinstance(kinds, str) else kinds
+        text = text.lower()
+        if any(k in text for k in _RECURRENT_LAYER_TYPES) or (attr == "hybrid_override_pattern" and "M" in kinds):
+            return True
+    return False
+
+
 def layout_rows(seq_lens: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Lay out sequences (lengths ``seq_lens``, in order) in rows: whole sequences,
     greedily, while a row's length fits ``pack_length``; a longer sequence gets a row
@@ -269,6 +287,7 @@ class TorchBackend:
         self._ref_lm: Any = None  # _PackedLM around self.reference
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self._one_sequence_per_row = False  # set by start() for models with recurrent layers
         self._ddp: Any = None
         self._mesh: Any = None
         self._dp = False
@@ -280,6 +299,7 @@ class TorchBackend:
     def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool) -> None:
         cfg = self.config
         model = loaded.model
+        self._one_sequence_per_row = has_recurrent_layers(getattr(model, "config", None))
         self._dp = cfg.data_parallel != "none"
         if self._dp:
             if not (dist.is_available() and dist.is_initialized()):
@@ -411,7 +431,9 @@ class TorchBackend:
         """``ids``: the group's tokens end to end; ``seq_lens``: its sequences'
         lengths; ``local``: the indices (into ``ids``) of its loss tokens."""
         d = self.device
-        where, positions, n_rows, R = layout_rows(seq_lens, self.config.pack_length)
+        # Recurrent layers see every earlier token of a row: one sequence per row for them.
+        pack_length = 1 if self._one_sequence_per_row else self.config.pack_length
+        where, positions, n_rows, R = layout_rows(seq_lens, pack_length)
         flat = np.full(n_rows * R, _PAD_ID, dtype=np.int64)
         flat[where] = ids
 

@@ -1,0 +1,135 @@
+"""The GLM family's implementation (imports torch and transformers).
+
+Imported by :func:`skyrl_models.glm.make_family` only when a job selects
+``family = "glm"``, so discovery and ``skyrl validate`` stay light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_host.interfaces import LoadedModel, RouterInfo
+from skyrl_models import _hf
+from skyrl_models.glm import (
+    FULL_PRESETS,
+    INITIALIZER_RANGE,
+    LORA_TARGETS,
+    MAX_POSITION_EMBEDDINGS,
+    MODEL_TYPES,
+    PRESETS,
+    ROUTER_KIND,
+    GlmConfig,
+)
+
+_CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+}
+
+
+def _classes(model_type: str) -> tuple[Any, Any]:
+    import transformers
+
+    cfg_name, model_name = _CLASSES[model_type]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name)
+
+
+def preset_config(config: GlmConfig, tokenizer: Any) -> Any:
+    """The transformers config of a tiny preset."""
+    model_type, arch = PRESETS[config.preset]  # type: ignore[index]
+    cfg_cls, _ = _classes(model_type)
+    hf = cfg_cls(
+        **arch,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    hf._attn_implementation = config.attn_implementation
+    return hf
+
+
+def full_config(name: str) -> Any:
+    """The transformers config of a full-size preset (``glm-4.5``, ``glm-4.7-flash``, ...)."""
+    if name not in FULL_PRESETS:
+        raise KeyError(f"unknown full-size GLM {name!r}; known: {', '.join(sorted(FULL_PRESETS))}")
+    model_type, arch = FULL_PRESETS[name]
+    cfg_cls, _ = _classes(model_type)
+    return cfg_cls(**arch)
+
+
+def count_parameters(hf_config: Any) -> int:
+    """Parameters of the causal LM ``hf_config`` describes, counted on the meta device
+    (nothing is allocated)."""
+    import torch
+
+    _, model_cls = _classes(hf_config.model_type)
+    with torch.device("meta"):
+        model = model_cls(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def routers(model: Any) -> list[RouterInfo]:
+    """One :class:`RouterInfo` per MoE layer (``model.layers.<i>.mlp.gate``), in layer order."""
+    cfg = model.config
+    out: list[RouterInfo] = []
+    for i, layer in enumerate(model.model.layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):
+            continue  # a dense layer
+        out.append(
+            RouterInfo(
+                layer=i,
+                path=f"model.layers.{i}.mlp.gate",
+                kind=ROUTER_KIND,
+                n_experts=int(cfg.n_routed_experts),
+                top_k=int(cfg.num_experts_per_tok),
+            )
+        )
+    return out
+
+
+class GlmFamily:
+    """A :class:`skyrl_host.interfaces.ModelFamily` for GLM-4.5/4.7, GLM-4.7-Flash and GLM-5."""
+
+    name = "glm"
+    model_types = MODEL_TYPES
+    lora_targets = LORA_TARGETS
+
+    def __init__(self, config: GlmConfig):
+        self.config = config
+
+    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
+        cfg = self.config
+        if cfg.path is not None:
+            model, tokenizer = _hf.load_folder(
+                cfg.resolved_path,  # type: ignore[arg-type]
+                family=self.name,
+                model_types=self.model_types,
+                dtype=cfg.dtype,
+                attn_implementation=cfg.attn_implementation,
+            )
+        else:
+            model, tokenizer = self.build_preset(alphabet, seed)
+        return LoadedModel(model, tokenizer, _hf.stop_token_ids(model, tokenizer), family=self.name)
+
+    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
+        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
+        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=MAX_POSITION_EMBEDDINGS)
+        hf_config = preset_config(self.config, tokenizer)
+        _, cls = _classes(hf_config.model_type)
+        with _hf.seeded(seed):
+            model = cls(hf_config)
+        _hf.set_special_ids(model, tokenizer)
+        model = model.to(_hf.DTYPES[self.config.dtype])
+        return model.eval(), tokenizer
+
+    def routers(self, model: Any) -> list[RouterInfo]:
+        return routers(model)
+
+    def save(self, loaded: LoadedModel, path: str) -> None:
+        _hf.save_folder(loaded.model, loaded.tokenizer, path)

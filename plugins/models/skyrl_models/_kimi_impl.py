@@ -1,0 +1,176 @@
+"""The Kimi family's implementation (imports torch and transformers).
+
+Imported by :func:`skyrl_models.kimi.make_family` only when a job selects
+``family = "kimi"``, so discovery and ``skyrl validate`` stay light.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Sequence
+
+import torch
+
+from skyrl_host.errors import Problem, UserError
+from skyrl_host.interfaces import LoadedModel, RouterInfo
+from skyrl_models import _hf
+from skyrl_models.kimi import (
+    FULL_PRESETS,
+    INITIALIZER_RANGE,
+    MAX_POSITION_EMBEDDINGS,
+    MODEL_TYPES,
+    PRESETS,
+    KimiConfig,
+)
+
+ROUTER_KIND = "sigmoid_group_topk"
+
+# Linear layers LoRA adapts: MLA attention projections, the dense MLP and the
+# shared experts (the routed experts are fused 3-D parameters, not nn.Linear).
+LORA_TARGETS: tuple[str, ...] = (
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def preset_config(config: KimiConfig, tokenizer: Any) -> Any:
+    """The ``DeepseekV3Config`` of a tiny preset."""
+    from transformers import DeepseekV3Config
+
+    hf = DeepseekV3Config(
+        **PRESETS[config.preset],  # type: ignore[index]
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=INITIALIZER_RANGE,
+        num_mtp_layers=0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    hf._attn_implementation = config.attn_implementation
+    return hf
+
+
+def full_config(name: str) -> Any:
+    """The ``DeepseekV3Config`` of a full-size Kimi K2 architecture ('kimi-k2',
+    'kimi-k2.6', 'kimi-k2.7'): a configuration only, no weights are built."""
+    from transformers import DeepseekV3Config
+
+    if name not in FULL_PRESETS:
+        names = ", ".join(repr(p) for p in FULL_PRESETS)
+        raise ValueError(f"expected one of {names}, found {name!r}")
+    return DeepseekV3Config(**dict(FULL_PRESETS[name]))
+
+
+def estimate_parameters(hf_config: Any) -> tuple[int, int]:
+    """(total, active per token) parameters of a ``DeepseekV3Config``, counted on
+    a model built on the meta device (no memory is allocated for weights).
+    Active = total minus the routed experts a token does not use."""
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(hf_config)
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    e, k = hf_config.n_routed_experts, hf_config.num_experts_per_tok
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            inactive += sum(p.numel() for p in experts.parameters()) * (e - k) // e
+    return total, total - inactive
+
+
+def routers(model: Any) -> list[RouterInfo]:
+    """One :class:`RouterInfo` per MoE layer (the dense first layers have none), in
+    layer order; ``path`` is the dotted name of the layer's ``mlp.gate``."""
+    names = {id(m): n for n, m in model.named_modules()}
+    base = model.model if hasattr(model, "model") else model
+    cfg = model.config
+    out: list[RouterInfo] = []
+    for i, layer in enumerate(base.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "e_score_correction_bias"):
+            continue  # a dense MLP (its gate_proj is not a router)
+        out.append(RouterInfo(i, names[id(gate)], ROUTER_KIND, int(cfg.n_routed_experts), int(cfg.num_experts_per_tok)))
+    return out
+
+
+def _text_model_of_kimi_k25(path: str, cfg: KimiConfig) -> Any:
+    """Load a ``kimi_k25`` folder and keep its language model as a plain
+    ``DeepseekV3ForCausalLM`` (the vision tower and projector are dropped)."""
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    try:
+        full = Kimi_K25ForConditionalGeneration.from_pretrained(
+            path, dtype=_hf.DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+        )
+    except OSError as exc:
+        raise UserError(Problem(f"cannot load the model from {path!r}: {exc}", key="model.path")) from None
+    text_config = full.config.text_config
+    with torch.device("meta"):
+        causal = DeepseekV3ForCausalLM(text_config)
+    causal.model = full.model.language_model
+    causal.lm_head = full.lm_head
+    causal.generation_config = full.generation_config
+    return causal.eval()
+
+
+class KimiFamily:
+    """A :class:`skyrl_host.interfaces.ModelFamily` for the DeepSeek-V3 / Kimi K2 architecture."""
+
+    name = "kimi"
+    model_types = MODEL_TYPES
+    lora_targets: Sequence[str] = LORA_TARGETS
+
+    def __init__(self, config: KimiConfig):
+        self.config = config
+
+    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
+        cfg = self.config
+        if cfg.path is not None:
+            path: str = cfg.resolved_path  # type: ignore[assignment]
+            if _hf.read_model_type(path) == "kimi_k25":
+                from transformers import AutoTokenizer
+
+                if not any((pathlib.Path(path) / n).is_file() for n in _hf.TOKENIZER_FILES):
+                    names = ", ".join(_hf.TOKENIZER_FILES)
+                    message = f"{path!r} has no tokenizer files (expected one of {names})"
+                    raise UserError(Problem(message, key="model.path"))
+                tokenizer = AutoTokenizer.from_pretrained(path)
+                model = _text_model_of_kimi_k25(path, cfg)
+            else:
+                model, tokenizer = _hf.load_folder(
+                    path,
+                    family=self.name,
+                    model_types=self.model_types,  # kimi_k25 is handled above
+                    dtype=cfg.dtype,
+                    attn_implementation=cfg.attn_implementation,
+                )
+        else:
+            model, tokenizer = self.build_preset(alphabet, seed)
+        return LoadedModel(model, tokenizer, _hf.stop_token_ids(model, tokenizer), family=self.name)
+
+    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
+        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
+        from transformers import DeepseekV3ForCausalLM
+
+        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=MAX_POSITION_EMBEDDINGS)
+        hf_config = preset_config(self.config, tokenizer)
+        with _hf.seeded(seed):
+            model = DeepseekV3ForCausalLM(hf_config)
+        _hf.set_special_ids(model, tokenizer)
+        model = model.to(_hf.DTYPES[self.config.dtype])
+        return model.eval(), tokenizer
+
+    def routers(self, model: Any) -> list[RouterInfo]:
+        return routers(model)
+
+    def save(self, loaded: LoadedModel, path: str) -> None:
+        _hf.save_folder(loaded.model, loaded.tokenizer, path)

@@ -1,0 +1,140 @@
+"""The Nemotron-H family's implementation (imports torch and transformers).
+
+Imported by :func:`skyrl_models.nemotron.make_family` only when a job selects
+``family = "nemotron"``, so discovery and ``skyrl validate`` stay light.
+
+Without the ``mamba-ssm`` / ``causal-conv1d`` CUDA kernels, transformers runs the
+Mamba2 layers with its PyTorch implementation (chunked scan), in training and in
+generation; that is what runs on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from skyrl_host.interfaces import LoadedModel, RouterInfo
+from skyrl_models import _hf
+from skyrl_models.nemotron import (
+    FULL_CONFIGS,
+    INITIALIZER_RANGE,
+    MODEL_TYPES,
+    PRESETS,
+    ROUTER_KIND,
+    NemotronConfig,
+    layer_types,
+)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj")
+"""Names of the ``nn.Linear`` modules LoRA adapts: attention projections, the Mamba2
+input/output projections, and the dense MLPs (shared experts, ``mlp`` layers). The
+routers (``mixer.gate``) are left alone, and the routed experts are fused 3-D
+parameters (``mixer.experts.up_proj`` / ``down_proj``), not modules, so no name here
+reaches them."""
+
+
+def _hf_config(numbers: Mapping[str, Any], **extra: Any) -> Any:
+    from transformers import NemotronHConfig
+
+    numbers = dict(numbers)
+    pattern = numbers.pop("pattern")
+    return NemotronHConfig(
+        layers_block_type=layer_types(pattern),
+        initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=False,
+        mlp_hidden_act="relu2",
+        norm_topk_prob=True,
+        **numbers,
+        **extra,
+    )
+
+
+def preset_config(config: NemotronConfig, tokenizer: Any) -> Any:
+    """The NemotronHConfig of a preset, for the tokenizer's vocabulary."""
+    hf = _hf_config(
+        PRESETS[config.preset],  # type: ignore[index]
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    hf._attn_implementation = config.attn_implementation
+    return hf
+
+
+def full_config(name: str) -> Any:
+    """The NemotronHConfig of a full-size architecture (:data:`FULL_CONFIGS`): a config
+    only; build it under ``torch.device("meta")`` to size it without allocating."""
+    if name not in FULL_CONFIGS:
+        from skyrl_host.errors import did_you_mean
+
+        names = ", ".join(repr(n) for n in FULL_CONFIGS)
+        raise KeyError(f"expected one of {names}, found {name!r}{did_you_mean(name, FULL_CONFIGS)}")
+    return _hf_config(FULL_CONFIGS[name])
+
+
+def routers(model: Any) -> list[RouterInfo]:
+    """One :class:`RouterInfo` per MoE layer, in layer order: the ``gate`` of each
+    MoE mixer (``model.layers.<i>.mixer.gate``); Mamba2, attention and dense layers
+    have none."""
+    cfg = model.config
+    base = getattr(model, "model", model)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for i, layer in enumerate(base.layers):
+        if getattr(layer, "block_type", None) != "moe":
+            continue
+        gate = layer.mixer.gate
+        out.append(
+            RouterInfo(
+                layer=i,
+                path=names[id(gate)],
+                kind=ROUTER_KIND,
+                n_experts=int(cfg.n_routed_experts),
+                top_k=int(cfg.num_experts_per_tok),
+            )
+        )
+    return out
+
+
+class NemotronFamily:
+    """A :class:`skyrl_host.interfaces.ModelFamily` for Nemotron-H (``nemotron_h``)."""
+
+    name = "nemotron"
+    model_types = MODEL_TYPES
+    lora_targets = LORA_TARGETS
+
+    def __init__(self, config: NemotronConfig):
+        self.config = config
+
+    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
+        cfg = self.config
+        if cfg.path is not None:
+            model, tokenizer = _hf.load_folder(
+                cfg.resolved_path,  # type: ignore[arg-type]
+                family=self.name,
+                model_types=self.model_types,
+                dtype=cfg.dtype,
+                attn_implementation=cfg.attn_implementation,
+            )
+        else:
+            model, tokenizer = self.build_preset(alphabet, seed)
+        return LoadedModel(model, tokenizer, _hf.stop_token_ids(model, tokenizer), family=self.name)
+
+    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
+        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
+        from transformers import NemotronHForCausalLM
+
+        max_len = PRESETS[self.config.preset]["max_position_embeddings"]  # type: ignore[index]
+        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=max_len)
+        hf_config = preset_config(self.config, tokenizer)
+        with _hf.seeded(seed):
+            model = NemotronHForCausalLM(hf_config)
+        _hf.set_special_ids(model, tokenizer)
+        model = model.to(_hf.DTYPES[self.config.dtype])
+        return model.eval(), tokenizer
+
+    def routers(self, model: Any) -> list[RouterInfo]:
+        return routers(model)
+
+    def save(self, loaded: LoadedModel, path: str) -> None:
+        _hf.save_folder(loaded.model, loaded.tokenizer, path)

@@ -1,0 +1,294 @@
+"""glm: the GLM mixture-of-experts family (Zhipu / Z.ai).
+
+Model types: ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7), ``glm4_moe_lite``
+(GLM-4.7-Flash, multi-head latent attention) and ``glm_moe_dsa`` (GLM-5, MLA with
+DeepSeek sparse attention). All route DeepSeek-V3 style: sigmoid scores plus an
+``e_score_correction_bias`` for the choice, group-limited top-k, renormalised
+weights times ``routed_scaling_factor``.
+
+``[model] family = "glm"`` with either ``preset`` (a tiny model with random weights
+from the job's seed and a character-level tokenizer for the dataset's alphabet) or
+``path`` (a local Hugging Face folder).
+
+GLM-5.3-Flash (``glm5_next``) is not covered: transformers 5.24 ships it only as a
+vision-language ``Glm5NextForConditionalGeneration`` plus a bare ``Glm5NextTextModel``
+(no causal-LM head for the text model, no ``AutoModelForCausalLM`` mapping), so a
+checkpoint of it cannot meet this family's save/load contract.
+
+This module is what the ``skyrl`` entry point imports: options and presets only, no
+torch or transformers. The factory imports :mod:`skyrl_models._glm_impl`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Literal, Mapping
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.config import OptionError, option
+from skyrl_host.errors import did_you_mean
+
+MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
+"""The transformers ``model_type`` values this family loads from a path."""
+
+ROUTER_KIND = "sigmoid_group_topk"
+
+LORA_TARGETS = (
+    # attention: GQA (glm4_moe) and MLA (glm4_moe_lite, glm_moe_dsa)
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    # dense and shared-expert MLPs
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    # routed experts: fused 3-D parameters of ``mlp.experts``
+    "gate_up_proj",
+)
+"""Module / parameter names LoRA may target (attention and expert projections)."""
+
+MAX_POSITION_EMBEDDINGS = 512  # of the tiny presets
+INITIALIZER_RANGE = 0.02
+
+# Tiny presets: (model_type, transformers config kwargs); the vocabulary comes from
+# the tokenizer. Three layers, the first dense (as in the real models), so two MoE
+# layers with 8 experts in 2 groups, top-2 from the best group.
+_TINY_MOE = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+_TINY_MLA = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+)
+PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    "tiny-glm4-moe": (
+        "glm4_moe",
+        dict(
+            _TINY_MOE,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+        ),
+    ),
+    "tiny-glm4-moe-lite": ("glm4_moe_lite", dict(_TINY_MOE, **_TINY_MLA, mlp_layer_types=["dense", "sparse", "sparse"])),
+    "tiny-glm-moe-dsa": (
+        "glm_moe_dsa",
+        dict(
+            _TINY_MOE,
+            **_TINY_MLA,
+            first_k_dense_replace=1,
+            index_topk=8,
+            index_head_dim=32,
+            index_n_heads=2,
+        ),
+    ),
+}
+
+# Full-size architectures (config only, no weights), from the published config.json
+# files as best known. The vocabulary is the real one.
+FULL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    "glm-4.5": (  # 355B total / 32B active; GLM-4.6 and GLM-4.7 share it
+        "glm4_moe",
+        dict(
+            vocab_size=151552,
+            hidden_size=5120,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_hidden_layers=92,
+            num_attention_heads=96,
+            num_key_value_heads=8,
+            head_dim=128,
+            n_routed_experts=160,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=3,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            max_position_embeddings=131072,
+        ),
+    ),
+    "glm-4.5-air": (  # 106B / 12B
+        "glm4_moe",
+        dict(
+            vocab_size=151552,
+            hidden_size=4096,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=46,
+            num_attention_heads=96,
+            num_key_value_heads=8,
+            head_dim=128,
+            n_routed_experts=128,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            use_qk_norm=False,
+            partial_rotary_factor=0.5,
+            max_position_embeddings=131072,
+        ),
+    ),
+    "glm-4.7-flash": (  # 30B / 3B, MLA
+        "glm4_moe_lite",
+        dict(
+            vocab_size=154880,
+            hidden_size=2048,
+            intermediate_size=10240,
+            moe_intermediate_size=1536,
+            num_hidden_layers=47,
+            num_attention_heads=20,
+            num_key_value_heads=20,
+            q_lora_rank=768,
+            kv_lora_rank=512,
+            qk_nope_head_dim=192,
+            qk_rope_head_dim=64,
+            v_head_dim=256,
+            n_routed_experts=64,
+            n_shared_experts=1,
+            num_experts_per_tok=4,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.8,
+            norm_topk_prob=True,
+            max_position_embeddings=202752,
+        ),
+    ),
+    "glm-5": (  # ~744B / ~40B, MLA + DeepSeek sparse attention
+        "glm_moe_dsa",
+        dict(
+            vocab_size=154880,
+            hidden_size=6144,
+            intermediate_size=12288,
+            moe_intermediate_size=2048,
+            num_hidden_layers=78,
+            num_attention_heads=64,
+            num_key_value_heads=64,
+            q_lora_rank=2048,
+            kv_lora_rank=512,
+            qk_nope_head_dim=192,
+            qk_rope_head_dim=64,
+            v_head_dim=256,
+            n_routed_experts=256,
+            n_shared_experts=1,
+            num_experts_per_tok=8,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=3,
+            norm_topk_prob=True,
+            index_topk=2048,
+            index_head_dim=128,
+            index_n_heads=32,
+            max_position_embeddings=202752,
+        ),
+    ),
+}
+FULL_PRESETS = {**FULL_PRESETS, "glm-4.6": FULL_PRESETS["glm-4.5"], "glm-4.7": FULL_PRESETS["glm-4.5"]}
+
+
+def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is not None and value not in PRESETS:
+        names = ", ".join(repr(p) for p in PRESETS)
+        hint = " (a full-size name builds a config only: see full_config)" if value in FULL_PRESETS else ""
+        raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}{hint}")
+
+
+_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+
+
+def _check_path(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is None:
+        return
+    p = pathlib.Path(value).expanduser()
+    if not p.exists():
+        found = f"nothing at {value!r}"
+    elif not p.is_dir():
+        found = f"a file {value!r}"
+    elif not (p / "config.json").is_file():
+        found = f"a folder without config.json {value!r}"
+    else:
+        return
+    raise ValueError(f"expected a folder with config.json, found {found}")
+
+
+@attrs.frozen
+class GlmConfig:
+    """Options of ``[model]`` when ``family = "glm"``: exactly one of ``preset`` and ``path``."""
+
+    preset: str | None = option(
+        None,
+        help="a tiny model with random weights: " + ", ".join(repr(p) for p in PRESETS),
+        validator=_check_preset,
+    )
+    path: str | None = option(
+        None, help="a local Hugging Face folder (config.json, *.safetensors, tokenizer files)", validator=_check_path
+    )
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="dtype of the weights")
+    attn_implementation: Literal["sdpa", "eager"] = option("sdpa", help="transformers attention implementation")
+
+    def __attrs_post_init__(self) -> None:
+        if self.preset is not None and self.path is not None:
+            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
+        if self.preset is None and self.path is None:
+            names = " or ".join(repr(p) for p in PRESETS)
+            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
+
+    @property
+    def resolved_path(self) -> str | None:
+        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+
+
+def full_config(name: str) -> Any:
+    """The transformers config of a full-size GLM (no weights built); imports transformers."""
+    from skyrl_models._glm_impl import full_config as impl
+
+    return impl(name)
+
+
+def make_family(config: GlmConfig) -> Any:
+    """The factory: a :class:`skyrl_host.interfaces.ModelFamily` (imports torch and transformers)."""
+    from skyrl_models._glm_impl import GlmFamily
+
+    return GlmFamily(config)
+
+
+@hookimpl
+def skyrl_register_models(register: Any) -> None:
+    register(
+        "glm",
+        make_family,
+        config=GlmConfig,
+        description="GLM MoE models (glm4_moe, glm4_moe_lite, glm_moe_dsa): tiny presets or a local Hugging Face folder",
+    )

@@ -1,0 +1,184 @@
+"""kimi: the Kimi K2 model family (the DeepSeek-V3 architecture, ``deepseek_v3``).
+
+``[model] family = "kimi"`` with either ``preset = "tiny-kimi"`` (a tiny
+DeepSeek-V3 model: MLA attention, a dense first layer, then MoE layers with
+sigmoid group-limited top-k routing and one shared expert; random weights from
+the job's seed, a character-level tokenizer for the dataset's alphabet) or
+``path`` (a local Hugging Face folder of model type ``deepseek_v3``, or
+``kimi_k25``, whose text model is loaded).
+
+The full-size Kimi K2 architectures (``kimi-k2``, ``kimi-k2.6``, ``kimi-k2.7``)
+are known as configurations only (:data:`FULL_PRESETS`, :func:`full_config` in
+the implementation): nobody builds a trillion-parameter model from random weights.
+
+This module is what the ``skyrl`` entry point imports: it holds the options and
+the presets only and imports neither torch nor transformers. The factory imports
+the implementation (:mod:`skyrl_models._kimi_impl`) when a job selects the family.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Literal, Mapping
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.config import OptionError, option
+from skyrl_host.errors import did_you_mean
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k25")
+"""The transformers ``model_type`` values this family loads from a path
+(``kimi_k25``: the vision-language Kimi K2.5+, of which the text model is loaded)."""
+
+MAX_POSITION_EMBEDDINGS = 512  # of the tiny preset
+INITIALIZER_RANGE = 0.02  # std of the tiny preset's random weights
+
+# The tiny preset: DeepseekV3Config keyword arguments; the vocabulary comes from
+# the tokenizer. Layer 0 is dense (first_k_dense_replace = 1), layers 1-2 are MoE.
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "tiny-kimi": {
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "intermediate_size": 128,  # the dense layer's MLP
+        "moe_intermediate_size": 32,  # each expert (and the shared expert)
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 4,  # 4 groups of 2 experts...
+        "topk_group": 2,  # ...of which the best 2 groups are eligible
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Kimi K2 (moonshotai/Kimi-K2-Instruct config.json, as published): ~1.04T
+# parameters, ~32B active per token. K2.6 and K2.7 are taken to reuse the K2 text
+# architecture (K2.5/K2.6 ship it as the deepseek_v3 text config of kimi_k25).
+_KIMI_K2: Mapping[str, Any] = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "tie_word_embeddings": False,
+    "num_mtp_layers": 0,
+}
+FULL_PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "kimi-k2": _KIMI_K2,
+    "kimi-k2.6": _KIMI_K2,
+    "kimi-k2.7": _KIMI_K2,
+}
+
+
+def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is None or value in PRESETS:
+        return
+    if value in FULL_PRESETS:
+        raise ValueError(
+            f"{value!r} is a full-size architecture (a configuration only, no weights); "
+            "set path to a local Hugging Face folder of the model instead, or use preset 'tiny-kimi'"
+        )
+    names = ", ".join(repr(p) for p in PRESETS)
+    raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
+
+
+_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+
+
+def _check_path(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is None:
+        return
+    p = pathlib.Path(value).expanduser()
+    if not p.exists():
+        found = f"nothing at {value!r}"
+    elif not p.is_dir():
+        found = f"a file {value!r}"
+    elif not (p / "config.json").is_file():
+        found = f"a folder without config.json {value!r}"
+    else:
+        return
+    raise ValueError(f"expected a folder with config.json, found {found}")
+
+
+@attrs.frozen
+class KimiConfig:
+    """Options of ``[model]`` when ``family = "kimi"``: exactly one of ``preset`` and ``path``."""
+
+    preset: str | None = option(
+        None, help="a tiny model with random weights: 'tiny-kimi' (DeepSeek-V3 / Kimi K2 architecture)",
+        validator=_check_preset,
+    )
+    path: str | None = option(
+        None, help="a local Hugging Face folder (deepseek_v3 or kimi_k25; config.json, *.safetensors, tokenizer files)",
+        validator=_check_path,
+    )
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="dtype of the weights")
+    attn_implementation: Literal["sdpa", "eager"] = option("sdpa", help="transformers attention implementation")
+
+    def __attrs_post_init__(self) -> None:
+        if self.preset is not None and self.path is not None:
+            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
+        if self.preset is None and self.path is None:
+            names = " or ".join(repr(p) for p in PRESETS)
+            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
+
+    @property
+    def resolved_path(self) -> str | None:
+        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+
+
+def make_family(config: KimiConfig) -> Any:
+    """The factory: a :class:`skyrl_host.interfaces.ModelFamily` (imports torch and transformers)."""
+    from skyrl_models._kimi_impl import KimiFamily
+
+    return KimiFamily(config)
+
+
+@hookimpl
+def skyrl_register_models(register: Any) -> None:
+    register(
+        "kimi",
+        make_family,
+        config=KimiConfig,
+        description="Kimi K2 models (deepseek_v3, kimi_k25's text model): a tiny preset or a local Hugging Face folder",
+    )

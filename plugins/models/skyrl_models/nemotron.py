@@ -1,0 +1,173 @@
+"""nemotron: the Nemotron-H model family (``nemotron_h``: Nemotron 3, a hybrid of
+Mamba2, attention and mixture-of-experts layers).
+
+``[model] family = "nemotron"`` with either ``preset`` (a tiny model with random
+weights from the job's seed and a character-level tokenizer for the dataset's
+alphabet) or ``path`` (a local Hugging Face folder, e.g. a downloaded
+NVIDIA-Nemotron-3-Nano-30B-A3B).
+
+The full-size architectures in :data:`FULL_CONFIGS` are configs only (no weights):
+:func:`skyrl_models._nemotron_impl.full_config` builds their transformers config,
+for sizing and planning; a job loads such a model from ``path``.
+
+This module is what the ``skyrl`` entry point imports: it holds the options and
+the presets only and imports neither torch nor transformers. The factory imports
+the implementation (:mod:`skyrl_models._nemotron_impl`) when a job selects the family.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Literal, Mapping
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.config import OptionError, option
+from skyrl_host.errors import did_you_mean
+
+MODEL_TYPES = ("nemotron_h",)
+"""The transformers ``model_type`` values this family loads from a path."""
+
+# Layer patterns use Nemotron-H's letters: M = Mamba2 ("linear_attention"),
+# * = attention ("full_attention"), E = mixture of experts ("moe"), - = dense MLP ("mlp").
+LAYER_LETTERS: Mapping[str, str] = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
+
+# Presets with weights: the NemotronHConfig numbers; the vocabulary comes from the tokenizer.
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "tiny-nemotron-h": {
+        "pattern": "ME*E",  # Mamba2, MoE, attention, MoE
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "intermediate_size": 128,  # dense "mlp" layers (none in the pattern)
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 512,
+    },
+}
+
+# Full-size architectures: config only, never built with weights here. Numbers of the
+# published Hugging Face config.json as best known (NVIDIA-Nemotron-3-Nano-30B-A3B:
+# 52 layers = 23 Mamba2 + 23 MoE + 6 attention; 31.6B parameters, ~3.6B active).
+FULL_CONFIGS: Mapping[str, Mapping[str, Any]] = {
+    "nemotron-3-nano-30b-a3b": {
+        "pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "vocab_size": 131072,
+        "hidden_size": 2688,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "mamba_num_heads": 64,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "intermediate_size": 1856,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 262144,
+    },
+}
+INITIALIZER_RANGE = 0.02  # std of the presets' random weights
+ROUTER_KIND = "sigmoid_group_topk"  # sigmoid scores + correction bias, group-limited top-k
+
+
+def layer_types(pattern: str) -> list[str]:
+    """``"ME*E"`` -> ``["linear_attention", "moe", "full_attention", "moe"]``."""
+    return [LAYER_LETTERS[c] for c in pattern]
+
+
+def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is None or value in PRESETS:
+        return
+    names = ", ".join(repr(p) for p in PRESETS)
+    if value in FULL_CONFIGS:
+        raise ValueError(
+            f"{value!r} is a full-size architecture without weights (a config only); "
+            f"set path = a local folder of the checkpoint, or use a preset: {names}"
+        )
+    raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
+
+
+_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+
+
+def _check_path(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is None:
+        return
+    p = pathlib.Path(value).expanduser()
+    if not p.exists():
+        found = f"nothing at {value!r}"
+    elif not p.is_dir():
+        found = f"a file {value!r}"
+    elif not (p / "config.json").is_file():
+        found = f"a folder without config.json {value!r}"
+    else:
+        return
+    raise ValueError(f"expected a folder with config.json, found {found}")
+
+
+@attrs.frozen
+class NemotronConfig:
+    """Options of ``[model]`` when ``family = "nemotron"``: exactly one of ``preset`` and ``path``."""
+
+    preset: str | None = option(
+        None,
+        help="a tiny model with random weights: 'tiny-nemotron-h' (Mamba2, MoE, attention, MoE layers)",
+        validator=_check_preset,
+    )
+    path: str | None = option(
+        None, help="a local Hugging Face folder (config.json, *.safetensors, tokenizer files)", validator=_check_path
+    )
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="dtype of the weights")
+    attn_implementation: Literal["sdpa", "eager"] = option("sdpa", help="transformers attention implementation")
+
+    def __attrs_post_init__(self) -> None:
+        if self.preset is not None and self.path is not None:
+            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
+        if self.preset is None and self.path is None:
+            names = " or ".join(repr(p) for p in PRESETS)
+            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
+
+    @property
+    def resolved_path(self) -> str | None:
+        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+
+
+def make_family(config: NemotronConfig) -> Any:
+    """The factory: a :class:`skyrl_host.interfaces.ModelFamily` (imports torch and transformers)."""
+    from skyrl_models._nemotron_impl import NemotronFamily
+
+    return NemotronFamily(config)
+
+
+@hookimpl
+def skyrl_register_models(register: Any) -> None:
+    register(
+        "nemotron",
+        make_family,
+        config=NemotronConfig,
+        description="Nemotron-H (nemotron_h: Nemotron 3, hybrid Mamba2/attention/MoE): a tiny preset or a local folder",
+    )

@@ -24,6 +24,53 @@ SEQUENCE_ARRAYS = ("prompt_lens", "group_ids", "versions", "truncated", "rewards
 
 
 @attrs.define(eq=False)
+class CSR:
+    """A ragged side channel: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+
+    In a RolloutBatch, rows follow the generated tokens (``loss_mask == 1``) in order,
+    e.g. ``sample_support``: the candidate ids the sampler kept for each token."""
+
+    offsets: np.ndarray  # int64 [n_rows + 1], offsets[0] == 0
+    values: np.ndarray  # [offsets[-1]]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[int]] | Sequence[np.ndarray], dtype: Any = np.int32) -> "CSR":
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        values = np.concatenate([np.asarray(r, dtype=dtype) for r in rows]) if rows else np.zeros(0, dtype=dtype)
+        return cls(offsets, values.astype(dtype, copy=False))
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    def take(self, rows: np.ndarray) -> "CSR":
+        rows = np.asarray(rows, dtype=np.int64)
+        starts, ends = self.offsets[rows], self.offsets[rows + 1]
+        lens = ends - starts
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        # Gather every selected row's values in one vectorised index.
+        idx = np.repeat(starts - offsets[:-1], lens) + np.arange(int(offsets[-1]), dtype=np.int64)
+        return CSR(offsets, self.values[idx])
+
+    @staticmethod
+    def concat(parts: Sequence["CSR"]) -> "CSR":
+        shifts = np.cumsum([0] + [int(p.offsets[-1]) for p in parts[:-1]])
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)]).astype(np.int64)
+        return CSR(offsets, np.concatenate([p.values for p in parts]))
+
+    def validate(self, n_rows: int, name: str) -> None:
+        if self.n_rows != n_rows:
+            raise ValueError(f"side channel {name!r} has {self.n_rows} rows, expected one per generated token ({n_rows})")
+        if self.offsets[0] != 0 or np.any(np.diff(self.offsets) < 0) or self.offsets[-1] != len(self.values):
+            raise ValueError(f"side channel {name!r}: offsets must start at 0, never decrease and end at len(values)")
+
+
+@attrs.define(eq=False)
 class RolloutBatch:
     tokens: np.ndarray  # int32 [T]
     cu_seqlens: np.ndarray  # int64 [S + 1]; cu_seqlens[0] == 0, cu_seqlens[-1] == T
@@ -34,7 +81,9 @@ class RolloutBatch:
     versions: np.ndarray  # int64 [S]; weight version that generated each sequence
     truncated: np.ndarray  # bool [S]; hit the new-token limit without a stop token
     rewards: np.ndarray  # float32 [S]; NaN until scored
-    side_channels: dict[str, Any] = attrs.field(factory=dict)  # packed extras (routed experts, support sets)
+    # Packed extras: numpy arrays with one row per token (routed experts [T, layers, top_k]),
+    # or CSR with one row per generated token (sample support sets).
+    side_channels: dict[str, Any] = attrs.field(factory=dict)
 
     # -- construction --------------------------------------------------------
 
@@ -135,6 +184,11 @@ class RolloutBatch:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, expected one per sequence ({S})")
         if np.any(self.prompt_lens < 0) or np.any(self.prompt_lens > self.seq_lens):
             raise ValueError("prompt_lens must lie within each sequence")
+        for name, channel in self.side_channels.items():
+            if isinstance(channel, CSR):
+                channel.validate(int(np.count_nonzero(self.loss_mask)), name)
+            elif len(channel) != T:
+                raise ValueError(f"side channel {name!r} has {len(channel)} rows, expected one per token ({T})")
 
     def select(self, indices: Sequence[int] | np.ndarray) -> "RolloutBatch":
         """A new batch with the given sequences, in the given order (side channels
@@ -152,8 +206,16 @@ class RolloutBatch:
             logprobs=self.logprobs[token_idx],
             loss_mask=self.loss_mask[token_idx],
             **{name: getattr(self, name)[idx] for name in SEQUENCE_ARRAYS},
-            side_channels={k: v[token_idx] for k, v in self.side_channels.items() if isinstance(v, np.ndarray)},
+            side_channels=self._select_side_channels(token_idx),
         )
+
+    def _select_side_channels(self, token_idx: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        generated_rank = np.cumsum(self.loss_mask != 0) - 1  # row of each generated token in a CSR channel
+        gen_rows = generated_rank[token_idx][self.loss_mask[token_idx] != 0]
+        for name, channel in self.side_channels.items():
+            out[name] = channel.take(gen_rows) if isinstance(channel, CSR) else channel[token_idx]
+        return out
 
     @staticmethod
     def concat(batches: Iterable["RolloutBatch"]) -> "RolloutBatch":
@@ -166,23 +228,42 @@ class RolloutBatch:
         return RolloutBatch(
             cu_seqlens=cu,
             **{name: np.concatenate([getattr(b, name) for b in batches]) for name in TOKEN_ARRAYS + SEQUENCE_ARRAYS},
-            side_channels={
-                k: np.concatenate([b.side_channels[k] for b in batches])
-                for k in keys
-                if all(isinstance(b.side_channels.get(k), np.ndarray) for b in batches)
-            },
+            side_channels={k: _concat_channel([b.side_channels.get(k) for b in batches], k) for k in keys},
         )
 
     def to_arrays(self) -> Mapping[str, np.ndarray]:
-        """Every array by name (side channels prefixed ``side.``), for transports."""
+        """Every array by name, for transports: side channels as ``side.NAME``, or
+        ``side.NAME.offsets`` and ``side.NAME.values`` for CSR ones."""
         out = {name: getattr(self, name) for name in ("cu_seqlens",) + TOKEN_ARRAYS + SEQUENCE_ARRAYS}
-        out.update({f"side.{k}": v for k, v in self.side_channels.items()})
+        for k, v in self.side_channels.items():
+            if isinstance(v, CSR):
+                out[f"side.{k}.offsets"], out[f"side.{k}.values"] = v.offsets, v.values
+            else:
+                out[f"side.{k}"] = v
         return out
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> "RolloutBatch":
-        side = {k[5:]: v for k, v in arrays.items() if k.startswith("side.")}
+        side: dict[str, Any] = {}
+        for k, v in arrays.items():
+            if not k.startswith("side."):
+                continue
+            name = k[5:]
+            if name.endswith(".offsets"):
+                side[name[:-8]] = CSR(v, arrays[f"side.{name[:-8]}.values"])
+            elif not name.endswith(".values"):
+                side[name] = v
         plain = {k: v for k, v in arrays.items() if not k.startswith("side.")}
         batch = cls(**plain, side_channels=side)
         batch.validate()
         return batch
+
+
+def _concat_channel(parts: list[Any], name: str) -> Any:
+    if any(p is None for p in parts):
+        raise ValueError(f"side channel {name!r} is missing from some of the batches")
+    if all(isinstance(p, CSR) for p in parts):
+        return CSR.concat(parts)
+    if any(isinstance(p, CSR) for p in parts):
+        raise ValueError(f"side channel {name!r} is CSR in some batches and dense in others")
+    return np.concatenate(parts)

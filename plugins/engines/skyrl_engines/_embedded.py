@@ -20,6 +20,11 @@ taken in output order, so prompt i's ``n`` samples stay together):
    (cache, mask, positions) once a quarter of its rows are finished, so they stop
    costing compute.
 
+When the sampler has ``return_support`` true (and ``sample_with_support``), each
+step also gathers the kept candidate ids of the live rows (``torch.nonzero`` of
+the bool support mask, on the device); after generation they become the CSR side
+channel ``sample_support``, one row per generated token, in batch order.
+
 Randomness comes only from one ``torch.Generator`` seeded with ``seed`` and
 handed to the sampler, so the same seed and weights give the same batch.
 """
@@ -37,7 +42,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from skyrl_host.interfaces import LoadedModel, Sampler
-from skyrl_host.rollout import RolloutBatch
+from skyrl_host.rollout import CSR, RolloutBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Compact the batch once at least this fraction of its rows are finished.
@@ -200,6 +205,10 @@ class EmbeddedEngine:
         resp_lp = np.zeros((total, max_new_tokens), dtype=np.float32)
         resp_len = np.zeros(total, dtype=np.int64)
         stopped = np.zeros(total, dtype=bool)
+        want_support = bool(getattr(sampler, "return_support", False))
+        if want_support and not callable(getattr(sampler, "sample_with_support", None)):
+            raise ValueError("the sampler has return_support set but no sample_with_support(logits, generator)")
+        support_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row key, row length, values)
         step = self.config.max_batch_size
         training = model.training
         if not self._own_module:
@@ -212,12 +221,21 @@ class EmbeddedEngine:
                     s1 = min(total, s0 + step)
                     p0, p1 = s0 // n, (s1 - 1) // n + 1
                     rep = torch.arange(s0, s1, device=self.device) // n - p0
-                    out = self._generate_chunk(model, prompts[p0:p1], rep, sampler, max_new_tokens, generator)
-                    resp[s0:s1], resp_lp[s0:s1], resp_len[s0:s1], stopped[s0:s1] = out
+                    out = self._generate_chunk(
+                        model, prompts[p0:p1], rep, sampler, max_new_tokens, generator, want_support
+                    )
+                    resp[s0:s1], resp_lp[s0:s1], resp_len[s0:s1], stopped[s0:s1] = out[:4]
+                    if want_support:
+                        keys, lens, values = out[4]
+                        support_parts.append((keys + s0 * max_new_tokens, lens, values))
         finally:
             if not self._own_module:
                 model.train(training)
-        return self._pack(prompts, n, resp, resp_lp, resp_len, stopped, group_offset)
+        batch = self._pack(prompts, n, resp, resp_lp, resp_len, stopped, group_offset)
+        if want_support:
+            batch.side_channels["sample_support"] = _support_csr(support_parts)
+            batch.validate()
+        return batch
 
     def _forward(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
         out = model(
@@ -233,7 +251,8 @@ class EmbeddedEngine:
         sampler: Sampler,
         max_new: int,
         generator: torch.Generator,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        want_support: bool = False,
+    ) -> tuple[Any, ...]:
         dev = self.device
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         width = int(lens.max())
@@ -270,11 +289,21 @@ class EmbeddedEngine:
         out_stop = torch.zeros(rows, dtype=torch.bool, device=dev)
         seq_of_row = torch.arange(rows, device=dev)  # chunk sequence held by each batch row
         alive = None  # row indices still generating; None = every row
+        sup_keys: list[torch.Tensor] = []  # per step: chunk sequence * max_new + t of each live row
+        sup_lens: list[torch.Tensor] = []  # per step: kept candidates of each live row
+        sup_vals: list[torch.Tensor] = []  # per step: the kept ids, row-major (nonzero's order)
         for t in range(max_new):
             live_logits = logits if alive is None else logits.index_select(0, alive)
-            sample = sampler.sample(live_logits, generator)
-            tok = sample.token_ids.to(device=dev, dtype=torch.long).reshape(-1)
             live_seq = seq_of_row if alive is None else seq_of_row.index_select(0, alive)
+            if want_support:
+                sample, keep = sampler.sample_with_support(live_logits, generator)
+                keep = keep.to(device=dev)
+                sup_keys.append(live_seq * max_new + t)
+                sup_lens.append(keep.sum(-1))
+                sup_vals.append(torch.nonzero(keep)[:, 1].to(torch.int32))
+            else:
+                sample = sampler.sample(live_logits, generator)
+            tok = sample.token_ids.to(device=dev, dtype=torch.long).reshape(-1)
             out_tok[live_seq, t] = tok.to(torch.int32)
             out_lp[live_seq, t] = sample.logprobs.to(device=dev, dtype=torch.float32).reshape(-1)
             out_len[live_seq] = t + 1
@@ -307,7 +336,15 @@ class EmbeddedEngine:
             attn[:, slot] = True
             logits = self._forward(model, feed[:, None], mask_upto(slot + 1), next_pos[:, None], cache)
             next_pos = next_pos + 1
-        return out_tok.cpu().numpy(), out_lp.cpu().numpy(), out_len.cpu().numpy(), out_stop.cpu().numpy()
+        out = (out_tok.cpu().numpy(), out_lp.cpu().numpy(), out_len.cpu().numpy(), out_stop.cpu().numpy())
+        if not want_support:
+            return out
+        support = (
+            torch.cat(sup_keys).cpu().numpy().astype(np.int64),
+            torch.cat(sup_lens).cpu().numpy().astype(np.int64),
+            torch.cat(sup_vals).cpu().numpy(),
+        )
+        return out + (support,)
 
     def _pack(
         self,
@@ -351,6 +388,17 @@ class EmbeddedEngine:
         )
         batch.validate()
         return batch
+
+
+def _support_csr(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> CSR:
+    """One CSR from the recorded steps (rows step-major, keyed ``sequence * max_new + t``):
+    rows reordered sequence by sequence, token by token, i.e. the batch's generated tokens."""
+    keys = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+    lens = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+    values = np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.int32)
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return CSR(offsets, values.astype(np.int32, copy=False)).take(np.argsort(keys, kind="stable"))
 
 
 def _make_cache(config: Any, capacity: int) -> Any:

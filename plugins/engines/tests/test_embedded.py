@@ -440,3 +440,103 @@ def test_rejects_bad_arguments() -> None:
         engine.generate([[1]], n=1, sampler=GreedySampler(), max_new_tokens=0, seed=0)
     with pytest.raises(RuntimeError, match="start"):
         Embedded(EmbeddedConfig()).generate([[1]], n=1, sampler=GreedySampler(), max_new_tokens=3, seed=0)
+
+
+# -- sample support side channel ----------------------------------------------
+
+
+def _truncated(**kwargs):
+    processing = pytest.importorskip("skyrl_samplers._processing")
+    return processing.TruncatedSampler(**kwargs)
+
+
+def _greedy(**kwargs):
+    return pytest.importorskip("skyrl_samplers._processing").GreedySampler(**kwargs)
+
+
+def teacher_forced_support(model: torch.nn.Module, batch: RolloutBatch, sampler) -> list[np.ndarray]:
+    """sampler.support at every generated token, from one full forward of each packed sequence."""
+    rows = []
+    with torch.no_grad():
+        for i in range(batch.n_sequences):
+            seq = torch.as_tensor(batch.sequence(i), dtype=torch.long)
+            logits = model(seq[None]).logits[0].float()
+            p = int(batch.prompt_lens[i])
+            keep = sampler.support(logits[p - 1 : len(seq) - 1])
+            rows.extend(np.flatnonzero(k.numpy()) for k in keep)
+    return rows
+
+
+@pytest.mark.parametrize("max_batch_size", [3, 256])
+def test_sample_support_matches_teacher_forced_support(monkeypatch, max_batch_size) -> None:
+    monkeypatch.setattr(impl, "COMPACT_FRACTION", 0.01)  # compact at the first finished row
+    model = tiny_model()
+    engine = engine_for(model, stop=[1, 2], max_batch_size=max_batch_size)
+    sampler = _truncated(temperature=0.9, top_k=12, top_p=0.8, return_support=True)
+    batch = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=12, seed=7)
+    batch.validate()
+    assert not batch.truncated.all(), "some sequence should hit a stop token"
+    csr = batch.side_channels["sample_support"]
+    assert csr.offsets.dtype == np.int64 and csr.values.dtype == np.int32
+    generated = batch.tokens[batch.loss_mask == 1]
+    assert csr.n_rows == len(generated)
+    expected = teacher_forced_support(model, batch, sampler)
+    for r, (tok, row) in enumerate(zip(generated, expected)):
+        got = csr.row(r)
+        assert tok in got, r
+        assert 1 <= len(got) <= 12
+        np.testing.assert_array_equal(got, row, err_msg=f"row {r}")
+
+
+def test_sample_support_on_and_off_give_the_same_tokens() -> None:
+    model = tiny_model()
+    engine = engine_for(model, stop=[1], max_batch_size=4)
+    off = engine.generate(PROMPTS, n=2, sampler=_truncated(top_p=0.9), max_new_tokens=10, seed=3)
+    on = engine.generate(PROMPTS, n=2, sampler=_truncated(top_p=0.9, return_support=True), max_new_tokens=10, seed=3)
+    assert_same_batch(off, on)
+    assert "sample_support" not in off.side_channels
+    assert "sample_support" in on.side_channels
+
+
+def test_sample_support_survives_select() -> None:
+    model = tiny_model()
+    engine = engine_for(model, stop=[1, 2])
+    batch = engine.generate(
+        PROMPTS, n=2, sampler=_truncated(top_k=5, return_support=True), max_new_tokens=8, seed=1
+    )
+    csr = batch.side_channels["sample_support"]
+    rank = np.cumsum(batch.loss_mask) - 1
+    order = [7, 0, 3]
+    sub = batch.select(order)
+    sub.validate()
+    sub_csr = sub.side_channels["sample_support"]
+    r = 0
+    for i in order:
+        s, e = int(batch.cu_seqlens[i]) + int(batch.prompt_lens[i]), int(batch.cu_seqlens[i + 1])
+        for t in range(s, e):
+            np.testing.assert_array_equal(sub_csr.row(r), csr.row(int(rank[t])))
+            assert batch.tokens[t] in sub_csr.row(r)
+            r += 1
+    assert r == sub_csr.n_rows
+
+
+def test_sample_support_without_truncation_is_the_full_vocab_and_greedy_is_the_token() -> None:
+    model = tiny_model()
+    engine = engine_for(model, stop=[1])
+    vocab = model.config.vocab_size
+    batch = engine.generate(PROMPTS, n=2, sampler=_truncated(return_support=True), max_new_tokens=6, seed=0)
+    csr = batch.side_channels["sample_support"]
+    np.testing.assert_array_equal(np.diff(csr.offsets), vocab)
+    np.testing.assert_array_equal(csr.values, np.tile(np.arange(vocab), csr.n_rows))
+    batch = engine.generate(PROMPTS, n=1, sampler=_greedy(return_support=True), max_new_tokens=6, seed=0)
+    csr = batch.side_channels["sample_support"]
+    np.testing.assert_array_equal(np.diff(csr.offsets), 1)
+    np.testing.assert_array_equal(csr.values, batch.tokens[batch.loss_mask == 1])
+
+
+def test_return_support_needs_sample_with_support() -> None:
+    engine = engine_for(tiny_model())
+    sampler = TemperatureSampler()
+    sampler.return_support = True
+    with pytest.raises(ValueError, match="sample_with_support"):
+        engine.generate(PROMPTS, n=1, sampler=sampler, max_new_tokens=2, seed=0)

@@ -34,11 +34,19 @@ def min_p_option(default: float = 0.0) -> Any:
     )
 
 
+def return_support_option() -> Any:
+    return option(
+        False,
+        help="the engine records the candidate ids kept for each generated token (side channel 'sample_support')",
+    )
+
+
 def build_sampler(config: Any) -> Any:
     """The factory of every stochastic sampler name: the config's four options
     applied in the fixed order (temperature, top-k, top-p, min-p)."""
     from skyrl_samplers._processing import TruncatedSampler  # torch is imported here, not at discovery
 
     return TruncatedSampler(
-        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p
+        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
+        return_support=config.return_support,
     )

@@ -51,7 +51,14 @@ class TruncatedSampler:
     the kept candidate set of each row (for sample-support replay).
     """
 
-    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        return_support: bool = False,
+    ):
         if not temperature > 0 or math.isinf(temperature):
             raise ValueError(f"temperature: expected a finite value > 0, found {temperature!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
@@ -64,11 +71,13 @@ class TruncatedSampler:
         self.top_k = int(top_k)
         self.top_p = float(top_p)
         self.min_p = float(min_p)
+        # Asks the engine to record support(logits) of every generated token (side channel "sample_support").
+        self.return_support = bool(return_support)
 
     def __repr__(self) -> str:
         return (
             f"TruncatedSampler(temperature={self.temperature}, top_k={self.top_k}, "
-            f"top_p={self.top_p}, min_p={self.min_p})"
+            f"top_p={self.top_p}, min_p={self.min_p}, return_support={self.return_support})"
         )
 
     # -- the steps ---------------------------------------------------------
@@ -132,8 +141,11 @@ class GreedySampler:
 
     temperature: float = 1.0
 
+    def __init__(self, return_support: bool = False):
+        self.return_support = bool(return_support)
+
     def __repr__(self) -> str:
-        return "GreedySampler()"
+        return f"GreedySampler(return_support={self.return_support})"
 
     def sample_with_support(self, logits: torch.Tensor, generator: Any = None) -> tuple[SampleOutput, torch.Tensor]:
         _check_logits(logits)

@@ -11,7 +11,14 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_samplers._options import build_sampler, min_p_option, temperature_option, top_k_option, top_p_option
+from skyrl_samplers._options import (
+    build_sampler,
+    min_p_option,
+    return_support_option,
+    temperature_option,
+    top_k_option,
+    top_p_option,
+)
 
 
 @attrs.frozen
@@ -22,6 +29,7 @@ class TemperatureConfig:
     top_k: int = top_k_option()
     top_p: float = top_p_option()
     min_p: float = min_p_option()
+    return_support: bool = return_support_option()
 
 
 @hookimpl

@@ -48,7 +48,7 @@ def job_file(tmp_path: pathlib.Path, sampler: str) -> pathlib.Path:
         ('name = "top_p"\ntopp = 0.9\n', "6: sampler.topp: unknown key (did you mean 'top_p'?)"),
         (
             'name = "greedy"\ntemperature = 0.7\n',
-            "6: sampler.temperature: unknown key: sampler 'greedy' takes no options",
+            "6: sampler.temperature: unknown key",
         ),
         ('name = "top-p"\n', "5: sampler.name: unknown sampler 'top-p' (did you mean 'top_p'?)"),
     ],
@@ -96,6 +96,13 @@ def test_greedy_validates_with_an_empty_table(sampler_job: Any, skyrl_host: Any,
     sampler = spec.plugins["sampler"].create()
     assert sampler.temperature == 1.0
     assert sampler.sample(torch.tensor([[0.0, 3.0, 1.0]]), None).token_ids.tolist() == [1]
+    assert sampler.return_support is False
+
+
+@pytest.mark.parametrize("name", ["greedy", "temperature", "top_k", "top_p", "min_p"])
+def test_return_support_job_key(sampler_job: Any, skyrl_host: Any, tmp_path: pathlib.Path, name: str) -> None:
+    spec = load_job(job_file(tmp_path, f'name = "{name}"\nreturn_support = true\n'), skyrl_host)
+    assert spec.plugins["sampler"].create().return_support is True
 
 
 @pytest.mark.parametrize(

@@ -26,10 +26,10 @@ MODULES = {
 }
 
 DEFAULTS = {
-    "temperature": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
-    "top_k": {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0},
-    "top_p": {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0},
-    "min_p": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.05},
+    "temperature": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "return_support": False},
+    "top_k": {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "return_support": False},
+    "top_p": {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0, "return_support": False},
+    "min_p": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.05, "return_support": False},
 }
 
 
@@ -49,18 +49,29 @@ def test_each_name_only_changes_the_defaults(skyrl_host, name: str) -> None:
     assert attrs.asdict(config) == DEFAULTS[name]
     sampler = reg.create(config)
     assert isinstance(sampler, Sampler)
-    assert (sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p) == tuple(DEFAULTS[name].values())
+    assert (sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, sampler.return_support) == tuple(
+        DEFAULTS[name].values()
+    )
     # Every name accepts all four options.
     custom = reg.create(reg.config(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1))
     assert (custom.temperature, custom.top_k, custom.top_p, custom.min_p) == (0.5, 7, 0.9, 0.1)
 
 
-def test_greedy_takes_no_options(skyrl_host) -> None:
+def test_greedy_takes_only_return_support(skyrl_host) -> None:
     reg = skyrl_host.registry.get("samplers", "greedy")
-    assert reg.config is None
-    sampler = reg.create(None)
+    assert attrs.asdict(reg.config()) == {"return_support": False}
+    sampler = reg.create(reg.config())
     assert isinstance(sampler, Sampler)
     assert sampler.temperature == 1.0
+    assert sampler.return_support is False
+    assert reg.create(reg.config(return_support=True)).return_support is True
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_return_support_defaults_off_and_reaches_the_sampler(skyrl_host, name: str) -> None:
+    reg = skyrl_host.registry.get("samplers", name)
+    assert reg.create(reg.config()).return_support is False
+    assert reg.create(reg.config(return_support=True)).return_support is True
 
 
 def test_entry_point_modules_import_no_torch() -> None:

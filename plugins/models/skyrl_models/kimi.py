@@ -19,7 +19,6 @@ the implementation (:mod:`skyrl_models._kimi_impl`) when a job selects the famil
 from __future__ import annotations
 
 import os
-import pathlib
 from typing import Any, Literal, Mapping
 
 import attrs
@@ -27,6 +26,7 @@ import attrs
 from skyrl_host import hookimpl
 from skyrl_host.config import OptionError, option
 from skyrl_host.errors import did_you_mean
+from skyrl_models._options import check_hf_folder
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k25")
 """The transformers ``model_type`` values this family loads from a path
@@ -125,19 +125,7 @@ def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
 _check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
 
 
-def _check_path(_inst: Any, _attr: Any, value: str | None) -> None:
-    if value is None:
-        return
-    p = pathlib.Path(value).expanduser()
-    if not p.exists():
-        found = f"nothing at {value!r}"
-    elif not p.is_dir():
-        found = f"a file {value!r}"
-    elif not (p / "config.json").is_file():
-        found = f"a folder without config.json {value!r}"
-    else:
-        return
-    raise ValueError(f"expected a folder with config.json, found {found}")
+_check_path = check_hf_folder
 
 
 @attrs.frozen

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -195,3 +196,41 @@ def save_folder(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> Non
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class HFFamily(abc.ABC):
+    """What every family over transformers models shares: a config with ``preset`` or
+    ``path`` (+ ``dtype``, ``attn_implementation``), loading a folder or building a
+    preset, and saving a Hugging Face folder. Subclasses set ``name`` and
+    ``model_types`` and implement ``build_preset``."""
+
+    name: str = ""
+    model_types: Sequence[str] = ()
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    def load(self, *, alphabet: str | None, seed: int) -> Any:
+        from skyrl_host.interfaces import LoadedModel
+
+        if self.config.path is not None:
+            model, tokenizer = self.load_folder(self.config.resolved_path)
+        else:
+            model, tokenizer = self.build_preset(alphabet, seed)
+        return LoadedModel(model, tokenizer, stop_token_ids(model, tokenizer), family=self.name)
+
+    def load_folder(self, path: str) -> tuple[Any, Any]:
+        return load_folder(
+            path,
+            family=self.name,
+            model_types=self.model_types,
+            dtype=self.config.dtype,
+            attn_implementation=self.config.attn_implementation,
+        )
+
+    @abc.abstractmethod
+    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
+        """(model, tokenizer) of the configured preset, with random weights from ``seed``."""
+
+    def save(self, loaded: Any, path: str) -> None:
+        save_folder(loaded.model, loaded.tokenizer, path)

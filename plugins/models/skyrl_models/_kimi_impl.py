@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from skyrl_host.errors import Problem, UserError
-from skyrl_host.interfaces import LoadedModel, RouterInfo
+from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
 from skyrl_models.kimi import (
     FULL_PRESETS,
@@ -122,40 +122,23 @@ def _text_model_of_kimi_k25(path: str, cfg: KimiConfig) -> Any:
     return causal.eval()
 
 
-class KimiFamily:
+class KimiFamily(_hf.HFFamily):
     """A :class:`skyrl_host.interfaces.ModelFamily` for the DeepSeek-V3 / Kimi K2 architecture."""
 
     name = "kimi"
     model_types = MODEL_TYPES
     lora_targets: Sequence[str] = LORA_TARGETS
 
-    def __init__(self, config: KimiConfig):
-        self.config = config
+    def load_folder(self, path: str) -> tuple[Any, Any]:
+        if _hf.read_model_type(path) != "kimi_k25":
+            return super().load_folder(path)  # kimi_k25 is handled here
+        from transformers import AutoTokenizer
 
-    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
-        cfg = self.config
-        if cfg.path is not None:
-            path: str = cfg.resolved_path  # type: ignore[assignment]
-            if _hf.read_model_type(path) == "kimi_k25":
-                from transformers import AutoTokenizer
-
-                if not any((pathlib.Path(path) / n).is_file() for n in _hf.TOKENIZER_FILES):
-                    names = ", ".join(_hf.TOKENIZER_FILES)
-                    message = f"{path!r} has no tokenizer files (expected one of {names})"
-                    raise UserError(Problem(message, key="model.path"))
-                tokenizer = AutoTokenizer.from_pretrained(path)
-                model = _text_model_of_kimi_k25(path, cfg)
-            else:
-                model, tokenizer = _hf.load_folder(
-                    path,
-                    family=self.name,
-                    model_types=self.model_types,  # kimi_k25 is handled above
-                    dtype=cfg.dtype,
-                    attn_implementation=cfg.attn_implementation,
-                )
-        else:
-            model, tokenizer = self.build_preset(alphabet, seed)
-        return LoadedModel(model, tokenizer, _hf.stop_token_ids(model, tokenizer), family=self.name)
+        if not any((pathlib.Path(path) / n).is_file() for n in _hf.TOKENIZER_FILES):
+            names = ", ".join(_hf.TOKENIZER_FILES)
+            message = f"{path!r} has no tokenizer files (expected one of {names})"
+            raise UserError(Problem(message, key="model.path"))
+        return _text_model_of_kimi_k25(path, self.config), AutoTokenizer.from_pretrained(path)
 
     def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
         """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
@@ -171,6 +154,3 @@ class KimiFamily:
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)
-
-    def save(self, loaded: LoadedModel, path: str) -> None:
-        _hf.save_folder(loaded.model, loaded.tokenizer, path)

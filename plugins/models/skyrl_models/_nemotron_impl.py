@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from skyrl_host.interfaces import LoadedModel, RouterInfo
+from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
 from skyrl_models.nemotron import (
     FULL_CONFIGS,
@@ -96,29 +96,12 @@ def routers(model: Any) -> list[RouterInfo]:
     return out
 
 
-class NemotronFamily:
+class NemotronFamily(_hf.HFFamily):
     """A :class:`skyrl_host.interfaces.ModelFamily` for Nemotron-H (``nemotron_h``)."""
 
     name = "nemotron"
     model_types = MODEL_TYPES
     lora_targets = LORA_TARGETS
-
-    def __init__(self, config: NemotronConfig):
-        self.config = config
-
-    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
-        cfg = self.config
-        if cfg.path is not None:
-            model, tokenizer = _hf.load_folder(
-                cfg.resolved_path,  # type: ignore[arg-type]
-                family=self.name,
-                model_types=self.model_types,
-                dtype=cfg.dtype,
-                attn_implementation=cfg.attn_implementation,
-            )
-        else:
-            model, tokenizer = self.build_preset(alphabet, seed)
-        return LoadedModel(model, tokenizer, _hf.stop_token_ids(model, tokenizer), family=self.name)
 
     def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
         """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
@@ -135,6 +118,3 @@ class NemotronFamily:
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)
-
-    def save(self, loaded: LoadedModel, path: str) -> None:
-        _hf.save_folder(loaded.model, loaded.tokenizer, path)

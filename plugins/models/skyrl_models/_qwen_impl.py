@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_host.interfaces import LoadedModel
 from skyrl_models import _hf
 from skyrl_models.qwen import INITIALIZER_RANGE, MAX_POSITION_EMBEDDINGS, MODEL_TYPES, QwenConfig
 
@@ -49,28 +48,11 @@ def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
     return hf
 
 
-class QwenFamily:
+class QwenFamily(_hf.HFFamily):
     """A :class:`skyrl_host.interfaces.ModelFamily` for Qwen3 and Qwen3-MoE."""
 
     name = "qwen"
     model_types = MODEL_TYPES
-
-    def __init__(self, config: QwenConfig):
-        self.config = config
-
-    def load(self, *, alphabet: str | None, seed: int) -> LoadedModel:
-        cfg = self.config
-        if cfg.path is not None:
-            model, tokenizer = _hf.load_folder(
-                cfg.resolved_path,  # type: ignore[arg-type]
-                family=self.name,
-                model_types=self.model_types,
-                dtype=cfg.dtype,
-                attn_implementation=cfg.attn_implementation,
-            )
-        else:
-            model, tokenizer = self.build_preset(alphabet, seed)
-        return LoadedModel(model, tokenizer, _hf.stop_token_ids(model, tokenizer), family=self.name)
 
     def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
         """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
@@ -84,6 +66,3 @@ class QwenFamily:
         _hf.set_special_ids(model, tokenizer)
         model = model.to(_hf.DTYPES[self.config.dtype])
         return model.eval(), tokenizer
-
-    def save(self, loaded: LoadedModel, path: str) -> None:
-        _hf.save_folder(loaded.model, loaded.tokenizer, path)

@@ -11,7 +11,7 @@ tensors are typed ``Any`` and documented by shape.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, ContextManager, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -59,6 +59,9 @@ class LoadedModel:
     tokenizer: Any  # a transformers PreTrainedTokenizerFast
     stop_token_ids: Sequence[int]  # generation ends at any of these (the EOS token first)
     family: str = ""
+    # The model's MoE routers in layer order (empty for a dense model), as the family's
+    # ``routers(model)`` lists them: for routing capture in the engine and replay in the trainer.
+    routers: Sequence["RouterInfo"] = ()
 
 
 @attrs.frozen
@@ -71,6 +74,13 @@ class RouterInfo:
     kind: str  # "softmax_topk" | "sigmoid_group_topk"
     n_experts: int
     top_k: int
+    # How the chosen experts' weights follow from the router logits:
+    # softmax_topk: softmax over all experts, gathered at the chosen ids;
+    # sigmoid_group_topk: sigmoid scores gathered at the chosen ids (the correction
+    # bias only affects the choice). Then divided by their sum when ``normalize``,
+    # then multiplied by ``scale`` (``routed_scaling_factor``).
+    normalize: bool = True
+    scale: float = 1.0
 
 
 @runtime_checkable
@@ -219,12 +229,44 @@ class Backend(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
+@attrs.frozen
+class ReplayView:
+    """One forward of the trainer, as a replay strategy sees it. The backend lays the
+    batch's tokens out in its own way (rows, padding, micro-batches); these indices
+    map that layout back to the RolloutBatch, so a strategy can fetch the side-channel
+    rows of exactly the tokens the forward sees."""
+
+    batch: Any  # the RolloutBatch being trained on
+    slot_tokens: Any  # numpy int64 [n_slots]: the batch token at each input slot of the forward, row-major (-1: padding)
+    scored_tokens: Any  # numpy int64 [K]: the batch token whose logprob each scored position computes
+    device: Any  # where the forward runs (a torch.device)
+
+
 @runtime_checkable
 class ReplayStrategy(Protocol):
-    """Replays what the engine did inside the trainer's forward
-    (``[replay] strategies``); completed by the replay issue."""
+    """Makes the trainer score exactly what the engine sampled (``[replay] strategies``),
+    from a RolloutBatch side channel the engine filled.
 
-    def attach(self, model: Any, batch: Any) -> Any: ...
+    A backend calls ``bind`` once when it starts, then, for every forward of the
+    policy (and its backward), enters ``replaying(view)``. Strategies that change how
+    token logprobs follow from the final hidden states also offer
+    ``score(hidden, head, targets, view, temperature) -> (logprobs [K], entropy [K])``.
+    A backend without hooks of its own kind (Megatron's RouterReplay) may implement a
+    strategy natively by its ``name`` and ``side_channel`` instead."""
+
+    name: str
+    side_channel: str  # the RolloutBatch side channel it needs, e.g. "routed_experts"
+
+    def bind(self, model: Any, loaded: LoadedModel) -> None:
+        """Prepare ``model`` (the backend's own module, e.g. install router hooks);
+        ``loaded`` says what the family knows (``routers``). Raises ValueError when the
+        strategy does not apply (r3 on a model without MoE layers)."""
+        ...
+
+    def replaying(self, view: ReplayView) -> ContextManager[Any]:
+        """Active around one forward (and its backward) of the policy over ``view``.
+        Raises ValueError when the batch lacks the side channel or it is mis-shaped."""
+        ...
 
 
 @runtime_checkable

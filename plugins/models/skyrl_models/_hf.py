@@ -217,7 +217,14 @@ class HFFamily(abc.ABC):
             model, tokenizer = self.load_folder(self.config.resolved_path)
         else:
             model, tokenizer = self.build_preset(alphabet, seed)
-        return LoadedModel(model, tokenizer, stop_token_ids(model, tokenizer), family=self.name)
+        return LoadedModel(
+            model, tokenizer, stop_token_ids(model, tokenizer), family=self.name, routers=tuple(self.routers(model))
+        )
+
+    def routers(self, model: Any) -> list[Any]:
+        """The model's MoE routers (:class:`skyrl_host.interfaces.RouterInfo`) in layer
+        order; none for a dense model. Families of MoE models override this."""
+        return []
 
     def load_folder(self, path: str) -> tuple[Any, Any]:
         return load_folder(

@@ -617,20 +617,44 @@ def load_job(
         if choice is not None:
             plugins[table] = choice
 
+    if not out.problems:
+        assert job is not None and kind is not None and cluster is not None
+        spec = JobSpec(
+            path=pathlib.Path(path),
+            job=job,
+            kind=kind,
+            kind_config=kind_config,
+            cluster=cluster,
+            plugins=plugins,
+            raw=data,
+        )
+        _run_checks(spec, out)
     if out.problems:
         # In file order; problems without a line (a missing table, --set) last.
         out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)
-    assert job is not None and kind is not None and cluster is not None
-    return JobSpec(
-        path=pathlib.Path(path),
-        job=job,
-        kind=kind,
-        kind_config=kind_config,
-        cluster=cluster,
-        plugins=plugins,
-        raw=data,
-    )
+    return spec
+
+
+def _run_checks(spec: JobSpec, out: _Located) -> None:
+    """The job-level checks of the kind and of every selected plugin (a registration's
+    ``check``): combinations of settings no single table can judge, e.g. a replay
+    strategy that needs a side channel the engine is not asked to produce."""
+    regs = [spec.kind]
+    for value in spec.plugins.values():
+        regs += [c.registration for c in (value if isinstance(value, tuple) else (value,))]
+    for reg in regs:
+        if reg.check is None:
+            continue
+        try:
+            found = list(reg.check(spec) or ())
+        except UserError as exc:
+            found = [(p.key, p.message) for p in exc.problems]
+        except Exception as exc:  # noqa: BLE001 - a plugin's bug must not look like the user's
+            out.add(None, f"the job check of {KINDS[reg.kind].noun} {reg.name!r} ({reg.origin}) failed: {exc!r}")
+            continue
+        for key, message in found:
+            out.add(key, message)
 
 
 def _resolve(host: PluginHost, kind: str, name: str, key: str, out: _Located) -> Registration | None:
@@ -646,7 +670,7 @@ def _choose(
     host: PluginHost, slot: Slot, section: Mapping[str, Any], default: str | None, out: _Located
 ) -> PluginChoice | tuple[PluginChoice, ...] | None:
     selector_path = f"{slot.table}.{slot.selector}"
-    selected = section.get(slot.selector, default)
+    selected = section.get(slot.selector, list(default) if isinstance(default, (list, tuple)) else default)
     if selected is None:
         out.add(selector_path, f"missing required key (the {KINDS[slot.kind].noun} to use)")
         for key in section:
@@ -760,7 +784,7 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
         choices = value if isinstance(value, tuple) else (value,)
         noun = KINDS[slot.kind].noun
         default = spec.kind.slots.get(table)
-        default_text = "(required)" if default is None else repr(default)
+        default_text = "(required)" if default is None else repr(list(default) if isinstance(default, tuple) else default)
         key = f"{table}.{slot.selector}"
         if slot.many:
             names = ", ".join(repr(c.name) for c in choices)

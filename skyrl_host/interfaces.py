@@ -207,7 +207,12 @@ class Algorithm(Protocol):
 class Backend(Protocol):
     """Owns parameters and optimizer; trains on rollouts (``[backend] name``)."""
 
-    def start(self, loaded: LoadedModel, *, seed: int, total_steps: int, reference: bool) -> None: ...
+    def start(
+        self, loaded: LoadedModel, *, seed: int, total_steps: int, reference: bool, replay: Sequence[Any] = ()
+    ) -> None:
+        """Take the model to train; ``replay``: the job's ReplayStrategy objects (bind
+        each to the policy model, enter ``replaying`` around every policy forward)."""
+        ...
 
     def train_step(
         self, batch: Any, advantages: Any, algorithm: Algorithm, *, temperature: float, max_new_tokens: int

@@ -70,7 +70,10 @@ class Registration:
     description: str
     origin: Origin
     override: bool = False
-    slots: Mapping[str, str | None] = attrs.field(factory=dict)  # job kinds only
+    slots: Mapping[str, Any] = attrs.field(factory=dict)  # job kinds only
+    # Job-level consistency check: check(spec) -> [(key path, message), ...]; run by
+    # load_job once every plugin is resolved (skyrl validate, skyrl run).
+    check: Callable[[Any], Any] | None = None
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
         """Call the factory (this is where heavy imports may happen)."""
@@ -88,7 +91,8 @@ class Register(Protocol):
         config: type | None = None,
         description: str,
         override: bool = False,
-        slots: Mapping[str, str | None] | None = None,
+        slots: Mapping[str, Any] | None = None,
+        check: Callable[[Any], Any] | None = None,
     ) -> None: ...
 
 
@@ -102,7 +106,8 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
         config: type | None = None,
         description: str,
         override: bool = False,
-        slots: Mapping[str, str | None] | None = None,
+        slots: Mapping[str, Any] | None = None,
+        check: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"invalid {KINDS[kind].noun} name {name!r}: use letters, digits, '_', '-', '.'")
@@ -112,6 +117,8 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
             raise TypeError(f"{KINDS[kind].noun} {name!r}: config must be an attrs class, got {config!r}")
         if not isinstance(description, str) or not description.strip() or "\n" in description.strip():
             raise ValueError(f"{KINDS[kind].noun} {name!r}: description must be one non-empty line")
+        if check is not None and not callable(check):
+            raise TypeError(f"{KINDS[kind].noun} {name!r}: check must be callable, got {check!r}")
         if slots is not None and kind != "jobs":
             raise TypeError(f"{KINDS[kind].noun} {name!r}: only job kinds take slots")
         if kind == "jobs":
@@ -126,6 +133,7 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
                 origin=origin,
                 override=bool(override),
                 slots=dict(slots or {}),
+                check=check,
             )
         )
 
@@ -142,7 +150,10 @@ def _check_job_kind(name: str, config: type | None, slots: Mapping[str, str | No
                 f"job kind {name!r}: unknown slot table {table!r}{did_you_mean(table, SLOTS)}; "
                 f"tables: {quoted_list(SLOTS)}"
             )
-        if default is not None and not isinstance(default, str):
+        if SLOTS[table].many and default is not None:
+            if not (isinstance(default, (list, tuple)) and all(isinstance(d, str) for d in default)):
+                raise TypeError(f"job kind {name!r}: the default of slot {table!r} must be a list of names or None")
+        elif default is not None and not isinstance(default, str):
             raise TypeError(f"job kind {name!r}: the default of slot {table!r} must be a name or None")
     if config is not None:
         clash = sorted(set(HOST_JOB_KEYS) & {f.name for f in attrs.fields(config)})

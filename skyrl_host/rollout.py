@@ -231,6 +231,82 @@ class RolloutBatch:
             side_channels={k: _concat_channel([b.side_channels.get(k) for b in batches], k) for k in keys},
         )
 
+    def append_turn(self, segment: "RolloutBatch") -> "RolloutBatch":
+        """The conversations of this batch, each continued by the same sequence of
+        ``segment`` (an engine's ``continue_turn`` output): its first token is this
+        sequence's last one (checked, so a segment can only extend the conversation
+        it was generated for), then the new turn's tokens.
+
+        Token-aligned side channels take the segment's row for the overlapping token
+        (the engine only routed that token when the conversation continued: the earlier
+        row is a placeholder); CSR channels (one row per generated token) are joined.
+        ``versions`` keep the oldest weights that produced a token; ``truncated`` is the
+        segment's; rewards start over (NaN)."""
+        S = self.n_sequences
+        if segment.n_sequences != S:
+            raise ValueError(f"append_turn: the segment has {segment.n_sequences} sequences, the conversations {S}")
+        if np.any(segment.seq_lens < 1):
+            raise ValueError("append_turn: every segment sequence starts with the conversation's last token")
+        last = self.tokens[self.cu_seqlens[1:] - 1] if S else np.zeros(0, self.tokens.dtype)
+        first = segment.tokens[segment.cu_seqlens[:-1]] if S else np.zeros(0, segment.tokens.dtype)
+        wrong = np.flatnonzero((self.seq_lens < 1) | (last != first))
+        if len(wrong):
+            raise ValueError(
+                f"append_turn: segment sequence {int(wrong[0])} does not continue conversation {int(wrong[0])} "
+                "(its first token must be the conversation's last)"
+            )
+        if set(segment.side_channels) != set(self.side_channels):
+            raise ValueError(
+                f"append_turn: side channels differ: conversations have {sorted(self.side_channels)}, "
+                f"the segment {sorted(segment.side_channels)}"
+            )
+        hl, sl = self.seq_lens, segment.seq_lens
+        new_lens = hl + sl - 1
+        cu = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(new_lens, out=cu[1:])
+        T = int(cu[-1])
+        # Each output token's source in concat(self arrays, segment arrays).
+        src = np.empty(T, dtype=np.int64)
+        within = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], new_lens)
+        from_hist = within < np.repeat(hl, new_lens)
+        seq = np.repeat(np.arange(S), new_lens)
+        src[from_hist] = self.cu_seqlens[seq[from_hist]] + within[from_hist]
+        seg_pos = within[~from_hist] - hl[seq[~from_hist]] + 1
+        src[~from_hist] = self.n_tokens + segment.cu_seqlens[seq[~from_hist]] + seg_pos
+        # Token-aligned side channels: the overlapping token's row comes from the segment.
+        src_side = src.copy()
+        ends = cu[1:][hl > 0] - sl[hl > 0]  # output index of each conversation's former last token
+        src_side[ends] = self.n_tokens + segment.cu_seqlens[:-1][hl > 0]
+
+        def joined(a: np.ndarray, b: np.ndarray, index: np.ndarray) -> np.ndarray:
+            return np.concatenate([a, b])[index]
+
+        side: dict[str, Any] = {}
+        for k, v in self.side_channels.items():
+            w = segment.side_channels[k]
+            if isinstance(v, CSR) != isinstance(w, CSR):
+                raise ValueError(f"side channel {k!r} is CSR on one side only")
+            if isinstance(v, CSR):
+                gen_src = src[np.concatenate([self.loss_mask, segment.loss_mask])[src] != 0]
+                rank = np.cumsum(np.concatenate([self.loss_mask, segment.loss_mask]) != 0) - 1
+                side[k] = CSR.concat([v, w]).take(rank[gen_src])
+            else:
+                side[k] = joined(v, w, src_side)
+        out = RolloutBatch(
+            tokens=joined(self.tokens, segment.tokens, src),
+            cu_seqlens=cu,
+            prompt_lens=self.prompt_lens.copy(),
+            logprobs=joined(self.logprobs, segment.logprobs, src),
+            loss_mask=joined(self.loss_mask, segment.loss_mask, src),
+            group_ids=self.group_ids.copy(),
+            versions=np.minimum(self.versions, segment.versions),
+            truncated=segment.truncated.copy(),
+            rewards=np.full(S, np.nan, dtype=np.float32),
+            side_channels=side,
+        )
+        out.validate()
+        return out
+
     def to_arrays(self) -> Mapping[str, np.ndarray]:
         """Every array by name, for transports: side channels as ``side.NAME``, or
         ``side.NAME.offsets`` and ``side.NAME.values`` for CSR ones."""

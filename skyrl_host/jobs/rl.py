@@ -33,6 +33,7 @@ SLOTS = {
     "algorithm": "grpo",
     "backend": "torch",
     "weight_sync": "inproc",
+    "replay": (),
 }
 
 
@@ -76,9 +77,17 @@ class RLDriver:
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
         self.backend = run.plugin("backend").create()
-        self.backend.start(
-            self.loaded, seed=self.seed, total_steps=run.total_steps, reference=bool(self.algorithm.needs_reference)
-        )
+        self.replay = [choice.create() for choice in run.plugin("replay")]
+        extra = {"replay": self.replay} if self.replay else {}
+        try:
+            self.backend.start(
+                self.loaded, seed=self.seed, total_steps=run.total_steps,
+                reference=bool(self.algorithm.needs_reference), **extra,
+            )
+        except ValueError as exc:
+            if not self.replay:
+                raise
+            raise UserError(f"[replay] strategies: {exc}") from None
         self.engine = run.plugin("engine").create()
         self.engine.start(self.loaded)
         self.transport = run.plugin("weight_sync").create()

@@ -91,6 +91,8 @@ class _Micro:
         self.old: Any = None  # pre-update logprobs [K], from the no-grad pass
         self.ref: Any = None  # reference logprobs [K]
         self.batch_idx: Any = None  # numpy int64 [K]: each loss token's index in the RolloutBatch
+        self.slot_tokens: Any = None  # numpy int64 [n_rows * R]: the batch token at each slot (-1: padding)
+        self.batch: Any = None  # the RolloutBatch it comes from
 
     @property
     def n_loss(self) -> int:
@@ -203,14 +205,19 @@ class _PackedLM(torch.nn.Module):
             # Names, not modules: registering them again would duplicate the parameters.
             self._decoder_name, self._head_name = names[id(decoder)], names[id(head)]
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None) -> Any:
+        """Logits ``[K, V]`` at ``keep``; with ``scorer`` (a replay strategy's scoring,
+        called here so FSDP2 has the head's parameters gathered), its result from
+        ``hidden=[K, H], head=module`` (or ``logits=`` for a transformed head)."""
         if self.full_logits:
             logits = self.lm(input_ids=ids, position_ids=pos, use_cache=False).logits
-            return logits.reshape(-1, logits.shape[-1])[keep]
+            logits = logits.reshape(-1, logits.shape[-1])[keep]
+            return logits if scorer is None else scorer(logits=logits)
         out = self.lm.get_submodule(self._decoder_name)(input_ids=ids, position_ids=pos, use_cache=False)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
-        return self.lm.get_submodule(self._head_name)(hidden)
+        head = self.lm.get_submodule(self._head_name)
+        return head(hidden) if scorer is None else scorer(hidden=hidden, head=head)
 
 
 def _head_is_plain(model: torch.nn.Module, device: torch.device) -> bool:
@@ -288,6 +295,8 @@ class TorchBackend:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._one_sequence_per_row = False  # set by start() for models with recurrent layers
+        self.replay: list[Any] = []  # ReplayStrategy objects (start(replay=...))
+        self._scorer_strategy: Any = None  # the one that scores tokens (support), if any
         self._ddp: Any = None
         self._mesh: Any = None
         self._dp = False
@@ -296,7 +305,9 @@ class TorchBackend:
 
     # -- set-up ----------------------------------------------------------------
 
-    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool) -> None:
+    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = ()) -> None:
+        """Take the model to train. ``replay``: :class:`skyrl_host.interfaces.ReplayStrategy`
+        objects, bound to the policy model here and active in every policy forward."""
         cfg = self.config
         model = loaded.model
         self._one_sequence_per_row = has_recurrent_layers(getattr(model, "config", None))
@@ -341,6 +352,10 @@ class TorchBackend:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        self.replay = list(replay)
+        for strategy in self.replay:
+            strategy.bind(model, loaded)
+        self._scorer_strategy = next((s for s in self.replay if callable(getattr(s, "score", None))), None)
         self._lm = _PackedLM(model, full_logits=not plain)
         if self._dp and cfg.data_parallel == "fsdp2":
             self._fully_shard(self._lm, model)  # the wrapper is the root: its hooks run around every forward
@@ -421,13 +436,14 @@ class TorchBackend:
                 _, seq_ids = np.unique(owner, return_inverse=True)
                 micro = self._micro(tokens[idx], lens[group], local, advantages[idx[local]],
                                     np.asarray(batch.logprobs)[idx[local]], seq_ids,
-                                    int(len(np.unique(owner))), len(group))
+                                    int(len(np.unique(owner))), len(group), token_index=idx)
                 micro.batch_idx = idx[local]
+                micro.batch = batch
                 micros.append(micro)
             plan.append(micros)
         return plan
 
-    def _micro(self, ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequences) -> _Micro:
+    def _micro(self, ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequences, token_index=None) -> _Micro:
         """``ids``: the group's tokens end to end; ``seq_lens``: its sequences'
         lengths; ``local``: the indices (into ``ids``) of its loss tokens."""
         d = self.device
@@ -443,12 +459,17 @@ class TorchBackend:
         def f32(x: Any) -> torch.Tensor:
             return torch.as_tensor(np.asarray(x, dtype=np.float32), device=d)
 
-        return _Micro(
+        micro = _Micro(
             ids=long(flat).reshape(n_rows, R), pos=long(positions).reshape(n_rows, R), keep=long(where[local] - 1),
             targets=long(ids[local]),
             adv=f32(adv), engine_lp=f32(engine_lp), seq_ids=long(seq_ids).reshape(-1),
             n_seqs=n_seqs, n_tokens=len(ids), n_sequences=n_sequences,
         )
+        if token_index is not None:
+            slots = np.full(n_rows * R, -1, dtype=np.int64)
+            slots[where] = token_index
+            micro.slot_tokens = slots
+        return micro
 
     def _dummy(self) -> _Micro:
         """An empty micro-batch (one token, no loss): keeps the ranks' collectives in step."""
@@ -461,10 +482,37 @@ class TorchBackend:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _view(self, mb: _Micro) -> Any:
+        from skyrl_host.interfaces import ReplayView
+
+        return ReplayView(batch=mb.batch, slot_tokens=mb.slot_tokens, scored_tokens=mb.batch_idx, device=self.device)
+
+    def _replaying(self, mb: _Micro) -> Any:
+        """The replay strategies' contexts for one policy forward (and its backward)."""
+        if not self.replay or mb.dummy or mb.batch is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        view = self._view(mb)
+        for strategy in self.replay:
+            stack.enter_context(strategy.replaying(view))
+        return stack
+
     def _logprobs(self, module: Any, mb: _Micro, temperature: float, entropy: bool = False) -> tuple[Any, Any, Any]:
         """(logprobs [K], entropy [K] or None, logits): logprobs of the loss tokens under
-        ``log_softmax(logits / temperature)``, from logits computed at ``keep`` only."""
+        ``log_softmax(logits / temperature)``, from logits computed at ``keep`` only; or,
+        with a scoring replay strategy (``support``), as that strategy normalises them
+        (then the third item is the logprobs, not logits)."""
         keep = mb.keep if mb.n_loss else torch.zeros(1, dtype=torch.long, device=self.device)
+        strategy = self._scorer_strategy
+        if strategy is not None and mb.n_loss and mb.batch is not None:
+            view = self._view(mb)
+
+            def scorer(**kw: Any) -> Any:
+                return strategy.score(view, mb.targets, temperature, **kw)
+
+            with self._autocast():
+                lp, ent = module(mb.ids, mb.pos, keep, scorer)
+            return lp, (ent.detach() if entropy else None), lp
         with self._autocast():
             logits = module(mb.ids, mb.pos, keep)
         if logits.dtype in _LOW_PRECISION:
@@ -525,7 +573,8 @@ class TorchBackend:
                 for j in active:
                     for mb in plan[j]:
                         if cfg.mini_batches > 1:
-                            mb.old = self._logprobs(self._lm, mb, temperature)[0]
+                            with self._replaying(mb):
+                                mb.old = self._logprobs(self._lm, mb, temperature)[0]
                         if needs_ref:
                             mb.ref = self._logprobs(self._ref_lm, mb, temperature)[0]
 
@@ -547,7 +596,7 @@ class TorchBackend:
             for i, mb in enumerate(micros):
                 sync = i == len(micros) - 1
                 ctx = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
-                with ctx:
+                with ctx, self._replaying(mb):
                     lp, ent, logits = self._logprobs(module, mb, temperature, entropy=True)
                     if lp is None:
                         loss = logits.sum() * 0.0  # no loss token: a zero gradient that still reaches every parameter

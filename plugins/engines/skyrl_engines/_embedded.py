@@ -31,6 +31,7 @@ handed to the sampler, so the same seed and weights give the same batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -97,6 +98,8 @@ class EmbeddedEngine:
         self.shares_weights = False
         self.stop_token_ids: list[int] = []
         self.last_update: dict[str, int] = {}
+        self._hooks: Any = None  # RouterHooks when return_routed_experts
+        self.routers: list[Any] = []
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -124,6 +127,20 @@ class EmbeddedEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.routers = list(getattr(loaded, "routers", ()) or ())
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self.config.return_routed_experts:
+            if not self.routers:
+                raise ValueError(
+                    "engine.return_routed_experts is set, but the model has no MoE routers "
+                    f"(model family {loaded.family or '?'!r} lists none): routing capture needs a mixture-of-experts model"
+                )
+            from skyrl_replay.routing import RouterHooks, expert_dtype
+
+            self._hooks = RouterHooks(self.model, self.routers)
+            self.route_dtype = expert_dtype(self._hooks.n_experts)
 
     def _require_started(self) -> torch.nn.Module:
         if self.model is None:
@@ -188,12 +205,84 @@ class EmbeddedEngine:
         seed: int,
         group_offset: int = 0,
     ) -> RolloutBatch:
+        prompts = [list(map(int, p)) for p in prompts]
+        return self._run(prompts, n, sampler, max_new_tokens, seed, group_offset, None)
+
+    def continue_turn(
+        self,
+        history: RolloutBatch,
+        turns: Sequence[Sequence[int]],
+        *,
+        sampler: Sampler,
+        max_new_tokens: int,
+        seed: int,
+    ) -> RolloutBatch:
+        """Continue every conversation of ``history`` with the tokens of ``turns[i]``
+        (e.g. a tool result or a user message) and one sampled response.
+
+        Returns the *segment* batch of the new turn only: sequence ``i`` is the history's
+        last token, then ``turns[i]``, then the response (``prompt_lens = 1 + len(turns[i])``;
+        the one-token overlap lets :meth:`RolloutBatch.append_turn` check the segment
+        continues the right conversation). Its side channels cover the segment's tokens
+        only, so a conversation's data costs O(its tokens), not O(turns x tokens).
+
+        With ``return_routed_experts``, the history is prefilled with its recorded routes
+        forced (every token but its last, which the engine never fed), so the context the
+        new tokens attend to is the one the trainer rebuilds when it replays the
+        assembled rows; only the segment's routes are recorded and returned."""
+        if len(turns) != history.n_sequences:
+            raise ValueError(f"continue_turn: {len(turns)} turns for {history.n_sequences} conversations")
+        force = None
+        if self._hooks is not None:
+            routes = history.side_channels.get("routed_experts")
+            if routes is None:
+                raise ValueError(
+                    "continue_turn: the engine returns routed experts, but the history has no 'routed_experts' "
+                    "side channel to keep its earlier turns' routes"
+                )
+            force = [routes[history.cu_seqlens[i] : history.cu_seqlens[i + 1] - 1] for i in range(history.n_sequences)]
+        prompts = [list(map(int, history.sequence(i))) + list(map(int, t)) for i, t in enumerate(turns)]
+        full = self._run(prompts, 1, sampler, max_new_tokens, seed, 0, force)
+        full.group_ids = np.asarray(history.group_ids, dtype=np.int64).copy()
+        # Drop each conversation's history but its last token: the segment.
+        start = history.seq_lens - 1
+        keep = np.concatenate(
+            [np.arange(full.cu_seqlens[i] + start[i], full.cu_seqlens[i + 1]) for i in range(full.n_sequences)]
+        ) if full.n_sequences else np.zeros(0, np.int64)
+        seg_lens = full.seq_lens - start
+        cu = np.zeros(full.n_sequences + 1, dtype=np.int64)
+        np.cumsum(seg_lens, out=cu[1:])
+        side = {k: (v if isinstance(v, CSR) else v[keep]) for k, v in full.side_channels.items()}
+        segment = RolloutBatch(
+            tokens=full.tokens[keep],
+            cu_seqlens=cu,
+            prompt_lens=(full.prompt_lens - start).astype(np.int32),
+            logprobs=full.logprobs[keep],
+            loss_mask=full.loss_mask[keep],
+            group_ids=full.group_ids,
+            versions=full.versions,
+            truncated=full.truncated,
+            rewards=full.rewards,
+            side_channels=side,
+        )
+        segment.validate()
+        return segment
+
+    def _run(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampler: Sampler,
+        max_new_tokens: int,
+        seed: int,
+        group_offset: int,
+        force: list[np.ndarray] | None,
+    ) -> RolloutBatch:
         model = self._require_started()
         if n < 1:
             raise ValueError(f"n must be at least 1, found {n}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, found {max_new_tokens}")
-        prompts = [list(map(int, p)) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
@@ -209,6 +298,11 @@ class EmbeddedEngine:
         if want_support and not callable(getattr(sampler, "sample_with_support", None)):
             raise ValueError("the sampler has return_support set but no sample_with_support(logits, generator)")
         support_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row key, row length, values)
+        hooks = self._hooks
+        if hooks is not None:
+            shape = (hooks.n_layers, hooks.k)
+            prompt_routes = [np.zeros((len(p), *shape), dtype=self.route_dtype) for p in prompts]
+            resp_routes = np.zeros((total, max_new_tokens, *shape), dtype=self.route_dtype)
         step = self.config.max_batch_size
         training = model.training
         if not self._own_module:
@@ -216,25 +310,33 @@ class EmbeddedEngine:
         try:
             # no_grad rather than inference_mode: the parameters and buffers may be the
             # trainer's own, and nothing made here must be an inference tensor.
-            with torch.no_grad():
+            with torch.no_grad(), (hooks.recording() if hooks is not None else contextlib.nullcontext()):
                 for s0 in range(0, total, step):
                     s1 = min(total, s0 + step)
                     p0, p1 = s0 // n, (s1 - 1) // n + 1
                     rep = torch.arange(s0, s1, device=self.device) // n - p0
                     out = self._generate_chunk(
-                        model, prompts[p0:p1], rep, sampler, max_new_tokens, generator, want_support
+                        model, prompts[p0:p1], rep, sampler, max_new_tokens, generator, want_support,
+                        None if force is None else force[p0:p1],
                     )
                     resp[s0:s1], resp_lp[s0:s1], resp_len[s0:s1], stopped[s0:s1] = out[:4]
                     if want_support:
                         keys, lens, values = out[4]
                         support_parts.append((keys + s0 * max_new_tokens, lens, values))
+                    if hooks is not None:
+                        pre, dec = out[5]
+                        for i, r in enumerate(pre):
+                            prompt_routes[p0 + i] = r
+                        resp_routes[s0:s1] = dec
         finally:
             if not self._own_module:
                 model.train(training)
         batch = self._pack(prompts, n, resp, resp_lp, resp_len, stopped, group_offset)
         if want_support:
             batch.side_channels["sample_support"] = _support_csr(support_parts)
-            batch.validate()
+        if hooks is not None:
+            batch.side_channels["routed_experts"] = _pack_routes(batch, prompt_routes, resp_routes, n)
+        batch.validate()
         return batch
 
     def _forward(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
@@ -252,8 +354,10 @@ class EmbeddedEngine:
         max_new: int,
         generator: torch.Generator,
         want_support: bool = False,
+        force: list[np.ndarray] | None = None,
     ) -> tuple[Any, ...]:
         dev = self.device
+        hooks = self._hooks
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         width = int(lens.max())
         cap = width + max_new - 1  # the last sampled token is never fed back
@@ -274,7 +378,26 @@ class EmbeddedEngine:
         def mask_upto(length: int) -> torch.Tensor:
             return attn[:, :length]
 
-        logits = self._forward(model, ids, mask_upto(width), pos, cache)
+        forcing: Any = contextlib.nullcontext()
+        if force is not None and hooks is not None:
+            # The earlier turns' routes, at the left-padded slots of their tokens.
+            f_ids = np.zeros((n_prompts, width, hooks.n_layers, hooks.k), dtype=np.int64)
+            f_mask = np.zeros((n_prompts, width), dtype=bool)
+            for i, (p, r) in enumerate(zip(prompts, force)):
+                if len(r) > len(p):
+                    raise ValueError(f"conversation {i}: {len(r)} rows of routes for a context of {len(p)} tokens")
+                s = width - len(p)
+                f_ids[i, s : s + len(r)] = r
+                f_mask[i, s : s + len(r)] = True
+            forcing = hooks.forcing(
+                torch.as_tensor(f_ids.reshape(n_prompts * width, hooks.n_layers, hooks.k), device=dev),
+                torch.as_tensor(f_mask.reshape(-1), device=dev),
+            )
+        with forcing:
+            logits = self._forward(model, ids, mask_upto(width), pos, cache)
+        if hooks is not None:
+            pre_all = hooks.take().reshape(n_prompts, width, hooks.n_layers, hooks.k).cpu().numpy()
+            pre_routes = [pre_all[i, width - len(p) :].astype(self.route_dtype) for i, p in enumerate(prompts)]
 
         rows = rep.numel()
         if rows != n_prompts or not torch.equal(rep, torch.arange(rows, device=dev)):
@@ -287,6 +410,9 @@ class EmbeddedEngine:
         out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
         out_len = torch.zeros(rows, dtype=torch.long, device=dev)
         out_stop = torch.zeros(rows, dtype=torch.bool, device=dev)
+        if hooks is not None:
+            # Routes of each response token fed back (the last one never is: it stays 0).
+            out_routes = torch.zeros((rows, max_new, hooks.n_layers, hooks.k), dtype=torch.int32, device=dev)
         seq_of_row = torch.arange(rows, device=dev)  # chunk sequence held by each batch row
         alive = None  # row indices still generating; None = every row
         sup_keys: list[torch.Tensor] = []  # per step: chunk sequence * max_new + t of each live row
@@ -335,16 +461,25 @@ class EmbeddedEngine:
             slot = width + t
             attn[:, slot] = True
             logits = self._forward(model, feed[:, None], mask_upto(slot + 1), next_pos[:, None], cache)
+            if hooks is not None:
+                step_routes = hooks.take()  # [rows, L, k]: the routes of response token t of each row
+                if alive is None:
+                    out_routes[seq_of_row, t] = step_routes.to(torch.int32)
+                else:
+                    out_routes[seq_of_row.index_select(0, alive), t] = step_routes.index_select(0, alive).to(torch.int32)
             next_pos = next_pos + 1
         out = (out_tok.cpu().numpy(), out_lp.cpu().numpy(), out_len.cpu().numpy(), out_stop.cpu().numpy())
-        if not want_support:
-            return out
-        support = (
-            torch.cat(sup_keys).cpu().numpy().astype(np.int64),
-            torch.cat(sup_lens).cpu().numpy().astype(np.int64),
-            torch.cat(sup_vals).cpu().numpy(),
-        )
-        return out + (support,)
+        support = None
+        if want_support:
+            support = (
+                torch.cat(sup_keys).cpu().numpy().astype(np.int64),
+                torch.cat(sup_lens).cpu().numpy().astype(np.int64),
+                torch.cat(sup_vals).cpu().numpy(),
+            )
+        routes = None
+        if hooks is not None:
+            routes = (pre_routes, out_routes.cpu().numpy().astype(self.route_dtype))
+        return out + (support, routes)
 
     def _pack(
         self,
@@ -388,6 +523,18 @@ class EmbeddedEngine:
         )
         batch.validate()
         return batch
+
+
+def _pack_routes(batch: RolloutBatch, prompt_routes: list[np.ndarray], resp_routes: np.ndarray, n: int) -> np.ndarray:
+    """The ``routed_experts`` side channel [T, L, k]: each sequence's prompt routes, then
+    its response tokens' routes (the last response token's row is 0: never fed back)."""
+    parts = []
+    for s in range(batch.n_sequences):
+        parts.append(prompt_routes[s // n])
+        parts.append(resp_routes[s, : int(batch.response_lens[s])])
+    if not parts:
+        return np.zeros((0, *resp_routes.shape[2:]), dtype=resp_routes.dtype)
+    return np.concatenate(parts)
 
 
 def _support_csr(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> CSR:

@@ -31,6 +31,11 @@ class EmbeddedConfig:
         help="dtype the engine computes in; 'auto' = the model's own (then its parameters are shared, not copied)",
     )
     max_batch_size: int = option(256, help="most sequences decoded together in one batch", validator=gt(0))
+    return_routed_experts: bool = option(
+        False,
+        help="record the experts every MoE router chose for every token (side channel 'routed_experts' "
+        "[tokens, MoE layers, top_k], for routing replay in the trainer)",
+    )
     threads: int | None = option(
         None, help="torch CPU threads to use (torch.set_num_threads); unset = leave as is", validator=gt(0)
     )

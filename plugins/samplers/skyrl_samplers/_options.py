@@ -41,6 +41,15 @@ def return_support_option() -> Any:
     )
 
 
+def logprobs_option() -> Any:
+    return option(
+        "processed",
+        help="the logprob the engine reports for each sampled token: 'processed' = of the distribution it was "
+        "drawn from (after temperature and truncation: the behaviour policy), 'full' = log_softmax(logits / "
+        "temperature) over the whole vocabulary",
+    )
+
+
 def build_sampler(config: Any) -> Any:
     """The factory of every stochastic sampler name: the config's four options
     applied in the fixed order (temperature, top-k, top-p, min-p)."""
@@ -48,5 +57,5 @@ def build_sampler(config: Any) -> Any:
 
     return TruncatedSampler(
         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
-        return_support=config.return_support,
+        return_support=config.return_support, logprobs=config.logprobs,
     )

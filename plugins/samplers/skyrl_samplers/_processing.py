@@ -14,9 +14,13 @@ each on what the previous one kept:
 
 The ranking orders tokens by scaled logit, highest first, and equal logits by
 token id, lowest first, so ties are cut deterministically. Tokens whose logit is
-``-inf`` are never kept. The logprobs returned are ``log_softmax(x)`` over the
-whole vocabulary at the chosen ids (what the trainer recomputes), not the
-logprobs of the truncated distribution.
+``-inf`` are never kept. The logprobs returned (``logprobs = "processed"``, the
+default) are those of the distribution each token was drawn from: ``log_softmax``
+over the kept tokens (the behaviour policy; without truncation this is
+``log_softmax(x)``). ``logprobs = "full"`` returns ``log_softmax(x)`` over the
+whole vocabulary instead. A trainer that normalises over the whole vocabulary
+differs from "processed" by the log of the kept mass: sample-support replay
+(``[replay] strategies = ["support"]``) removes that gap.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class TruncatedSampler:
         top_p: float = 1.0,
         min_p: float = 0.0,
         return_support: bool = False,
+        logprobs: str = "processed",
     ):
         if not temperature > 0 or math.isinf(temperature):
             raise ValueError(f"temperature: expected a finite value > 0, found {temperature!r}")
@@ -67,6 +72,9 @@ class TruncatedSampler:
             raise ValueError(f"top_p: expected a value in (0, 1], found {top_p!r}")
         if not 0 <= min_p < 1:
             raise ValueError(f"min_p: expected a value in [0, 1), found {min_p!r}")
+        if logprobs not in ("processed", "full"):
+            raise ValueError(f"logprobs: expected 'processed' or 'full', found {logprobs!r}")
+        self.logprobs = logprobs
         self.temperature = float(temperature)
         self.top_k = int(top_k)
         self.top_p = float(top_p)
@@ -77,7 +85,7 @@ class TruncatedSampler:
     def __repr__(self) -> str:
         return (
             f"TruncatedSampler(temperature={self.temperature}, top_k={self.top_k}, "
-            f"top_p={self.top_p}, min_p={self.min_p}, return_support={self.return_support})"
+            f"top_p={self.top_p}, min_p={self.min_p}, return_support={self.return_support}, logprobs={self.logprobs!r})"
         )
 
     # -- the steps ---------------------------------------------------------
@@ -123,12 +131,14 @@ class TruncatedSampler:
         """``sample`` and ``support`` in one pass (the truncation runs once)."""
         scaled = self.scale(logits)
         keep = self.keep_mask(scaled)
-        probs = torch.softmax(scaled.masked_fill(~keep, NEG_INF), dim=-1)
+        kept = scaled.masked_fill(~keep, NEG_INF)
+        probs = torch.softmax(kept, dim=-1)
         token_ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        return SampleOutput(token_ids=token_ids, logprobs=full_logprobs_at(scaled, token_ids)), keep
+        source = kept if self.logprobs == "processed" else scaled
+        return SampleOutput(token_ids=token_ids, logprobs=full_logprobs_at(source, token_ids)), keep
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> SampleOutput:
-        """Draw one token per row; logprobs are ``log_softmax(logits / T)`` at them."""
+        """Draw one token per row, with its logprob (see ``logprobs``)."""
         return self.sample_with_support(logits, generator)[0]
 
 

@@ -7,13 +7,14 @@ temperature -> top-k -> top-p -> min-p -> sample.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
 from skyrl_samplers._options import (
     build_sampler,
+    logprobs_option,
     min_p_option,
     return_support_option,
     temperature_option,
@@ -31,6 +32,7 @@ class MinPConfig:
     top_p: float = top_p_option()
     min_p: float = min_p_option(0.05)
     return_support: bool = return_support_option()
+    logprobs: Literal["processed", "full"] = logprobs_option()
 
 
 @hookimpl

@@ -6,13 +6,14 @@ and then apply in the fixed order (see :mod:`skyrl_samplers._processing`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
 from skyrl_samplers._options import (
     build_sampler,
+    logprobs_option,
     min_p_option,
     return_support_option,
     temperature_option,
@@ -30,6 +31,7 @@ class TemperatureConfig:
     top_p: float = top_p_option()
     min_p: float = min_p_option()
     return_support: bool = return_support_option()
+    logprobs: Literal["processed", "full"] = logprobs_option()
 
 
 @hookimpl

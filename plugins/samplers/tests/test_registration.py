@@ -26,10 +26,10 @@ MODULES = {
 }
 
 DEFAULTS = {
-    "temperature": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "return_support": False},
-    "top_k": {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "return_support": False},
-    "top_p": {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0, "return_support": False},
-    "min_p": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.05, "return_support": False},
+    "temperature": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "return_support": False, "logprobs": "processed"},
+    "top_k": {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "return_support": False, "logprobs": "processed"},
+    "top_p": {"temperature": 1.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0, "return_support": False, "logprobs": "processed"},
+    "min_p": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.05, "return_support": False, "logprobs": "processed"},
 }
 
 
@@ -49,7 +49,7 @@ def test_each_name_only_changes_the_defaults(skyrl_host, name: str) -> None:
     assert attrs.asdict(config) == DEFAULTS[name]
     sampler = reg.create(config)
     assert isinstance(sampler, Sampler)
-    assert (sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, sampler.return_support) == tuple(
+    assert (sampler.temperature, sampler.top_k, sampler.top_p, sampler.min_p, sampler.return_support, sampler.logprobs) == tuple(
         DEFAULTS[name].values()
     )
     # Every name accepts all four options.

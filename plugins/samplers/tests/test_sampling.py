@@ -58,7 +58,7 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert (hot == 0).double().mean() < 0.22
 
 
-def test_logprobs_are_of_the_full_scaled_distribution() -> None:
+def test_logprobs_are_of_the_distribution_sampled_from() -> None:
     logits = torch.randn(64, 40, generator=gen(2)) * 3
     samplers = (TruncatedSampler(temperature=0.7, top_k=2), TruncatedSampler(top_p=0.5, min_p=0.1), TruncatedSampler())
     for sampler in samplers:
@@ -66,13 +66,29 @@ def test_logprobs_are_of_the_full_scaled_distribution() -> None:
         assert isinstance(out, SampleOutput)
         assert out.token_ids.dtype == torch.int64 and out.token_ids.shape == (64,)
         assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (64,)
+        scaled = logits / sampler.temperature
+        truncated = torch.log_softmax(scaled.masked_fill(~sampler.support(logits), float("-inf")), dim=-1)
+        torch.testing.assert_close(out.logprobs, truncated.gather(-1, out.token_ids[:, None]).squeeze(-1))
+    # Without truncation the processed distribution is the full one.
+    plain = TruncatedSampler(temperature=0.7)
+    out = plain.sample(logits, gen(3))
+    full = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, full)
+
+
+def test_full_logprobs_on_request() -> None:
+    logits = torch.randn(64, 40, generator=gen(2)) * 3
+    for kw in ({"temperature": 0.7, "top_k": 2}, {"top_p": 0.5, "min_p": 0.1}):
+        sampler = TruncatedSampler(**kw, logprobs="full")
+        out = sampler.sample(logits, gen(3))
         full = torch.log_softmax(logits / sampler.temperature, dim=-1)
         torch.testing.assert_close(out.logprobs, full.gather(-1, out.token_ids[:, None]).squeeze(-1))
-    # Not the truncated distribution's: under top_k=2 those are log(p / (p1 + p2)) > the full ones.
-    sampler = TruncatedSampler(top_k=2)
-    out = sampler.sample(logits, gen(3))
-    truncated = torch.log_softmax(logits.masked_fill(~sampler.support(logits), float("-inf")), dim=-1)
-    assert torch.all(truncated.gather(-1, out.token_ids[:, None]).squeeze(-1) > out.logprobs)
+        # The same tokens as "processed", whose logprobs are higher by -log(kept mass) > 0.
+        processed = TruncatedSampler(**kw).sample(logits, gen(3))
+        assert torch.equal(processed.token_ids, out.token_ids)
+        assert torch.all(processed.logprobs > out.logprobs)
+    with pytest.raises(ValueError, match="logprobs"):
+        TruncatedSampler(logprobs="raw")
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
@@ -100,8 +116,9 @@ def test_bf16_logits_are_computed_in_float32() -> None:
     sampler = TruncatedSampler(temperature=0.8, top_k=20, top_p=0.9)
     out = sampler.sample(logits, gen(8))
     assert out.token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
-    full = torch.log_softmax(logits.float() / 0.8, dim=-1)
-    torch.testing.assert_close(out.logprobs, full.gather(-1, out.token_ids[:, None]).squeeze(-1))
+    scaled = logits.float() / 0.8
+    kept = torch.log_softmax(scaled.masked_fill(~sampler.support(logits), float("-inf")), dim=-1)
+    torch.testing.assert_close(out.logprobs, kept.gather(-1, out.token_ids[:, None]).squeeze(-1))
     assert torch.equal(sampler.support(logits), sampler.support(logits.float()))
     greedy = GreedySampler().sample(logits, gen(8))
     assert torch.equal(greedy.token_ids, logits.float().argmax(-1)) and greedy.logprobs.dtype == torch.float32

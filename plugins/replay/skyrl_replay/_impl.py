@@ -1,0 +1,136 @@
+"""The replay strategies' implementation (imports torch; see ``r3.py`` and ``support.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from skyrl_host.interfaces import LoadedModel, ReplayView
+from skyrl_host.rollout import CSR
+from skyrl_replay.routing import RouterHooks
+
+
+def _missing(strategy: str, channel: str, how: str) -> ValueError:
+    return ValueError(f"replay strategy {strategy!r}: the batch has no {channel!r} side channel ({how})")
+
+
+class RoutingReplay:
+    """``r3``: see :mod:`skyrl_replay.r3`."""
+
+    name = "r3"
+    side_channel = "routed_experts"
+
+    def __init__(self) -> None:
+        self.hooks: RouterHooks | None = None
+        self._last_of: tuple[int, np.ndarray] | None = None  # (id of batch, bool [T]: last token of its sequence)
+
+    def bind(self, model: Any, loaded: LoadedModel) -> None:
+        routers = list(getattr(loaded, "routers", ()) or ())
+        if not routers:
+            raise ValueError(
+                f"replay strategy 'r3' needs a mixture-of-experts model, but model family {loaded.family or '?'!r} "
+                "lists no MoE routers for this model"
+            )
+        if self.hooks is not None:
+            self.hooks.remove()
+        self.hooks = RouterHooks(model, routers)
+
+    def _is_last(self, batch: Any) -> np.ndarray:
+        if self._last_of is None or self._last_of[0] != id(batch):
+            last = np.zeros(batch.n_tokens, dtype=bool)
+            last[batch.cu_seqlens[1:][batch.seq_lens > 0] - 1] = True
+            self._last_of = (id(batch), last)
+        return self._last_of[1]
+
+    @contextlib.contextmanager
+    def replaying(self, view: ReplayView) -> Iterator[None]:
+        if self.hooks is None:
+            raise RuntimeError("replay strategy 'r3' used before bind()")
+        routes = view.batch.side_channels.get(self.side_channel)
+        if routes is None:
+            raise _missing("r3", self.side_channel, "set engine.return_routed_experts = true")
+        L, k = self.hooks.n_layers, self.hooks.k
+        if isinstance(routes, CSR) or routes.ndim != 3 or routes.shape[1:] != (L, k):
+            shape = "CSR" if isinstance(routes, CSR) else list(routes.shape)
+            raise ValueError(
+                f"replay strategy 'r3': side channel 'routed_experts' must be [tokens, {L} MoE layers, top_k {k}] "
+                f"for this model, found {shape}"
+            )
+        slots = np.asarray(view.slot_tokens, dtype=np.int64)
+        real = slots >= 0
+        ids = np.zeros((len(slots), L, k), dtype=routes.dtype)
+        ids[real] = routes[slots[real]]
+        # The engine never fed a sequence's last token: route it (and padding) freely.
+        mask = real.copy()
+        mask[real] = ~self._is_last(view.batch)[slots[real]]
+        with self.hooks.forcing(torch.as_tensor(ids, device=view.device), torch.as_tensor(mask, device=view.device)):
+            yield
+
+
+class SupportReplay:
+    """``support``: see :mod:`skyrl_replay.support`."""
+
+    name = "support"
+    side_channel = "sample_support"
+
+    def __init__(self, chunk: int = 65536):
+        self.chunk = int(chunk)
+        self._rank_of: tuple[int, np.ndarray] | None = None
+
+    def bind(self, model: Any, loaded: LoadedModel) -> None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None or not hasattr(head, "weight"):
+            raise ValueError("replay strategy 'support' needs a model with an output head (get_output_embeddings())")
+
+    @contextlib.contextmanager
+    def replaying(self, view: ReplayView) -> Iterator[None]:
+        self._channel(view)
+        yield
+
+    def _channel(self, view: ReplayView) -> CSR:
+        channel = view.batch.side_channels.get(self.side_channel)
+        if channel is None:
+            raise _missing("support", self.side_channel, "set sampler.return_support = true")
+        if not isinstance(channel, CSR):
+            raise ValueError("replay strategy 'support': side channel 'sample_support' must be CSR (one row per generated token)")
+        return channel
+
+    def _rows(self, view: ReplayView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept sets of the scored tokens, as (offsets, ids) tensors."""
+        batch = view.batch
+        if self._rank_of is None or self._rank_of[0] != id(batch):
+            mask = np.asarray(batch.loss_mask) != 0
+            self._rank_of = (id(batch), np.where(mask, np.cumsum(mask) - 1, -1))
+        rank = self._rank_of[1][np.asarray(view.scored_tokens, dtype=np.int64)]
+        if len(rank) and rank.min() < 0:
+            raise ValueError("replay strategy 'support': a scored token was not generated (loss_mask 0): it has no kept set")
+        sets = self._channel(view).take(rank)
+        return (
+            torch.as_tensor(sets.offsets, device=view.device),
+            torch.as_tensor(sets.values.astype(np.int64, copy=False), device=view.device),
+        )
+
+    def score(
+        self,
+        view: ReplayView,
+        targets: torch.Tensor,
+        temperature: float,
+        *,
+        hidden: torch.Tensor | None = None,
+        head: Any = None,
+        logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [K], entropy [K]) of the scored tokens over their kept sets: from
+        ``hidden`` [K, H] and the ``head`` module's rows, or from full ``logits`` [K, V]."""
+        from skyrl_replay.support_math import masked_logprobs, support_logprobs
+
+        offsets, ids = self._rows(view)
+        if logits is not None:
+            return masked_logprobs(logits, targets, offsets, ids, temperature=temperature)
+        return support_logprobs(
+            hidden, head.weight, getattr(head, "bias", None), targets, offsets, ids,
+            temperature=temperature, chunk=self.chunk,
+        )

@@ -1,0 +1,48 @@
+"""r3: rollout routing replay. In the trainer's forward, every MoE router uses the
+experts the engine chose for each token (side channel ``routed_experts``, filled by
+an engine with ``return_routed_experts = true``); the routing weights come from the
+trainer's own router logits at those experts, so the router keeps learning.
+
+``[replay] strategies = ["r3"]``. Works with sequence packing, micro-batches and
+gradient checkpointing (the replay stays active through the backward, where
+checkpointed layers run their forward again). The last token of each sequence is
+never fed to the engine, so it has no engine route: the trainer's own routing is
+used there (that token's output feeds no logprob). Padding slots route freely too.
+
+This module is light (no torch): the factory imports :mod:`skyrl_replay._impl`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_host import hookimpl
+
+SIDE_CHANNEL = "routed_experts"
+ENGINE_KEY = "engine.return_routed_experts"
+
+
+def create(config: Any = None) -> Any:
+    from skyrl_replay._impl import RoutingReplay
+
+    return RoutingReplay()
+
+
+def check(spec: Any) -> list[tuple[str, str]]:
+    """Job-level checks (``skyrl validate``): the engine must record routes and the
+    model must have MoE layers. Returns (key, message) problems."""
+    from skyrl_replay._checks import check_model_is_moe, check_plugin_flag
+
+    problems = check_plugin_flag(spec, "engine", "return_routed_experts", "r3", "routed experts")
+    problems += check_model_is_moe(spec)
+    return problems
+
+
+@hookimpl
+def skyrl_register_replay_strategies(register: Any) -> None:
+    register(
+        "r3",
+        create,
+        description="Rollout routing replay: MoE routers in the trainer use the experts the engine chose",
+        check=check,
+    )

@@ -74,7 +74,8 @@ def count_parameters(hf_config: Any) -> int:
 
 
 def routers(model: Any) -> list[RouterInfo]:
-    """One :class:`RouterInfo` per MoE layer (``model.layers.<i>.mlp.gate``), in layer order."""
+    """One :class:`RouterInfo` per MoE layer (``model.layers.<i>.mlp.gate``), in layer order;
+    ``normalize`` is the config's ``norm_topk_prob``, ``scale`` its ``routed_scaling_factor``."""
     cfg = model.config
     out: list[RouterInfo] = []
     for i, layer in enumerate(model.model.layers):
@@ -88,6 +89,8 @@ def routers(model: Any) -> list[RouterInfo]:
                 kind=ROUTER_KIND,
                 n_experts=int(cfg.n_routed_experts),
                 top_k=int(cfg.num_experts_per_tok),
+                normalize=bool(cfg.norm_topk_prob),
+                scale=float(cfg.routed_scaling_factor),
             )
         )
     return out

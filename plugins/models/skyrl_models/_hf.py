@@ -5,6 +5,7 @@
   the process's own random state;
 - :func:`load_folder`: a local Hugging Face folder -> (model, tokenizer), checking
   the model type against the family's;
+- :func:`align_cpu_tensors`: copy loaded CPU weights that sit at unaligned addresses;
 - :func:`stop_token_ids`: the EOS token first, then the generation config's;
 - :func:`save_folder`: model + tokenizer to a Hugging Face folder, atomically.
 """
@@ -140,6 +141,30 @@ def load_folder(
     return model.eval(), tokenizer
 
 
+ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every new tensor
+
+
+def align_cpu_tensors(model: Any) -> int:
+    """Copy every CPU parameter and buffer of ``model`` whose data does not start at a
+    64-byte boundary into freshly allocated (aligned) memory; returns how many moved.
+
+    ``from_pretrained`` leaves CPU weights inside the memory-mapped safetensors file,
+    where a tensor starts wherever the previous one ended (e.g. after a ``[1, H]``
+    ``shared_expert_gate`` of 4*H bytes). CPU matrix kernels pick their code path by
+    alignment, so the same weights at a misaligned address give results that differ in
+    the last bit; after this copy a loaded model computes exactly what the model that
+    was saved did."""
+    moved = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if t is None or t.device.type != "cpu" or t.data_ptr() % ALIGNMENT == 0:
+                    continue
+                t.data = t.data.clone()  # keeps the Parameter object (and any tying) intact
+                moved += 1
+    return moved
+
+
 def stop_token_ids(model: Any, tokenizer: Any, *, key: str = "model.path") -> list[int]:
     """The tokenizer's EOS first, then any other EOS ids of the generation config
     (Qwen3 instruct models stop at both ``<|im_end|>`` and ``<|endoftext|>``)."""
@@ -215,6 +240,7 @@ class HFFamily(abc.ABC):
 
         if self.config.path is not None:
             model, tokenizer = self.load_folder(self.config.resolved_path)
+            align_cpu_tensors(model)
         else:
             model, tokenizer = self.build_preset(alphabet, seed)
         return LoadedModel(

@@ -88,7 +88,8 @@ def estimate_parameters(hf_config: Any) -> tuple[int, int]:
 
 def routers(model: Any) -> list[RouterInfo]:
     """One :class:`RouterInfo` per MoE layer (the dense first layers have none), in
-    layer order; ``path`` is the dotted name of the layer's ``mlp.gate``."""
+    layer order; ``path`` is the dotted name of the layer's ``mlp.gate``; ``normalize``
+    is the config's ``norm_topk_prob``, ``scale`` its ``routed_scaling_factor``."""
     names = {id(m): n for n, m in model.named_modules()}
     base = model.model if hasattr(model, "model") else model
     cfg = model.config
@@ -97,7 +98,17 @@ def routers(model: Any) -> list[RouterInfo]:
         gate = getattr(layer.mlp, "gate", None)
         if gate is None or not hasattr(gate, "e_score_correction_bias"):
             continue  # a dense MLP (its gate_proj is not a router)
-        out.append(RouterInfo(i, names[id(gate)], ROUTER_KIND, int(cfg.n_routed_experts), int(cfg.num_experts_per_tok)))
+        out.append(
+            RouterInfo(
+                layer=i,
+                path=names[id(gate)],
+                kind=ROUTER_KIND,
+                n_experts=int(cfg.n_routed_experts),
+                top_k=int(cfg.num_experts_per_tok),
+                normalize=bool(cfg.norm_topk_prob),
+                scale=float(cfg.routed_scaling_factor),
+            )
+        )
     return out
 
 

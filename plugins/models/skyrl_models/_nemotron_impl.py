@@ -75,7 +75,8 @@ def full_config(name: str) -> Any:
 def routers(model: Any) -> list[RouterInfo]:
     """One :class:`RouterInfo` per MoE layer, in layer order: the ``gate`` of each
     MoE mixer (``model.layers.<i>.mixer.gate``); Mamba2, attention and dense layers
-    have none."""
+    have none. ``normalize`` is the config's ``norm_topk_prob``, ``scale`` its
+    ``routed_scaling_factor``."""
     cfg = model.config
     base = getattr(model, "model", model)
     names = {id(m): n for n, m in model.named_modules()}
@@ -91,6 +92,8 @@ def routers(model: Any) -> list[RouterInfo]:
                 kind=ROUTER_KIND,
                 n_experts=int(cfg.n_routed_experts),
                 top_k=int(cfg.num_experts_per_tok),
+                normalize=bool(cfg.norm_topk_prob),
+                scale=float(cfg.routed_scaling_factor),
             )
         )
     return out

@@ -2,22 +2,57 @@
 
 Imported by :func:`skyrl_models.qwen.make_family` only when a job selects
 ``family = "qwen"``, so discovery and ``skyrl validate`` stay light.
+
+Without the ``flash-linear-attention`` / ``causal-conv1d`` kernels, transformers runs
+the Gated DeltaNet layers of Qwen3-Next and Qwen3.5 with its PyTorch implementation
+(chunked delta rule in a full forward, the recurrent one when decoding with a cache);
+that is what runs on a CPU.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
-from skyrl_models.qwen import INITIALIZER_RANGE, MAX_POSITION_EMBEDDINGS, MODEL_TYPES, QwenConfig
+from skyrl_models.qwen import (
+    FULL_PRESETS,
+    HYBRID_PRESETS,
+    INITIALIZER_RANGE,
+    LORA_TARGETS,
+    MAX_POSITION_EMBEDDINGS,
+    MODEL_TYPES,
+    ROUTER_KIND,
+    QwenConfig,
+)
+
+_CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+}
+
+# Routers that renormalise their top-k weights whatever the config says:
+# Qwen3_5MoeTopKRouter has no ``norm_topk_prob`` switch.
+_ALWAYS_RENORMALISED = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _classes(model_type: str) -> tuple[Any, Any]:
+    import transformers
+
+    cfg_name, model_name = _CLASSES[model_type]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name)
 
 
 def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
-    """The transformers config (Qwen3Config or Qwen3MoeConfig) of a preset."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
+    """The transformers config of a preset (Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+    or Qwen3_5MoeTextConfig), for the tokenizer's vocabulary."""
     arch = config.architecture()
-    common = dict(
+    model_type = config.model_type
+    assert model_type is not None  # a preset
+    common: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=arch["hidden_size"],
         num_hidden_layers=arch["num_layers"],
@@ -32,37 +67,90 @@ def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
         bos_token_id=None,
     )
     if config.is_moe:
-        hf = Qwen3MoeConfig(
-            **common,
-            intermediate_size=arch["intermediate_size"] * arch["top_k"],  # unused: every layer is sparse
+        common.update(
             moe_intermediate_size=arch["intermediate_size"],
             num_experts=arch["num_experts"],
             num_experts_per_tok=arch["top_k"],
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
         )
+        if model_type in ("qwen3_moe", "qwen3_next"):  # Qwen3.5's config has neither switch
+            common.update(
+                intermediate_size=arch["intermediate_size"] * arch["top_k"],  # unused: every layer is sparse
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
+        common.update(HYBRID_PRESETS.get(config.preset, {}))  # type: ignore[arg-type]
     else:
-        hf = Qwen3Config(**common, intermediate_size=arch["intermediate_size"])
+        common.update(intermediate_size=arch["intermediate_size"])
+    cfg_cls, _ = _classes(model_type)
+    hf = cfg_cls(**common)
     hf._attn_implementation = config.attn_implementation
     return hf
 
 
+def full_config(name: str) -> Any:
+    """The transformers config of a full-size preset (:data:`skyrl_models.qwen.FULL_PRESETS`):
+    a config only; build it under ``torch.device("meta")`` to size it without allocating."""
+    if name not in FULL_PRESETS:
+        from skyrl_host.errors import did_you_mean
+
+        names = ", ".join(repr(n) for n in FULL_PRESETS)
+        raise KeyError(f"expected one of {names}, found {name!r}{did_you_mean(name, FULL_PRESETS)}")
+    model_type, numbers = FULL_PRESETS[name]
+    cfg_cls, _ = _classes(model_type)
+    return cfg_cls(**copy.deepcopy(dict(numbers)))  # the table's lists and dicts stay untouched
+
+
+def routers(model: Any) -> list[RouterInfo]:
+    """One :class:`RouterInfo` per MoE layer, in layer order: the ``gate`` of each sparse
+    MLP (``model.layers.<i>.mlp.gate``). Dense Qwen3 has none; Qwen3-MoE and Qwen3-Next
+    skip the dense layers that ``decoder_sparse_step`` / ``mlp_only_layers`` make (their
+    MLP has ``gate_proj``, no router). Every Qwen router is ``softmax_topk``: softmax over
+    the experts, top-k, renormalised when ``norm_topk_prob`` (always for Qwen3.5), no scale."""
+    cfg = model.config
+    base = getattr(model, "model", model)
+    names = {id(m): n for n, m in model.named_modules()}
+    if getattr(cfg, "model_type", None) in _ALWAYS_RENORMALISED:
+        normalize = True
+    else:
+        normalize = bool(getattr(cfg, "norm_topk_prob", False))
+    out: list[RouterInfo] = []
+    for i, layer in enumerate(base.layers):
+        mlp = getattr(layer, "mlp", None)
+        gate = getattr(mlp, "gate", None)
+        if gate is None or not hasattr(mlp, "experts"):
+            continue  # a dense MLP
+        out.append(
+            RouterInfo(
+                layer=i,
+                path=names[id(gate)],
+                kind=ROUTER_KIND,
+                n_experts=int(cfg.num_experts),
+                top_k=int(cfg.num_experts_per_tok),
+                normalize=normalize,
+                scale=1.0,
+            )
+        )
+    return out
+
+
 class QwenFamily(_hf.HFFamily):
-    """A :class:`skyrl_host.interfaces.ModelFamily` for Qwen3 and Qwen3-MoE."""
+    """A :class:`skyrl_host.interfaces.ModelFamily` for Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE."""
 
     name = "qwen"
     model_types = MODEL_TYPES
+    lora_targets = LORA_TARGETS
 
     def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
         """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
-        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-
         tokenizer = _hf.char_tokenizer(alphabet, model_max_length=MAX_POSITION_EMBEDDINGS)
         hf_config = preset_config(self.config, tokenizer)
-        cls = Qwen3MoeForCausalLM if self.config.is_moe else Qwen3ForCausalLM
+        _, cls = _classes(hf_config.model_type)
         with _hf.seeded(seed):
             model = cls(hf_config)
         _hf.set_special_ids(model, tokenizer)
         model = model.to(_hf.DTYPES[self.config.dtype])
         return model.eval(), tokenizer
+
+    def routers(self, model: Any) -> list[RouterInfo]:
+        return routers(model)

@@ -33,7 +33,9 @@ def _family_presets(family: str) -> Iterator[tuple[str, str, bool]]:
     mod = importlib.import_module(f"skyrl_models.{family}")
     if family == "qwen":
         for name in mod.PRESETS:
-            yield name, "qwen3_moe" if name in mod.MOE_PRESETS else "qwen3", True
+            yield name, mod.PRESET_MODEL_TYPES[name], True
+        for name, (model_type, _) in mod.FULL_PRESETS.items():
+            yield name, model_type, False
     elif family == "glm":
         for name, (model_type, _) in mod.PRESETS.items():
             yield name, model_type, True
@@ -117,6 +119,15 @@ def _moe(config: Any) -> tuple[int, int]:
     return int(n), int(k)
 
 
+def _shared_experts(config: Any) -> int | None:
+    """Shared experts per MoE layer: DeepSeek-style ``n_shared_experts``, else one for
+    Qwen's single gated shared expert (``shared_expert_intermediate_size``), else none."""
+    n = getattr(config, "n_shared_experts", None)
+    if n is not None:
+        return int(n)
+    return 1 if getattr(config, "shared_expert_intermediate_size", None) else 0
+
+
 def describe(name: str, *, alphabet: str = DEFAULT_ALPHABET) -> dict[str, Any]:
     """What ``skyrl models show NAME`` prints; raises KeyError for an unknown name."""
     presets = {p["name"]: p for p in all_presets()}
@@ -138,11 +149,16 @@ def describe(name: str, *, alphabet: str = DEFAULT_ALPHABET) -> dict[str, Any]:
         out.update(
             num_experts=n,
             top_k=k,
-            shared_experts=getattr(cfg, "n_shared_experts", None),
+            shared_experts=_shared_experts(cfg),
             n_group=getattr(cfg, "n_group", None),
             topk_group=getattr(cfg, "topk_group", None),
             routed_scaling_factor=getattr(cfg, "routed_scaling_factor", None),
         )
+        if getattr(cfg, "shared_expert_intermediate_size", None):  # Qwen's gated shared expert
+            out["shared_expert_size"] = cfg.shared_expert_intermediate_size
+    kinds = list(getattr(cfg, "layer_types", None) or [])
+    if len(set(kinds)) > 1:  # a hybrid: how many layers of each kind (e.g. linear / full attention)
+        out["layer_types"] = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
     if p["weights"]:
         out["vocab_note"] = f"character tokenizer over {alphabet!r}"
     out.update(total_params=total, active_params=active)
@@ -171,10 +187,11 @@ def skyrl_register_commands(cli: click.Group) -> None:
             click.echo(json.dumps(rows, indent=2))
             return
         w = max([len(r["name"]) for r in rows] + [4])
-        click.echo(f"{'NAME':<{w}}  {'FAMILY':<8}  {'MODEL TYPE':<13}  WEIGHTS")
+        t = max([len(r["model_type"]) for r in rows] + [10])
+        click.echo(f"{'NAME':<{w}}  {'FAMILY':<8}  {'MODEL TYPE':<{t}}  WEIGHTS")
         for r in rows:
             weights = "random (tiny)" if r["weights"] else "none (config only)"
-            click.echo(f"{r['name']:<{w}}  {r['family']:<8}  {r['model_type']:<13}  {weights}")
+            click.echo(f"{r['name']:<{w}}  {r['family']:<8}  {r['model_type']:<{t}}  {weights}")
 
     @models.command(name="show")
     @click.argument("name")

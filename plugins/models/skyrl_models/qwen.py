@@ -1,9 +1,21 @@
-"""qwen: the Qwen3 model family, dense (``qwen3``) and mixture-of-experts (``qwen3_moe``).
+"""qwen: the Qwen3 model family: dense (``qwen3``), mixture-of-experts (``qwen3_moe``),
+and the hybrid linear-attention MoE models Qwen3-Next (``qwen3_next``) and Qwen3.5-MoE
+(``qwen3_5_moe``, whose text model is ``qwen3_5_moe_text``).
 
 ``[model] family = "qwen"`` with either ``preset`` (a tiny model with random
 weights from the job's seed and a character-level tokenizer for the dataset's
 alphabet) or ``path`` (a local Hugging Face folder, e.g. a downloaded
-Qwen3-0.6B or Qwen3-30B-A3B).
+Qwen3-0.6B, Qwen3-30B-A3B, Qwen3-Next-80B-A3B or Qwen3.5-397B-A17B).
+
+Qwen3-Next and Qwen3.5 mix Gated DeltaNet (linear attention) layers with gated full
+attention layers (``layer_types``; three linear layers, then one full, repeating), and
+every layer's MLP is a mixture of experts with a gated shared expert. Qwen3.5-MoE
+checkpoints are vision-language models (``qwen3_5_moe``); this family loads their text
+model as a ``Qwen3_5MoeForCausalLM`` (the vision tower is dropped), which saves as
+``qwen3_5_moe_text``.
+
+The full-size architectures in :data:`FULL_PRESETS` are configs only (no weights), for
+``skyrl models show``; a job loads such a model from ``path``.
 
 This module is what the ``skyrl`` entry point imports: it holds the options and
 the presets only and imports neither torch nor transformers. The factory imports
@@ -22,11 +34,39 @@ from skyrl_host.config import OptionError, gt, option
 from skyrl_host.errors import did_you_mean
 from skyrl_models._options import check_hf_folder
 
-MODEL_TYPES = ("qwen3", "qwen3_moe")
-"""The transformers ``model_type`` values this family loads from a path."""
+MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+"""The transformers ``model_type`` values this family loads from a path (``qwen3_5_moe``:
+the vision-language Qwen3.5-MoE checkpoint, of which the text model is loaded)."""
 
-# Presets: the architecture numbers; the vocabulary comes from the tokenizer.
-# "tiny" is the 165k-parameter Qwen3 that learns reverse_digits on a CPU in minutes.
+ROUTER_KIND = "softmax_topk"  # softmax over the experts, top-k, optionally renormalised
+
+LORA_TARGETS = (
+    # attention (qwen3_next and qwen3_5_moe: gated attention, q_proj carries the gate)
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    # dense MLPs and shared experts
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    # Gated DeltaNet (linear attention): qwen3_next fuses q/k/v/z and b/a ...
+    "in_proj_qkvz",
+    "in_proj_ba",
+    # ... qwen3_5_moe keeps them apart
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+)
+"""Names of the ``nn.Linear`` modules LoRA adapts. The routers (``mlp.gate``) and the
+shared-expert gates (``mlp.shared_expert_gate``) are left alone; the routed experts are
+fused 3-D parameters (``mlp.experts.gate_up_proj`` / ``down_proj``), not modules, so no
+name here reaches them."""
+
+# Presets: the architecture numbers a job may override; the vocabulary comes from the
+# tokenizer. "tiny" is the 165k-parameter Qwen3 that learns reverse_digits on a CPU in minutes.
 PRESETS: Mapping[str, Mapping[str, int]] = {
     "tiny": {
         "hidden_size": 64,
@@ -46,19 +86,158 @@ PRESETS: Mapping[str, Mapping[str, int]] = {
         "num_experts": 8,
         "top_k": 2,
     },
+    # hybrid: 3 Gated DeltaNet layers, then 1 gated-attention layer; every MLP is MoE
+    "tiny-qwen3.5-moe": {
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 32,  # per routed expert (moe_intermediate_size)
+        "num_experts": 8,
+        "top_k": 2,
+    },
+    "tiny-qwen3-next": {
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 32,  # per routed expert (moe_intermediate_size)
+        "num_experts": 8,
+        "top_k": 2,
+    },
 }
-MOE_PRESETS = ("tiny-moe",)
+MOE_PRESETS = ("tiny-moe", "tiny-qwen3.5-moe", "tiny-qwen3-next")
+
+PRESET_MODEL_TYPES: Mapping[str, str] = {
+    "tiny": "qwen3",
+    "tiny-moe": "qwen3_moe",
+    "tiny-qwen3.5-moe": "qwen3_5_moe_text",
+    "tiny-qwen3-next": "qwen3_next",
+}
+"""The transformers ``model_type`` each preset builds (and saves)."""
+
+# The hybrid presets' fixed numbers (not overridable): Gated DeltaNet heads, the shared
+# expert, the layer pattern (``full_attention_interval``: every 4th layer is full
+# attention) and an untied output head (as in the published models).
+HYBRID_PRESETS: Mapping[str, Mapping[str, Any]] = {
+    name: {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "shared_expert_intermediate_size": 64,
+        "full_attention_interval": 4,
+        "tie_word_embeddings": False,
+    }
+    for name in ("tiny-qwen3.5-moe", "tiny-qwen3-next")
+}
 MAX_POSITION_EMBEDDINGS = 512  # of the presets
 INITIALIZER_RANGE = 0.02  # std of the presets' random weights
 
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 MOE_KEYS = ("num_experts", "top_k")
 
+# Full-size architectures: (model_type, transformers config keyword arguments), configs
+# only (no weights are ever built here). The numbers of the published config.json files
+# (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, Qwen/Qwen3-Next-80B-A3B-Instruct, and the
+# text_config of Qwen/Qwen3.5-397B-A17B); multi-token-prediction layers are not built.
+_QWEN3_MOE = dict(
+    vocab_size=151936,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    head_dim=128,
+    num_key_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+_HYBRID = dict(
+    head_dim=256,
+    num_key_value_heads=2,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    num_experts=512,
+    num_experts_per_tok=10,
+    full_attention_interval=4,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+)
+FULL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
+    "qwen3-30b-a3b": (  # 30.5B total / 3.3B active
+        "qwen3_moe",
+        dict(
+            _QWEN3_MOE,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+        ),
+    ),
+    "qwen3-235b-a22b": (  # 235B / 22B
+        "qwen3_moe",
+        dict(
+            _QWEN3_MOE,
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+        ),
+    ),
+    "qwen3-next-80b-a3b": (  # 80B / 3B (3.9B with the embeddings and the head)
+        "qwen3_next",
+        dict(
+            _HYBRID,
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5120,  # unused: every layer is MoE
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            linear_num_value_heads=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+    "qwen3.5-397b-a17b": (  # 397B / 17B (the text model: the vision tower is not counted)
+        "qwen3_5_moe_text",
+        dict(
+            _HYBRID,
+            vocab_size=248320,
+            hidden_size=4096,
+            moe_intermediate_size=1024,
+            shared_expert_intermediate_size=1024,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            linear_num_value_heads=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+}
+
 
 def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
-    if value is not None and value not in PRESETS:
-        names = ", ".join(repr(p) for p in PRESETS)
-        raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
+    if value is None or value in PRESETS:
+        return
+    names = ", ".join(repr(p) for p in PRESETS)
+    if value in FULL_PRESETS:
+        raise ValueError(
+            f"{value!r} is a full-size architecture without weights (a config only); "
+            f"set path = a local folder of the checkpoint, or use a preset: {names}"
+        )
+    raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
 
 
 _check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
@@ -72,7 +251,10 @@ class QwenConfig:
     """Options of ``[model]`` when ``family = "qwen"``: exactly one of ``preset`` and ``path``."""
 
     preset: str | None = option(
-        None, help="a tiny model with random weights: 'tiny' (Qwen3) or 'tiny-moe' (Qwen3-MoE)", validator=_check_preset
+        None,
+        help="a tiny model with random weights: 'tiny' (Qwen3), 'tiny-moe' (Qwen3-MoE), "
+        "'tiny-qwen3.5-moe' (Qwen3.5-MoE) or 'tiny-qwen3-next' (Qwen3-Next)",
+        validator=_check_preset,
     )
     path: str | None = option(
         None, help="a local Hugging Face folder (config.json, *.safetensors, tokenizer files)", validator=_check_path
@@ -87,7 +269,7 @@ class QwenConfig:
     )
     head_dim: int | None = option(None, help="preset override: size of one attention head", validator=gt(0))
     intermediate_size: int | None = option(
-        None, help="preset override: MLP width (of each expert for 'tiny-moe')", validator=gt(0)
+        None, help="preset override: MLP width (of each routed expert for the MoE presets)", validator=gt(0)
     )
     num_experts: int | None = option(None, help="preset override, MoE presets only: experts per layer", validator=gt(0))
     top_k: int | None = option(None, help="preset override, MoE presets only: experts per token", validator=gt(0))
@@ -110,9 +292,8 @@ class QwenConfig:
         if self.preset not in MOE_PRESETS:
             moe = [k for k in MOE_KEYS if getattr(self, k) is not None]
             if moe:
-                raise OptionError(
-                    moe[0], f"only applies to a mixture-of-experts preset ('tiny-moe'), not {self.preset!r}"
-                )
+                names = ", ".join(repr(p) for p in MOE_PRESETS)
+                raise OptionError(moe[0], f"only applies to a mixture-of-experts preset ({names}), not {self.preset!r}")
         if arch["num_heads"] % arch["num_kv_heads"]:
             raise OptionError(
                 "num_kv_heads" if self.num_kv_heads is not None else "num_heads",
@@ -142,8 +323,20 @@ class QwenConfig:
         return self.preset in MOE_PRESETS
 
     @property
+    def model_type(self) -> str | None:
+        """The ``model_type`` the preset builds (None for a path)."""
+        return None if self.preset is None else PRESET_MODEL_TYPES[self.preset]
+
+    @property
     def resolved_path(self) -> str | None:
         return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+
+
+def full_config(name: str) -> Any:
+    """The transformers config of a full-size Qwen (no weights built); imports transformers."""
+    from skyrl_models._qwen_impl import full_config as impl
+
+    return impl(name)
 
 
 def make_family(config: QwenConfig) -> Any:
@@ -159,5 +352,6 @@ def skyrl_register_models(register: Any) -> None:
         "qwen",
         make_family,
         config=QwenConfig,
-        description="Qwen3 dense and MoE models (qwen3, qwen3_moe): tiny presets or a local Hugging Face folder",
+        description="Qwen3 dense and MoE, Qwen3-Next and Qwen3.5-MoE models (qwen3, qwen3_moe, qwen3_next, "
+        "qwen3_5_moe): tiny presets or a local Hugging Face folder",
     )

@@ -15,14 +15,18 @@ def test_list_has_tiny_and_full_size_presets_of_every_family(skyrl_cli) -> None:
     got = skyrl_cli("models", "list")
     assert got.exit_code == 0, got.stderr
     lines = {line.split()[0]: line for line in got.stdout.splitlines()[1:]}
-    expected = {*qwen.PRESETS, *glm.PRESETS, *glm.FULL_PRESETS, *kimi.PRESETS, *kimi.FULL_PRESETS,
-                *nemotron.PRESETS, *nemotron.FULL_CONFIGS}
+    expected = {*qwen.PRESETS, *qwen.FULL_PRESETS, *glm.PRESETS, *glm.FULL_PRESETS, *kimi.PRESETS,
+                *kimi.FULL_PRESETS, *nemotron.PRESETS, *nemotron.FULL_CONFIGS}
     assert set(lines) == expected
     assert lines["tiny"].split()[1:3] == ["qwen", "qwen3"] and "random (tiny)" in lines["tiny"]
     assert lines["kimi-k2.6"].split()[1:3] == ["kimi", "deepseek_v3"] and "config only" in lines["kimi-k2.6"]
     rows = {r["name"]: r for r in json.loads(skyrl_cli("models", "list", "--json").stdout)}
     assert rows["glm-5"] == {"name": "glm-5", "family": "glm", "model_type": "glm_moe_dsa", "weights": False}
     assert rows["tiny-nemotron-h"]["weights"] is True
+    assert rows["tiny-qwen3.5-moe"]["model_type"] == "qwen3_5_moe_text"
+    assert rows["qwen3-next-80b-a3b"] == {
+        "name": "qwen3-next-80b-a3b", "family": "qwen", "model_type": "qwen3_next", "weights": False
+    }
 
 
 def test_show_kimi_k26_is_about_1t_total_32b_active(skyrl_cli) -> None:
@@ -55,3 +59,15 @@ def test_an_unknown_name_is_a_usage_error_with_suggestions(skyrl_cli) -> None:
 def test_skyrl_help_and_models_help_import_no_torch(tmp_path) -> None:
     for args in (["--help"], ["models", "--help"], ["models", "list"]):
         assert heavy_modules_after(tmp_path, args) == {"rc": 0, "heavy": []}
+
+
+def test_show_qwen3_30b_a3b_and_the_hybrid_qwen3_5(skyrl_cli) -> None:
+    info = json.loads(skyrl_cli("models", "show", "qwen3-30b-a3b", "--json").stdout)
+    assert (info["family"], info["model_type"], info["weights"]) == ("qwen", "qwen3_moe", False)
+    assert (info["num_layers"], info["num_experts"], info["top_k"], info["shared_experts"]) == (48, 128, 8, 0)
+    assert 30.3e9 < info["total_params"] < 30.7e9 and 3.2e9 < info["active_params"] < 3.4e9  # "30.5B / 3.3B"
+    text = skyrl_cli("models", "show", "qwen3.5-397b-a17b").stdout
+    assert "396B" in text and "17.3B" in text
+    info = json.loads(skyrl_cli("models", "show", "tiny-qwen3-next", "--json").stdout)
+    assert info["layer_types"] == {"linear_attention": 3, "full_attention": 1}
+    assert (info["shared_experts"], info["shared_expert_size"], info["total_params"]) == (1, 64, 336_200)

@@ -95,7 +95,15 @@ def test_tiny_preset_builds_deterministically_and_trains(preset: str) -> None:
     infos = family.routers(model)
     cfg = model.config
     assert infos == [
-        RouterInfo(layer=i, path=f"model.layers.{i}.mlp.gate", kind="sigmoid_group_topk", n_experts=8, top_k=2)
+        RouterInfo(
+            layer=i,
+            path=f"model.layers.{i}.mlp.gate",
+            kind="sigmoid_group_topk",
+            n_experts=8,
+            top_k=2,
+            normalize=True,  # norm_topk_prob
+            scale=2.5,  # routed_scaling_factor
+        )
         for i in (1, 2)
     ]
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (2, 1, 2.5)

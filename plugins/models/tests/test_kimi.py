@@ -94,7 +94,7 @@ def test_forward_backward_and_routers() -> None:
     assert infos == make_family(KimiConfig(preset="tiny-kimi")).routers(model)
     assert [r.layer for r in infos] == [1, 2]  # one per MoE layer, the dense layer 0 excluded
     assert all(isinstance(r, RouterInfo) and r.kind == "sigmoid_group_topk" for r in infos)
-    assert all((r.n_experts, r.top_k) == (8, 2) for r in infos)
+    assert all((r.n_experts, r.top_k, r.normalize, r.scale) == (8, 2, True, 2.827) for r in infos)
     assert [r.path for r in infos] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
     seen: list[Any] = []
     modules = dict(model.named_modules())

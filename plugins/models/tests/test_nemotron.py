@@ -128,7 +128,15 @@ def test_routers_one_per_moe_layer_returning_logits_weights_indices() -> None:
     family = make_family(NemotronConfig(preset=PRESET))
     infos = family.routers(lm.model)
     assert infos == [
-        RouterInfo(layer=i, path=f"model.layers.{i}.mixer.gate", kind="sigmoid_group_topk", n_experts=8, top_k=2)
+        RouterInfo(
+            layer=i,
+            path=f"model.layers.{i}.mixer.gate",
+            kind="sigmoid_group_topk",
+            n_experts=8,
+            top_k=2,
+            normalize=True,
+            scale=2.5,
+        )
         for i in (1, 3)
     ]
     seen: list[Any] = []

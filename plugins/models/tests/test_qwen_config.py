@@ -103,14 +103,17 @@ def test_overrides_change_the_preset_and_kv_heads_follow_heads() -> None:
         ),
         pytest.param(
             "",
-            ["error: {path}:4: model.preset: missing: give preset = 'tiny' or 'tiny-moe', or path = a local"],
+            [
+                "error: {path}:4: model.preset: missing: give preset = 'tiny' or 'tiny-moe' or 'tiny-qwen3.5-moe' "
+                "or 'tiny-qwen3-next', or path = a local"
+            ],
             id="neither",
         ),
         pytest.param(
             'preset = "tiny-mo"\n',
             [
-                "error: {path}:6: model.preset: expected one of 'tiny', 'tiny-moe', found 'tiny-mo' "
-                "(did you mean 'tiny-moe'?)"
+                "error: {path}:6: model.preset: expected one of 'tiny', 'tiny-moe', 'tiny-qwen3.5-moe', "
+                "'tiny-qwen3-next', found 'tiny-mo' (did you mean 'tiny-moe'?)"
             ],
             id="unknown-preset",
         ),
@@ -167,8 +170,8 @@ def test_overrides_change_the_preset_and_kv_heads_follow_heads() -> None:
         pytest.param(
             'preset = "tiny"\nnum_experts = 4\n',
             [
-                "error: {path}:7: model.num_experts: only applies to a mixture-of-experts preset ('tiny-moe'), "
-                "not 'tiny'"
+                "error: {path}:7: model.num_experts: only applies to a mixture-of-experts preset ('tiny-moe', "
+                "'tiny-qwen3.5-moe', 'tiny-qwen3-next'), not 'tiny'"
             ],
             id="moe-override-on-dense",
         ),
@@ -216,3 +219,13 @@ def test_the_registered_module_imports_no_heavy_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_hybrid_presets_take_the_same_overrides_and_full_size_names_are_refused() -> None:
+    config = QwenConfig(preset="tiny-qwen3-next", top_k=3, num_layers=8)
+    assert config.is_moe and config.model_type == "qwen3_next"
+    assert (config.architecture()["top_k"], config.architecture()["num_layers"]) == (3, 8)
+    assert QwenConfig(preset="tiny-qwen3.5-moe").model_type == "qwen3_5_moe_text"
+    assert QwenConfig(preset="tiny").model_type == "qwen3" and not QwenConfig(preset="tiny").is_moe
+    with pytest.raises(ValueError, match="'qwen3-30b-a3b' is a full-size architecture without weights"):
+        QwenConfig(preset="qwen3-30b-a3b")

@@ -48,11 +48,29 @@ def Embedded(config: EmbeddedConfig | None = None) -> Any:
     return EmbeddedEngine(config if config is not None else EmbeddedConfig())
 
 
+def check(spec: Any) -> list[tuple[str, str]]:
+    """Job-level check (``skyrl validate``): routing capture needs a model with MoE layers."""
+    from skyrl_replay._checks import model_is_moe
+
+    engine, model = spec.plugins.get("engine"), spec.plugins.get("model")
+    if engine is None or model is None or not engine.config.return_routed_experts:
+        return []
+    if model_is_moe(model) is False:
+        what = getattr(model.config, "path", None) or getattr(model.config, "preset", None)
+        return [(
+            "engine.return_routed_experts",
+            f"model {what!r} ({model.name}) has no MoE layers, so there are no routes to return; "
+            "set it to false or choose a mixture-of-experts model",
+        )]
+    return []
+
+
 @hookimpl
 def skyrl_register_engines(register: Any) -> None:
     register(
         "embedded",
         Embedded,
         config=EmbeddedConfig,
+        check=check,
         description="Batched KV-cached torch/transformers generation in the job's process (shares the model's weights)",
     )

@@ -25,7 +25,7 @@ class RoutingReplay:
 
     def __init__(self) -> None:
         self.hooks: RouterHooks | None = None
-        self._last_of: tuple[int, np.ndarray] | None = None  # (id of batch, bool [T]: last token of its sequence)
+        self._last_of: tuple[Any, np.ndarray] | None = None  # (batch, bool [T]: last token of its sequence)
 
     def bind(self, model: Any, loaded: LoadedModel) -> None:
         routers = list(getattr(loaded, "routers", ()) or ())
@@ -39,10 +39,11 @@ class RoutingReplay:
         self.hooks = RouterHooks(model, routers)
 
     def _is_last(self, batch: Any) -> np.ndarray:
-        if self._last_of is None or self._last_of[0] != id(batch):
+        # Cached for the batch object itself (not its id: a later batch may reuse a freed id).
+        if self._last_of is None or self._last_of[0] is not batch:
             last = np.zeros(batch.n_tokens, dtype=bool)
             last[batch.cu_seqlens[1:][batch.seq_lens > 0] - 1] = True
-            self._last_of = (id(batch), last)
+            self._last_of = (batch, last)
         return self._last_of[1]
 
     @contextlib.contextmanager
@@ -78,7 +79,7 @@ class SupportReplay:
 
     def __init__(self, chunk: int = 65536):
         self.chunk = int(chunk)
-        self._rank_of: tuple[int, np.ndarray] | None = None
+        self._rank_of: tuple[Any, np.ndarray] | None = None
 
     def bind(self, model: Any, loaded: LoadedModel) -> None:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -101,9 +102,9 @@ class SupportReplay:
     def _rows(self, view: ReplayView) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept sets of the scored tokens, as (offsets, ids) tensors."""
         batch = view.batch
-        if self._rank_of is None or self._rank_of[0] != id(batch):
+        if self._rank_of is None or self._rank_of[0] is not batch:
             mask = np.asarray(batch.loss_mask) != 0
-            self._rank_of = (id(batch), np.where(mask, np.cumsum(mask) - 1, -1))
+            self._rank_of = (batch, np.where(mask, np.cumsum(mask) - 1, -1))
         rank = self._rank_of[1][np.asarray(view.scored_tokens, dtype=np.int64)]
         if len(rank) and rank.min() < 0:
             raise ValueError("replay strategy 'support': a scored token was not generated (loss_mask 0): it has no kept set")

@@ -156,6 +156,11 @@ class Engine(Protocol):
         calls) and start reporting ``version``."""
         ...
 
+    # Engines that continue conversations also offer
+    # ``continue_turn(history, turns, *, sampler, max_new_tokens, seed) -> RolloutBatch``:
+    # one response per conversation of ``history`` after the tokens ``turns[i]``,
+    # returned as the new turn's segment only (see RolloutBatch.append_turn).
+
 
 @attrs.define
 class LossInputs:

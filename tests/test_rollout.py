@@ -76,3 +76,54 @@ def test_csr_take_is_vectorised_and_exact() -> None:
     pick = rng.permutation(200)[:50]
     got = csr.take(pick)
     assert [got.row(i).tolist() for i in range(50)] == [rows[i] for i in pick]
+
+
+def _conversations() -> RolloutBatch:
+    batch = RolloutBatch.from_sequences(
+        [[1, 2], [3]], [[4, 5, 6], [7, 8]], [[-0.1, -0.2, -0.3], [-0.4, -0.5]], group_ids=[0, 1]
+    )
+    batch.side_channels["routed_experts"] = np.arange(batch.n_tokens * 2, dtype=np.uint8).reshape(-1, 1, 2)
+    batch.side_channels["sample_support"] = CSR.from_rows([[4, 9], [5], [6, 1, 2], [7], [8, 3]])
+    return batch
+
+
+def _segment() -> RolloutBatch:
+    # Each sequence: the conversation's last token, the new turn's tokens, a response.
+    seg = RolloutBatch.from_sequences([[6, 20, 21], [8, 22]], [[30, 31], [32]], [[-1.0, -1.1], [-1.2]], group_ids=[0, 1])
+    seg.versions[:] = 3
+    seg.side_channels["routed_experts"] = (100 + np.arange(seg.n_tokens * 2, dtype=np.uint8)).reshape(-1, 1, 2)
+    seg.side_channels["sample_support"] = CSR.from_rows([[30, 5], [31], [32, 1]])
+    return seg
+
+
+def test_append_turn_joins_conversations_and_their_side_channels() -> None:
+    conv, seg = _conversations(), _segment()
+    out = conv.append_turn(seg)
+    assert out.sequence(0).tolist() == [1, 2, 4, 5, 6, 20, 21, 30, 31]
+    assert out.sequence(1).tolist() == [3, 7, 8, 22, 32]
+    assert out.prompt_lens.tolist() == [2, 1]  # the original prompt; the turns are in loss_mask
+    assert out.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1] + [0, 1, 1, 0, 1]
+    np.testing.assert_allclose(out.logprobs[out.loss_mask == 1], [-0.1, -0.2, -0.3, -1.0, -1.1, -0.4, -0.5, -1.2])
+    assert out.versions.tolist() == [0, 0] and np.isnan(out.rewards).all()
+    routes = out.side_channels["routed_experts"].reshape(-1, 2)[:, 0].tolist()
+    old, new = conv.side_channels["routed_experts"].reshape(-1, 2)[:, 0], seg.side_channels["routed_experts"].reshape(-1, 2)[:, 0]
+    # Conversation 0: its first 4 rows, then the segment's 5 (its first row replaces the old last one).
+    assert routes[:9] == old[:4].tolist() + new[:5].tolist()
+    assert routes[9:] == old[5:7].tolist() + new[5:].tolist()
+    support = out.side_channels["sample_support"]
+    assert [support.row(i).tolist() for i in range(support.n_rows)] == [
+        [4, 9], [5], [6, 1, 2], [30, 5], [31], [7], [8, 3], [32, 1]
+    ]
+    out.validate()
+
+
+def test_append_turn_refuses_a_segment_of_other_conversations() -> None:
+    conv, seg = _conversations(), _segment()
+    with pytest.raises(ValueError, match="segment sequence 0 does not continue conversation 0"):
+        conv.select([1, 0]).append_turn(seg)
+    with pytest.raises(ValueError, match="the segment has 1 sequences, the conversations 2"):
+        conv.append_turn(seg.select([0]))
+    bare = _segment()
+    del bare.side_channels["sample_support"]
+    with pytest.raises(ValueError, match="side channels differ"):
+        conv.append_turn(bare)

@@ -1,0 +1,728 @@
+"""Side channels across a process boundary: RolloutBatch's packed arrays vs per-token JSON lists.
+
+    python benchmarks/side_channels.py [--sequences 256] [--seq-len 1024] [--layers 48] [--top-k 8]
+        [--experts 256] [--vocab 151936] [--support 20 200] [--naive-sequences 8] [--repeats 7]
+        [--engine-prompts 32] [--engine-n 8] [--engine-max-new 32] [--threads 1] [--quick]
+
+Two parts, one JSON object on stdout.
+
+1. **Synthetic batch at scale** (numpy only): ``--sequences`` sequences of ``--seq-len``
+   tokens (prompts 1/8-1/4 of each, the rest generated) with the two side channels
+   an MoE RL job carries: ``routed_experts``, ``[tokens, layers, top_k]`` (``top_k``
+   distinct experts of ``--experts`` per token and layer; uint8 up to 256 experts,
+   uint16 above) and ``sample_support``, CSR with one row per generated token
+   (``--support MIN MAX`` sorted distinct ids of a ``--vocab`` vocabulary, row lengths
+   uniform). The batch goes to a receiver process (spawned, numpy only) over a
+   Unix socket pair, two ways:
+
+   - *packed*: encode = ``to_arrays()`` + ``pickle.dumps(protocol=5,
+     buffer_callback=...)`` (arrays out of band: no copy); transfer = the pickle
+     header and every raw buffer gathered into ``sendmsg`` calls and scattered by
+     ``recvmsg_into`` straight into a preallocated arena of the receiver (64-byte
+     aligned slots); decode = ``pickle.loads(header, buffers=<views of the arena>)``
+     (numpy rebuilds each array with ``np.frombuffer`` over its view: no copy, which
+     the receiver checks) + ``RolloutBatch.from_arrays`` (with its ``validate``);
+   - *naive*: the batch as per-token Python lists (``routed_experts`` nested
+     ``[token][layer][k]``, ``sample_support`` a list of lists, the other arrays
+     flat lists); encode = ``json.dumps`` + UTF-8; the same socket and arena;
+     decode = UTF-8 + ``json.loads`` + numpy rebuilt (``np.asarray`` of the nested
+     lists, the CSR from the row lengths and ``np.fromiter`` over the rows) +
+     ``RolloutBatch(...)``. Building the lists from numpy is *not* counted (a naive
+     engine would hold them already): the baseline is favoured.
+
+   The naive path is far too slow for the whole batch, so it runs on its first
+   ``--naive-sequences`` sequences (``batch.select``) and is compared **per token**
+   (all tokens, prompt and generated); its full-batch seconds and bytes are
+   extrapolated from the slice and labelled so. The packed path is measured on the
+   whole batch (the headline ratios) and on the same slice (``same_slice`` ratios).
+   Transfer time = from the first byte sent to the receiver's reply, minus the
+   receiver's decode time (the reply is ~100 bytes). A warm-up round, not measured,
+   checks that every path rebuilds the batch exactly (CRC32 of every array).
+
+2. **One RL step's generation on a tiny MoE**: the ``kimi`` family's ``tiny-kimi``
+   (DeepSeek-V3: 2 MoE layers of 8 experts, top-2, vocab 13) on the embedded engine,
+   ``--engine-prompts`` digit prompts x ``--engine-n`` samples, top-p 0.9, at most
+   ``--engine-max-new`` new tokens. Interleaved per round: ``generate`` with routing
+   capture and support sets, with either alone, and with neither (same seed), then
+   the batch with both, just generated, sent to the receiver packed (with and without
+   its side channels) and naive. Reported: the transports' time as a fraction of the
+   generate time (a step also trains, so their share of the whole step is smaller),
+   and what capture costs generate.
+
+Every ratio is the median of per-round ratios, runs interleaved (A B C, then C B A),
+``--repeats`` rounds after the warm-up. ``other_cores_per_round`` is how many cores
+other processes used meanwhile (``/proc/stat`` minus this process and the receiver):
+the machine is shared, absolute seconds move, ratios much less. The engine runs with
+``--threads 1`` by default: the tiny model gains little from 2 threads, and 2 threads
+slow down several-fold whenever another process takes a core of a 2-core machine.
+
+JSON keys: ``synthetic.bytes`` (on the wire, per token and per side channel),
+``synthetic.packed`` / ``packed_same_slice`` / ``naive`` (median seconds per stage,
+microseconds per token; ``naive.extrapolated_full_batch_s``), the ratios naive/packed
+per stage and in total (``synthetic.ratio_naive_vs_packed``, > 1 = packed faster),
+``zero_copy_decode``; ``engine.generate_s``, ``engine.ratio_generate_vs_plain`` (the
+cost of capture), ``engine.fraction_of_generate``. ``--quick`` (a few seconds: 8 x 128
+tokens, 4 layers, 2 rounds, 4 x 2 engine sequences) is the smoke test; ``--no-engine``
+skips part 2 (no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import pickle
+import platform
+import socket
+import statistics
+import struct
+import sys
+import time
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+
+from skyrl_host.rollout import CSR, RolloutBatch
+
+PACKED, NAIVE, STOP = 1, 2, 3
+ALIGN = 64
+SOCKET_BUFFER = 4 << 20  # SO_SNDBUF / SO_RCVBUF asked for (the kernel may cap it)
+DENSE = (
+    "cu_seqlens", "tokens", "logprobs", "loss_mask", "prompt_lens", "group_ids", "versions", "truncated", "rewards",
+)
+DTYPES = {
+    "cu_seqlens": np.int64, "tokens": np.int32, "logprobs": np.float32, "loss_mask": np.uint8,
+    "prompt_lens": np.int32, "group_ids": np.int64, "versions": np.int64, "truncated": np.bool_,
+    "rewards": np.float32,
+}
+
+
+# -- the wire ------------------------------------------------------------------
+
+
+IOV_MAX = 512  # buffers per sendmsg / recvmsg_into call (Linux allows 1024)
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` less their first ``n`` bytes (after a partial send or receive)."""
+    i = 0
+    while i < len(views) and n >= views[i].nbytes:
+        n -= views[i].nbytes
+        i += 1
+    views = views[i:]
+    if n:
+        views[0] = views[0][n:]
+    return views
+
+
+def send_all(sock: socket.socket, buffers: list[Any]) -> int:
+    """Gather-send: every buffer in as few ``sendmsg`` calls as the kernel allows,
+    nothing copied in user space. Returns the bytes sent."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    while views:
+        views = _advance(views, sock.sendmsg(views[:IOV_MAX]))
+    return total
+
+
+def recv_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-receive into ``views`` (preallocated memory), in as few calls as arrive."""
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = sock.recvmsg_into(views[:IOV_MAX])[0]
+        if n == 0:
+            raise EOFError("the other process closed the socket")
+        views = _advance(views, n)
+
+
+def recv_small(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_all(sock, [memoryview(buf)])
+    return bytes(buf)
+
+
+def send_frames(sock: socket.socket, kind: int, frames: list[Any], check: bool = False) -> int:
+    """One message: a header (its length, then kind, check flag, frame count and sizes)
+    followed by the frames as they are, all in one gather-send. Returns the bytes sent."""
+    views = [memoryview(f).cast("B") for f in frames]
+    head = struct.pack(f"<IIB{len(views)}Q", kind, len(views), int(check), *(v.nbytes for v in views))
+    return send_all(sock, [struct.pack("<I", len(head)) + head, *views])
+
+
+# -- the two encodings ---------------------------------------------------------
+
+
+def encode_packed(batch: RolloutBatch) -> list[Any]:
+    """[pickle header, raw buffer, ...]: the arrays travel out of band, uncopied."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(dict(batch.to_arrays()), protocol=5, buffer_callback=buffers.append)
+    return [head] + [b.raw() for b in buffers]
+
+
+def decode_packed(frames: list[memoryview]) -> RolloutBatch:
+    return RolloutBatch.from_arrays(pickle.loads(frames[0], buffers=frames[1:]))
+
+
+def naive_lists(batch: RolloutBatch) -> dict[str, Any]:
+    """The batch as a naive engine would hold it: Python lists, side channels per token."""
+    out: dict[str, Any] = {name: getattr(batch, name).tolist() for name in DENSE}
+    side: dict[str, Any] = {}
+    for name, ch in batch.side_channels.items():
+        if isinstance(ch, CSR):
+            values, offsets = ch.values.tolist(), ch.offsets.tolist()
+            side[name] = {"csr": [values[offsets[i] : offsets[i + 1]] for i in range(ch.n_rows)]}
+        else:
+            side[name] = {"dense": ch.tolist(), "dtype": ch.dtype.str, "row_shape": list(ch.shape[1:])}
+    out["side_channels"] = side
+    return out
+
+
+def encode_naive(lists: dict[str, Any]) -> list[Any]:
+    return [json.dumps(lists).encode("utf-8")]
+
+
+def decode_naive(frames: list[memoryview]) -> RolloutBatch:
+    obj = json.loads(str(frames[0], "utf-8"))
+    side: dict[str, Any] = {}
+    for name, ch in obj.pop("side_channels").items():
+        if "csr" in ch:
+            rows = ch["csr"]
+            offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum([len(r) for r in rows], out=offsets[1:])
+            values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
+            side[name] = CSR(offsets, values)
+        else:
+            arr = np.asarray(ch["dense"], dtype=np.dtype(ch["dtype"]))
+            side[name] = arr.reshape((len(ch["dense"]), *ch["row_shape"]))
+    batch = RolloutBatch(**{k: np.asarray(obj[k], dtype=DTYPES[k]) for k in DENSE}, side_channels=side)
+    batch.validate()
+    return batch
+
+
+def digest(batch: RolloutBatch) -> dict[str, list[Any]]:
+    """Name -> [dtype, shape, CRC32] of every array of the batch."""
+    return {
+        k: [v.dtype.str, list(v.shape), zlib.crc32(np.ascontiguousarray(v).view(np.uint8).reshape(-1))]
+        for k, v in batch.to_arrays().items()
+    }
+
+
+# -- the receiver process ------------------------------------------------------
+
+
+def receiver(sock: socket.socket, arena_bytes: int) -> None:
+    """Receive messages into one preallocated arena (grown, untimed, if a message
+    does not fit), decode them, reply with the decode time (and checks when asked)."""
+    arena = np.ones(max(arena_bytes, ALIGN), dtype=np.uint8)  # pages touched now, not during a transfer
+    while True:
+        (hlen,) = struct.unpack("<I", recv_small(sock, 4))
+        head = recv_small(sock, hlen)
+        kind, count, check = struct.unpack_from("<IIB", head)
+        if kind == STOP:
+            return
+        sizes = struct.unpack_from(f"<{count}Q", head, 9)
+        slots, pos = [], 0
+        for n in sizes:  # each frame in its own 64-byte aligned slot of the arena
+            slots.append((pos, n))
+            pos += -(-n // ALIGN) * ALIGN
+        if pos > arena.nbytes:
+            arena = np.ones(pos, dtype=np.uint8)
+        mv = memoryview(arena)
+        frames = [mv[p : p + n] for p, n in slots]
+        recv_all(sock, frames)
+        t0 = time.perf_counter()
+        batch = decode_packed(frames) if kind == PACKED else decode_naive(frames)
+        decode_s = time.perf_counter() - t0
+        reply: dict[str, Any] = {"decode_s": decode_s}
+        if check:
+            lo, hi = arena.ctypes.data, arena.ctypes.data + arena.nbytes
+            arrays = batch.to_arrays()
+            reply["digest"] = digest(batch)
+            reply["in_arena"] = {k: bool(lo <= v.ctypes.data < hi or v.nbytes == 0) for k, v in arrays.items()}
+        data = json.dumps(reply).encode()
+        send_all(sock, [struct.pack("<I", len(data)) + data])
+
+
+class Receiver:
+    def __init__(self, arena_bytes: int):
+        ctx = multiprocessing.get_context("spawn")  # a clean child: no torch threads inherited
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s in (self.sock, theirs):
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        self.proc = ctx.Process(target=receiver, args=(theirs, arena_bytes), daemon=True)
+        self.proc.start()
+        theirs.close()
+
+    def roundtrip(self, kind: int, encode: Callable[[], list[Any]], check: bool = False) -> dict[str, Any]:
+        """Encode (here), send, let the receiver decode; the three times and the bytes."""
+        t0 = time.perf_counter()
+        frames = encode()
+        t1 = time.perf_counter()
+        wire = send_frames(self.sock, kind, frames, check)
+        first = self.sock.recv(4096)  # the reply: its length, then JSON (usually in one piece)
+        t2 = time.perf_counter()
+        while len(first) < 4:
+            first += recv_small(self.sock, 4 - len(first))
+        (n,) = struct.unpack_from("<I", first)
+        body = first[4:]
+        reply = json.loads(body + (recv_small(self.sock, n - len(body)) if n > len(body) else b""))
+        decode_s = reply.pop("decode_s")
+        return {"encode": t1 - t0, "transfer": t2 - t1 - decode_s, "decode": decode_s, "bytes": wire, **reply}
+
+    def close(self) -> None:
+        send_frames(self.sock, STOP, [])
+        self.proc.join(10)
+        self.sock.close()
+
+
+# -- measurement helpers ---------------------------------------------------------
+
+
+class CpuMeter:
+    """Cores other processes (and steal time) took, from /proc/stat minus our own CPU time
+    (the receiver's included); None where /proc/stat cannot be read."""
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, child_pid: int | None = None):
+        self.child = child_pid
+
+    def _own(self) -> float:
+        t = os.times()
+        own = t.user + t.system
+        if self.child is not None:
+            try:
+                with open(f"/proc/{self.child}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                own += (int(fields[11]) + int(fields[12])) / self.tick
+            except (OSError, IndexError, ValueError):
+                pass
+        return own
+
+    def sample(self) -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except OSError:
+            return None
+        return (sum(v) - v[3] - v[4]) / self.tick, self._own(), time.perf_counter()
+
+    @staticmethod
+    def others(a: Any, b: Any) -> float | None:
+        if a is None or b is None or b[2] <= a[2]:
+            return None
+        return round(max(0.0, ((b[0] - a[0]) - (b[1] - a[1])) / (b[2] - a[2])), 2)
+
+
+T_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr (stdout carries the JSON only)."""
+    print(f"[side_channels {time.perf_counter() - T_START:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+STAGES = ("encode", "transfer", "decode")
+
+
+def stage_summary(runs: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {f"{s}_s": sig(med([r[s] for r in runs])) for s in STAGES}
+    out["total_s"] = sig(med([sum(r[s] for s in STAGES) for r in runs]))
+    out["us_per_token"] = {s: sig(med([r[s] for r in runs]) / tokens * 1e6) for s in STAGES}
+    out["us_per_token"]["total"] = sig(out["total_s"] / tokens * 1e6)
+    return out
+
+
+def ratio_summary(a: list[dict[str, Any]], b: list[dict[str, Any]], ta: int, tb: int) -> dict[str, float]:
+    """Medians of the per-round ratios of per-token times, a / b."""
+    out = {}
+    for s in STAGES + ("total",):
+        def cost(r: dict[str, Any], t: int) -> float:
+            return (sum(r[x] for x in STAGES) if s == "total" else r[s]) / t
+
+        out[s] = sig(med([cost(x, ta) / cost(y, tb) for x, y in zip(a, b)]), 3)
+    return out
+
+
+def git_state() -> dict[str, Any]:
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        def git(*cmd: str) -> str:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout
+
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        modified = git("status", "--porcelain", "--untracked-files=no").split()[1::2]
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"commit": commit, "modified_files": modified}
+
+
+# -- part 1: the synthetic batch -----------------------------------------------
+
+
+def synthetic_batch(args: argparse.Namespace, rng: np.random.Generator) -> RolloutBatch:
+    S, L = args.sequences, args.seq_len
+    T = S * L
+    prompt_lens = rng.integers(max(1, L // 8), max(2, L // 4 + 1), S).astype(np.int32)
+    cu = np.arange(S + 1, dtype=np.int64) * L
+    within = np.arange(T, dtype=np.int64) - np.repeat(cu[:-1], L)
+    loss_mask = (within >= np.repeat(prompt_lens, L)).astype(np.uint8)
+    n_gen = int(loss_mask.sum())
+    logprobs = np.where(loss_mask == 1, -rng.exponential(1.0, T), 0.0).astype(np.float32)
+
+    # routed_experts: top_k distinct experts per (token, layer): base + increasing offsets, mod E.
+    E, K, layers = args.experts, args.top_k, args.layers
+    dtype = np.uint8 if E <= 256 else np.uint16
+    routed = np.empty((T, layers, K), dtype=dtype)
+    max_gap = max(1, (E - 1) // max(1, K - 1))
+    for t0 in range(0, T, 16384):
+        t1 = min(T, t0 + 16384)
+        gaps = rng.integers(1, max_gap + 1, (t1 - t0, layers, K), dtype=np.int32)
+        gaps[..., 0] = 0
+        base = rng.integers(0, E, (t1 - t0, layers, 1), dtype=np.int32)
+        routed[t0:t1] = (base + np.cumsum(gaps, axis=-1)) % E
+
+    # sample_support: one row per generated token, `lo..hi` sorted distinct ids: one id
+    # drawn in each of `len` equal strata of the vocabulary.
+    lo, hi = args.support
+    lens = rng.integers(lo, hi + 1, n_gen).astype(np.int64)
+    offsets = np.zeros(n_gen + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.int32)
+    V = args.vocab
+    for r0 in range(0, n_gen, 32768):  # in chunks of rows, to bound the int64 temporaries
+        r1 = min(n_gen, r0 + 32768)
+        a, b = int(offsets[r0]), int(offsets[r1])
+        rl = np.repeat(lens[r0:r1], lens[r0:r1])
+        j = np.arange(b - a, dtype=np.int64) - np.repeat(offsets[r0:r1] - a, lens[r0:r1])
+        values[a:b] = j * V // rl + (rng.random(b - a) * (V // rl)).astype(np.int64)
+
+    batch = RolloutBatch(
+        tokens=rng.integers(0, V, T, dtype=np.int32),
+        cu_seqlens=cu,
+        prompt_lens=prompt_lens,
+        logprobs=logprobs,
+        loss_mask=loss_mask,
+        group_ids=np.arange(S, dtype=np.int64) // 8,
+        versions=np.zeros(S, dtype=np.int64),
+        truncated=rng.random(S) < 0.1,
+        rewards=rng.random(S).astype(np.float32),
+        side_channels={"routed_experts": routed, "sample_support": CSR(offsets, values)},
+    )
+    batch.validate()
+    return batch
+
+
+def check_roundtrip(rx: Receiver, kind: int, encode: Callable[[], list[Any]], batch: RolloutBatch, what: str) -> bool:
+    """One unmeasured round trip: the receiver's rebuild must equal ``batch``; True when
+    every decoded array lies in the receive arena (no copy)."""
+    r = rx.roundtrip(kind, encode, check=True)
+    if r["digest"] != digest(batch):
+        raise SystemExit(f"side_channels.py: the {what} path did not rebuild the batch exactly")
+    return all(r["in_arena"].values())
+
+
+def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) -> dict[str, Any]:
+    T = batch.n_tokens
+    small = batch.select(np.arange(min(args.naive_sequences, batch.n_sequences)))
+    Ts = small.n_tokens
+    t0 = time.perf_counter()
+    lists = naive_lists(small)
+    tolist_s = time.perf_counter() - t0
+
+    runs: dict[str, Callable[[], dict[str, Any]]] = {
+        "packed": lambda: rx.roundtrip(PACKED, lambda: encode_packed(batch)),
+        "naive_slice": lambda: rx.roundtrip(NAIVE, lambda: encode_naive(lists)),
+        "packed_slice": lambda: rx.roundtrip(PACKED, lambda: encode_packed(small)),
+    }
+    # Warm-up and checks (not measured).
+    zero_copy = check_roundtrip(rx, PACKED, lambda: encode_packed(batch), batch, "packed")
+    zero_copy_slice = check_roundtrip(rx, PACKED, lambda: encode_packed(small), small, "packed (slice)")
+    naive_in_arena = check_roundtrip(rx, NAIVE, lambda: encode_naive(lists), small, "naive")
+
+    log(f"synthetic: checked; {args.repeats} rounds")
+    meter = CpuMeter(rx.proc.pid)
+    res: dict[str, list[dict[str, Any]]] = {k: [] for k in runs}
+    others = []
+    for i in range(args.repeats):
+        a = meter.sample()
+        for name in list(runs) if i % 2 == 0 else list(reversed(runs)):
+            res[name].append(runs[name]())
+        others.append(meter.others(a, meter.sample()))
+
+    packed_bytes = res["packed"][0]["bytes"]
+    naive_bytes = res["naive_slice"][0]["bytes"]
+    slice_packed_bytes = res["packed_slice"][0]["bytes"]
+    routed = batch.side_channels["routed_experts"]
+    support = batch.side_channels["sample_support"]
+    naive_channel_bytes = {
+        k: len(json.dumps(v).encode()) for k, v in lists["side_channels"].items()
+    }
+    packed_channel_bytes = {
+        "routed_experts": int(routed.nbytes),
+        "sample_support": int(support.offsets.nbytes + support.values.nbytes),
+    }
+    naive = stage_summary(res["naive_slice"], Ts)
+    naive["extrapolated_full_batch_s"] = {
+        s: sig(naive["us_per_token"][s] * T / 1e6) for s in STAGES + ("total",)
+    }
+    naive["tolist_s_not_counted"] = sig(tolist_s)
+    packed = stage_summary(res["packed"], T)
+    packed["throughput_GB_per_s"] = sig(packed_bytes / packed["total_s"] / 1e9, 3)
+    packed["transfer_GB_per_s"] = sig(packed_bytes / packed["transfer_s"] / 1e9, 3)
+    return {
+        "batch": {
+            "sequences": batch.n_sequences,
+            "tokens": T,
+            "generated_tokens": int(support.n_rows),
+            "routed_experts": {"shape": list(routed.shape), "dtype": routed.dtype.name},
+            "sample_support": {
+                "rows": int(support.n_rows),
+                "ids": int(len(support.values)),
+                "ids_per_row_mean": sig(len(support.values) / max(1, support.n_rows), 3),
+                "vocab": args.vocab,
+            },
+        },
+        "naive_measured_on": {
+            "sequences": small.n_sequences,
+            "tokens": Ts,
+            "note": "naive path timed on this slice only; full-batch naive figures are per-token extrapolations",
+        },
+        "bytes": {
+            "packed": packed_bytes,
+            "packed_side_channels": packed_channel_bytes,
+            "packed_per_token": sig(packed_bytes / T),
+            "naive_per_token": sig(naive_bytes / Ts),
+            "naive_full_batch_extrapolated": int(naive_bytes / Ts * T),
+            "naive_side_channels_per_token": {k: sig(v / Ts) for k, v in naive_channel_bytes.items()},
+            "packed_side_channels_per_token": {k: sig(v / T) for k, v in packed_channel_bytes.items()},
+            "ratio_naive_vs_packed_per_token": sig((naive_bytes / Ts) / (packed_bytes / T), 3),
+            "ratio_naive_vs_packed_same_slice": sig(naive_bytes / slice_packed_bytes, 3),
+        },
+        "packed": packed,
+        "packed_same_slice": stage_summary(res["packed_slice"], Ts),
+        "naive": naive,
+        "ratio_naive_vs_packed": ratio_summary(res["naive_slice"], res["packed"], Ts, T),
+        "ratio_naive_vs_packed_same_slice": ratio_summary(res["naive_slice"], res["packed_slice"], Ts, Ts),
+        "ratio_note": "medians of per-round ratios of seconds per token (naive on the slice, packed on the whole "
+        "batch; same_slice: both on the slice); > 1 = packed faster",
+        "zero_copy_decode": zero_copy and zero_copy_slice,
+        "naive_decode_copies": not naive_in_arena,
+        "roundtrip_checked": True,
+        "other_cores_per_round": others,
+    }
+
+
+# -- part 2: a tiny MoE's generation -------------------------------------------
+
+
+def part_engine(args: argparse.Namespace, rx: Receiver) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from skyrl_engines.embedded import Embedded, EmbeddedConfig
+    from skyrl_models.kimi import KimiConfig, make_family
+    from skyrl_samplers._options import build_sampler
+    from skyrl_samplers.top_p import TopPConfig
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    log("engine: torch imported")
+    loaded = make_family(KimiConfig(preset="tiny-kimi")).load(alphabet="0123456789", seed=0)
+    capture = Embedded(EmbeddedConfig(return_routed_experts=True, threads=args.threads))
+    capture.start(loaded)
+    plain = Embedded(EmbeddedConfig(threads=args.threads))
+    plain.start(loaded)
+    with_support = build_sampler(TopPConfig(top_p=0.9, return_support=True))
+    without = build_sampler(TopPConfig(top_p=0.9))
+    rng = np.random.default_rng(1)
+    texts = ["".join(map(str, rng.integers(0, 10, int(rng.integers(4, 13))))) for _ in range(args.engine_prompts)]
+    prompts = [list(loaded.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def gen(engine: Any, sampler: Any, seed: int) -> tuple[RolloutBatch, float]:
+        t0 = time.perf_counter()
+        b = engine.generate(prompts, n=args.engine_n, sampler=sampler, max_new_tokens=args.engine_max_new, seed=seed)
+        return b, time.perf_counter() - t0
+
+    def bare(b: RolloutBatch) -> RolloutBatch:
+        return RolloutBatch(**{k: getattr(b, k) for k in DENSE})
+
+    # Warm-up and checks.
+    log("engine: model loaded, engines started")
+    batch, _ = gen(capture, with_support, 10**6)
+    gen(capture, without, 10**6)
+    gen(plain, with_support, 10**6)
+    gen(plain, without, 10**6)
+    zero_copy = check_roundtrip(rx, PACKED, lambda: encode_packed(batch), batch, "packed (engine batch)")
+    check_roundtrip(rx, PACKED, lambda: encode_packed(bare(batch)), bare(batch), "packed (no side channels)")
+    lists = naive_lists(batch)
+    check_roundtrip(rx, NAIVE, lambda: encode_naive(lists), batch, "naive (engine batch)")
+
+    log(f"engine: warmed up and checked; {args.repeats} rounds")
+    meter = CpuMeter(rx.proc.pid)
+    gens = {  # name: (engine, sampler)
+        "capture_and_support": (capture, with_support),
+        "capture_only": (capture, without),
+        "support_only": (plain, with_support),
+        "plain": (plain, without),
+    }
+    rec: dict[str, list[Any]] = {k: [] for k in ("packed", "packed_bare", "naive")}
+    gen_s: dict[str, list[float]] = {k: [] for k in gens}
+    gen_count: dict[str, list[int]] = {k: [] for k in gens}
+    tokens, others = [], []
+    for i in range(args.repeats):
+        a = meter.sample()
+        for kind in list(gens) if i % 2 == 0 else list(reversed(gens)):
+            b, dt = gen(*gens[kind], i)
+            gen_s[kind].append(dt)
+            gen_count[kind].append(int(b.loss_mask.sum()))
+            if kind == "capture_and_support":
+                batch = b
+        lists = naive_lists(batch)
+        sends = {
+            "packed": lambda: rx.roundtrip(PACKED, lambda: encode_packed(batch)),
+            "packed_bare": lambda: rx.roundtrip(PACKED, lambda: encode_packed(bare(batch))),
+            "naive": lambda: rx.roundtrip(NAIVE, lambda: encode_naive(lists)),
+        }
+        for name in list(sends) if i % 2 == 0 else list(reversed(sends)):
+            rec[name].append(sends[name]())
+        tokens.append(batch.n_tokens)
+        others.append(meter.others(a, meter.sample()))
+
+    def total(r: dict[str, Any]) -> float:
+        return sum(r[s] for s in STAGES)
+
+    gc = gen_s["capture_and_support"]
+    routed = batch.side_channels["routed_experts"]
+    support = batch.side_channels["sample_support"]
+    return {
+        "model": "kimi preset tiny-kimi (DeepSeek-V3: hidden 64, 3 layers, 2 MoE layers x 8 experts, top-2, vocab 13)",
+        "prompts": args.engine_prompts,
+        "n": args.engine_n,
+        "max_new_tokens": args.engine_max_new,
+        "sampler": "top_p 0.9",
+        "tokens_per_batch_median": med(tokens),
+        "generated_tokens_per_batch_median": {k: med(v) for k, v in gen_count.items()},
+        "side_channels_last_batch": {
+            "routed_experts": {"shape": list(routed.shape), "dtype": routed.dtype.name},
+            "sample_support_ids_per_row_mean": sig(len(support.values) / max(1, support.n_rows), 3),
+        },
+        "bytes": {
+            "packed": rec["packed"][-1]["bytes"],
+            "packed_without_side_channels": rec["packed_bare"][-1]["bytes"],
+            "naive": rec["naive"][-1]["bytes"],
+        },
+        "generate_s": {k: sig(med(v)) for k, v in gen_s.items()},
+        "ratio_generate_vs_plain": {
+            k: sig(med([x / y for x, y in zip(v, gen_s["plain"])]), 3) for k, v in gen_s.items() if k != "plain"
+        },
+        "packed": stage_summary(rec["packed"], int(med(tokens))),
+        "packed_without_side_channels_total_s": sig(med([total(r) for r in rec["packed_bare"]])),
+        "naive": stage_summary(rec["naive"], int(med(tokens))),
+        "fraction_of_generate": {
+            "packed": sig(med([total(r) / g for r, g in zip(rec["packed"], gc)]), 3),
+            "packed_side_channels_only": sig(
+                med([(total(r) - total(b)) / g for r, b, g in zip(rec["packed"], rec["packed_bare"], gc)]), 3
+            ),
+            "naive": sig(med([total(r) / g for r, g in zip(rec["naive"], gc)]), 3),
+        },
+        "fraction_note": "encode+transfer+decode of the whole batch (its side channels included) over the time of the "
+        "generate call with capture + support that produced it; side_channels_only = with minus without them",
+        "ratio_naive_vs_packed_total": sig(med([total(n) / total(p) for n, p in zip(rec["naive"], rec["packed"])]), 3),
+        "zero_copy_decode": zero_copy,
+        "other_cores_per_round": others,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sequences", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (prompt 1/8-1/4 of it)")
+    ap.add_argument("--layers", type=int, default=48, help="MoE layers")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--support", type=int, nargs=2, default=[20, 200], metavar=("MIN", "MAX"),
+                    help="ids per generated token's support set (uniform)")
+    ap.add_argument("--naive-sequences", type=int, default=8, help="sequences the naive path is timed on")
+    ap.add_argument("--repeats", type=int, default=7, help="measured rounds, after one warm-up")
+    ap.add_argument("--engine-prompts", type=int, default=32)
+    ap.add_argument("--engine-n", type=int, default=8)
+    ap.add_argument("--engine-max-new", type=int, default=32)
+    ap.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads of the engine part (1: the tiny model gains little from 2, and 2 threads slow down "
+        "several-fold whenever another process takes a core of this 2-core machine)",
+    )
+    ap.add_argument("--no-engine", action="store_true", help="skip the tiny-MoE part")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test): small batch, 2 rounds")
+    args = ap.parse_args()
+    if args.quick:
+        args.sequences, args.seq_len, args.layers = 8, 128, 4
+        args.naive_sequences, args.repeats = 2, 2
+        args.engine_prompts, args.engine_n, args.engine_max_new = 4, 2, 8
+    lo, hi = args.support
+    if min(args.sequences, args.seq_len, args.layers, args.top_k, args.repeats, args.naive_sequences) < 1:
+        ap.error("sizes, --naive-sequences and --repeats must be >= 1")
+    if not (1 <= lo <= hi <= args.vocab) or args.top_k > args.experts or args.experts > 65536:
+        ap.error("need 1 <= support MIN <= MAX <= vocab, top_k <= experts <= 65536")
+
+    git = git_state()
+    t_start = time.perf_counter()
+    batch = synthetic_batch(args, np.random.default_rng(args.seed))
+    build_s = time.perf_counter() - t_start
+    log(f"synthetic batch built ({batch.n_tokens} tokens)")
+    arena = sum(-(-a.nbytes // ALIGN) * ALIGN for a in batch.to_arrays().values()) + (1 << 20)
+    rx = Receiver(arena)
+    try:
+        synthetic = part_synthetic(args, rx, batch)
+        del batch
+        log("synthetic: done")
+        engine = None if args.no_engine else part_engine(args, rx)
+    finally:
+        rx.close()
+
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    if "torch" in sys.modules:
+        versions["torch"] = sys.modules["torch"].__version__
+        versions["transformers"] = sys.modules["transformers"].__version__
+    out = {
+        "benchmark": "side_channels",
+        "date": datetime.date.today().isoformat(),
+        "quick": args.quick,
+        "config": {
+            "sequences": args.sequences, "seq_len": args.seq_len, "layers": args.layers, "top_k": args.top_k,
+            "experts": args.experts, "vocab": args.vocab, "support": [lo, hi], "naive_sequences": args.naive_sequences,
+            "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
+        },
+        "transport": "Unix socket pair to a spawned receiver process; sendmsg / recvmsg_into a preallocated arena",
+        "synthetic": synthetic,
+        "engine": engine,
+        "build_batch_s": round(build_s, 2),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "versions": versions,
+        "git": git,
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""Peak memory and time of support replay's logprobs against full-vocabulary logits (forward + backward).
+
+    python benchmarks/support_replay.py [--tokens 4096 8192] [--hidden 512] [--vocab 151936]
+                                        [--repeats 1] [--threads 2] [--max-gib 16] [--chunk 65536]
+                                        [--methods support masked full] [--quick]
+
+The problem: ``K`` scored tokens (``--tokens``), each with a final hidden state [H]
+(``--hidden``) and a kept candidate set (the ids the sampler could draw from under
+top-p 0.9), an output head ``weight`` [V, H] with V = 151,936 (Qwen's vocabulary), no
+bias, temperature 1, float32. Kept-set sizes are log-normal with median 30 and
+sigma 1.5, rounded and clipped to [1, 4096] (mean ~90, p90 ~210, p99 ~1,000, the
+largest of 4,096 near 4,000); the ids of a set are distinct and uniform over the
+vocabulary; the target is a uniform member of its set. ``hidden`` ~ N(0, 1),
+``weight`` ~ N(0, 1/H). The loss is ``sum(logprobs * c)``, c ~ N(0, 1) (like
+advantages); backward goes to ``hidden`` and ``weight``. Methods, each timed forward +
+backward:
+
+- ``support``: ``support_logprobs(hidden, weight, None, targets, offsets, ids,
+  chunk=--chunk)``, the candidate: reads only the kept rows of the head, never forms
+  [K, V]; its working memory is mostly two gathered [chunk, H] float32 blocks, so
+  ``--chunk`` (default: the module's 65,536 pairs) trades memory for per-chunk overhead;
+- ``masked``: ``logits = hidden @ weight.T``, then ``masked_logprobs`` (log-softmax over
+  the kept ids: the naive way to the same numbers);
+- ``full``: ``logits = hidden @ weight.T``, ``logits.gather(targets) - logsumexp(logits)``
+  over the whole vocabulary: what the torch backend's trainer does without support
+  replay (``_Trainer._logprobs``), the real memory baseline (other numbers: not
+  normalised over the kept set). ``--methods`` can add ``full_log_softmax``:
+  ``log_softmax(logits).gather(targets)``, the same quantity the textbook way.
+
+Hidden size. The default is 512, not a real model's 1024+: H only changes the cost of
+the three [K, H] x [H, V] products and the size of the [V, H] head gradient, while the
+baselines' memory is [K, V] tensors (independent of H) and their time on this machine
+is mostly the elementwise passes and page faults over them. ``--hidden 1024`` (Qwen3-0.6B:
+H 1024, V 151,936) runs too, slower.
+
+Memory. Torch's CPU tensors are malloc'd outside Python (tracemalloc does not see
+them), and glibc serves every allocation above 32 MiB with its own mmap, unmapped again
+on free, so the process's resident set follows the live big tensors. Each (method, K)
+runs in its own fresh subprocess (``--worker``) that builds the inputs, warms up on 16
+tokens, resets the kernel's high-water mark of the resident set (writes "5" to
+``/proc/self/clear_refs``: VmHWM := VmRSS; if the kernel refuses, a thread samples VmRSS
+every millisecond instead; ``memory_method`` says which), reads VmRSS, runs the timed
+forward + backward once and reports ``peak_gib = VmHWM - VmRSS before``: what the
+computation touched at its worst moment, inputs excluded. Of that, ``grads_gib`` is
+the gradients the step leaves (hidden and the [V, H] head: every method must produce
+them) and ``transient_gib = peak - grads`` the rest: the loss's own working memory.
+Allocated but never touched pages take no memory and do not count.
+
+Limit. Before the first run of a (method, K), the worker measures the peak the same
+way on the first K_cal/2 and K_cal tokens (``--calibration-tokens``, default 512; use
+at least H) and extrapolates the line to K (the big tensors are [K, V]; the prediction
+was within 0.1% of the measured peak for both baselines at K = 4096). A run predicted
+above ``--max-gib`` (default 16) or above MemAvailable - 1 GiB is skipped and reported
+with its prediction only (``measured: false``; ratios ``peak_memory_predicted``). At
+V = 151,936 one [K, V] float32 tensor is 2.3 GiB at K = 4096 and 4.6 GiB at K = 8192;
+``full`` peaks with ~3.9 of them alive, ``masked`` with ~6.4, so at K = 8192 neither
+fits in 16 GiB (predicted 18.6 and 30 GiB) and only ``support`` runs there.
+
+Time. ``--repeats`` rounds; each round runs every (K, method) once, in that order, each
+in a fresh process (so the methods interleave). Reported: the median seconds and the
+median of the per-round ratios ``baseline / support``. The default is one round, to
+stay near 3 minutes (one ``masked`` run at K = 4096 takes ~1 minute here); use
+``--repeats 3`` for medians (~7 minutes).
+
+Numerics. In this process, on ``--check-tokens`` tokens (default 512) of the same kind
+of problem at the full vocabulary: the largest absolute differences between
+``support`` and ``masked`` of logprobs, entropy and both gradients (float32; tolerance
+1e-5).
+
+``--quick``: H 64, K 128, one round, a 32-token check: a smoke test of ~10 seconds.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from skyrl_replay.support_math import DEFAULT_CHUNK, masked_logprobs, support_logprobs
+
+GIB = 1 << 30
+LEN_MEDIAN, LEN_SIGMA, LEN_MAX = 30.0, 1.5, 4096
+METHODS = ("support", "masked", "full", "full_log_softmax")
+
+
+# ---------------------------------------------------------------- the problem
+
+
+def kept_sets(k: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(targets [K], offsets [K + 1], ids [M]): log-normal set sizes, distinct ids, target inside."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(np.rint(np.exp(rng.normal(np.log(LEN_MEDIAN), LEN_SIGMA, k))), 1, min(LEN_MAX, vocab))
+    lens = lens.astype(np.int64)
+    ids = np.concatenate([rng.choice(vocab, int(n), replace=False) for n in lens])
+    offsets = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    targets = ids[offsets[:-1] + rng.integers(0, lens)]
+    return torch.from_numpy(targets), torch.from_numpy(offsets), torch.from_numpy(ids)
+
+
+def problem(k: int, hidden: int, vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    targets, offsets, ids = kept_sets(k, vocab, seed)
+    return {
+        "hidden": torch.randn(k, hidden, generator=g),
+        "weight": torch.randn(vocab, hidden, generator=g) / hidden**0.5,
+        "coef": torch.randn(k, generator=g),
+        "targets": targets, "offsets": offsets, "ids": ids,
+    }
+
+
+def first(p: dict, k: int) -> dict:
+    """The problem restricted to its first k scored tokens (same head)."""
+    end = int(p["offsets"][k])
+    return {"hidden": p["hidden"][:k].clone(), "weight": p["weight"], "coef": p["coef"][:k],
+            "targets": p["targets"][:k], "offsets": p["offsets"][: k + 1], "ids": p["ids"][:end]}
+
+
+def logprobs(method: str, h: torch.Tensor, w: torch.Tensor, p: dict, temperature: float, chunk: int) -> torch.Tensor:
+    t, off, ids = p["targets"], p["offsets"], p["ids"]
+    if method == "support":
+        return support_logprobs(h, w, None, t, off, ids, temperature=temperature, chunk=chunk)[0]
+    logits = h @ w.T
+    if method == "masked":
+        return masked_logprobs(logits, t, off, ids, temperature=temperature)[0]
+    if temperature != 1.0:
+        logits = logits / temperature
+    if method == "full":  # the trainer's way (_Trainer._logprobs)
+        return logits.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if method == "full_log_softmax":
+        return torch.log_softmax(logits, dim=-1).gather(-1, t[:, None]).squeeze(-1)
+    raise ValueError(method)
+
+
+def step(method: str, p: dict, temperature: float, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward + backward of sum(logprobs * coef); returns (grad hidden, grad weight)."""
+    h = p["hidden"].detach().requires_grad_()
+    w = p["weight"].detach().requires_grad_()
+    (logprobs(method, h, w, p, temperature, chunk) * p["coef"]).sum().backward()
+    return h.grad, w.grad
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class PeakRSS:
+    """Peak resident-set increase over a block: VmHWM after resetting it through
+    /proc/self/clear_refs, or, if that is refused, VmRSS sampled every millisecond."""
+
+    def __enter__(self) -> PeakRSS:
+        gc.collect()
+        self.method = "VmHWM after clear_refs=5"
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = _status("VmRSS")
+            if _status("VmHWM") > self.base + (4 << 20):
+                raise OSError("VmHWM was not reset")
+            self._thread = None
+        except OSError:
+            self.method = "VmRSS sampled every 1 ms"
+            self.base = _status("VmRSS")
+            self._max, self._stop = self.base, threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._max = max(self._max, _status("VmRSS"))
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self.after = _status("VmRSS") - self.base
+        if self._thread is None:
+            self.peak = _status("VmHWM") - self.base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self._max, self.after + self.base) - self.base
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One (method, K) in this fresh process: warm up, calibrate (optional), predict, run, measure."""
+    torch.set_num_threads(args.threads)
+    method, k = args.worker, args.worker_tokens
+    p = problem(k, args.hidden, args.vocab, seed=args.seed)
+    step(method, first(p, min(16, k)), args.temperature, args.chunk)  # warm-up
+    out = {"method": method, "tokens": k, "kept_ids": int(p["ids"].numel())}
+    if args.calibrate:
+        k2 = min(args.calibration_tokens, k)
+        k1 = max(k2 // 2, 1)
+        peaks = []
+        for kc in (k1, k2):
+            with PeakRSS() as cal:
+                step(method, first(p, kc), args.temperature, args.chunk)
+            peaks.append(cal.peak)
+        slope = (peaks[1] - peaks[0]) / (k2 - k1) if k2 > k1 else peaks[1] / k2
+        predicted = peaks[1] + slope * (k - k2)
+        out.update(calibration_tokens=[k1, k2], calibration_peak_gib=[x / GIB for x in peaks],
+                   predicted_peak_gib=predicted / GIB)
+        avail = _status_meminfo("MemAvailable")
+        if predicted > args.max_gib * GIB:
+            out.update(measured=False, skipped=f"predicted peak {predicted / GIB:.1f} GiB > --max-gib {args.max_gib:g}")
+        elif predicted > avail - GIB:
+            out.update(measured=False,
+                       skipped=f"predicted peak {predicted / GIB:.1f} GiB > MemAvailable {avail / GIB:.1f} GiB - 1 GiB")
+        if "skipped" in out:
+            print(json.dumps(out))
+            return
+    with PeakRSS() as m:
+        t0 = time.perf_counter()
+        gh, gw = step(method, p, args.temperature, args.chunk)
+        seconds = time.perf_counter() - t0
+    ok = bool(torch.isfinite(gh).all() and torch.isfinite(gw).all())
+    grads = gh.numel() * gh.element_size() + gw.numel() * gw.element_size()  # what the step leaves behind
+    out.update(measured=True, seconds=seconds, peak_gib=m.peak / GIB, grads_gib=grads / GIB,
+               transient_gib=(m.peak - grads) / GIB, rss_after_gib=m.after / GIB, grads_finite=ok,
+               memory_method=m.method)
+    print(json.dumps(out))
+
+
+def _status_meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def run_worker(args: argparse.Namespace, method: str, k: int, calibrate: bool) -> dict:
+    cmd = [sys.executable, __file__, "--worker", method, "--worker-tokens", str(k), "--hidden", str(args.hidden),
+           "--vocab", str(args.vocab), "--threads", str(args.threads), "--max-gib", str(args.max_gib),
+           "--temperature", str(args.temperature), "--seed", str(args.seed), "--chunk", str(args.chunk),
+           "--calibration-tokens", str(args.calibration_tokens)] + (["--calibrate"] if calibrate else [])
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        return {"method": method, "tokens": k, "measured": False,
+                "skipped": f"worker failed (exit {res.returncode}): {res.stderr.strip()[-500:]}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def check(k: int, hidden: int, vocab: int, temperature: float, seed: int, chunk: int) -> dict:
+    """Largest |support - masked| of logprobs, entropy and gradients on a k-token problem."""
+    p = problem(k, hidden, vocab, seed=seed + 1)
+    res = {}
+    for method in ("support", "masked"):
+        h = p["hidden"].detach().requires_grad_()
+        w = p["weight"].detach().requires_grad_()
+        if method == "support":
+            lp, ent = support_logprobs(h, w, None, p["targets"], p["offsets"], p["ids"], temperature=temperature,
+                                       chunk=chunk)
+        else:
+            lp, ent = masked_logprobs(h @ w.T, p["targets"], p["offsets"], p["ids"], temperature=temperature)
+        (lp * p["coef"]).sum().backward()
+        res[method] = {"logprobs": lp.detach(), "entropy": ent.detach(), "grad_hidden": h.grad, "grad_weight": w.grad}
+    diffs = {name: float((res["support"][name] - res["masked"][name]).abs().max()) for name in res["support"]}
+    scale = {name: float(res["masked"][name].abs().max()) for name in res["masked"]}
+    return {"tokens": k, "kept_ids": int(p["ids"].numel()), "dtype": "float32", "temperature": temperature,
+            "max_abs_diff": diffs, "max_abs_value": scale, "tolerance": 1e-5,
+            "within_tolerance": all(d <= 1e-5 for d in diffs.values())}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="scored tokens K")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--methods", nargs="+", default=["support", "masked", "full"], choices=METHODS)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-gib", type=float, default=16.0, help="skip runs predicted to need more")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--check-tokens", type=int, default=512)
+    ap.add_argument("--calibration-tokens", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="support_logprobs' pairs per chunk")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (H 64, K 128, one round)")
+    ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-tokens", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.tokens, args.hidden, args.repeats, args.check_tokens, args.calibration_tokens = [128], 64, 1, 32, 64
+    if "support" not in args.methods:
+        args.methods = ["support", *args.methods]
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    numerics = check(args.check_tokens, args.hidden, args.vocab, args.temperature, args.seed, args.chunk)
+    gc.collect()
+
+    runs: dict[tuple[int, str], list[dict]] = {(k, m): [] for k in args.tokens for m in args.methods}
+    for _ in range(args.repeats):
+        for k in args.tokens:
+            for m in args.methods:
+                prior = runs[(k, m)]
+                if prior and not prior[0]["measured"]:  # skipped once (memory): skip in every round
+                    continue
+                runs[(k, m)].append(run_worker(args, m, k, calibrate=not prior))
+
+    results = {}
+    for k in args.tokens:
+        _, offsets, _ = kept_sets(k, args.vocab, args.seed)
+        lens = (offsets[1:] - offsets[:-1]).numpy()
+        pct = {q: round(float(np.percentile(lens, q)), 1) for q in (90, 99)}
+        entry = {"kept_ids": int(lens.sum()),
+                 "kept_set_size": {"median": float(np.median(lens)), "mean": round(float(lens.mean()), 1),
+                                   "p90": pct[90], "p99": pct[99], "max": int(lens.max())},
+                 "logits_fp32_gib": k * args.vocab * 4 / GIB, "methods": {}, "ratios": {}}
+        for m in args.methods:
+            rs = [r for r in runs[(k, m)] if r.get("measured")]
+            r0 = runs[(k, m)][0]
+            if not rs:
+                entry["methods"][m] = {"measured": False, "skipped": r0.get("skipped"),
+                                       "predicted_peak_gib": round(r0.get("predicted_peak_gib", float("nan")), 2)}
+                continue
+            entry["methods"][m] = {
+                "measured": True, "runs": len(rs),
+                "seconds_median": round(statistics.median(r["seconds"] for r in rs), 3),
+                "seconds_all": [round(r["seconds"], 3) for r in rs],
+                "peak_gib": round(statistics.median(r["peak_gib"] for r in rs), 3),
+                "peak_gib_range": [round(min(r["peak_gib"] for r in rs), 3), round(max(r["peak_gib"] for r in rs), 3)],
+                "transient_gib": round(statistics.median(r["transient_gib"] for r in rs), 3),
+                "grads_gib": round(rs[0]["grads_gib"], 3),
+                "predicted_peak_gib": round(r0["predicted_peak_gib"], 2),
+                "grads_finite": all(r["grads_finite"] for r in rs),
+                "memory_method": rs[0]["memory_method"],
+            }
+        sup = entry["methods"]["support"]
+        for m in args.methods:
+            if m == "support" or not sup.get("measured"):
+                continue
+            e = entry["methods"][m]
+            if e["measured"]:
+                per_round = [b["seconds"] / s["seconds"] for s, b in zip(runs[(k, "support")], runs[(k, m)])
+                             if s.get("measured") and b.get("measured")]
+                entry["ratios"][m] = {
+                    "peak_memory": round(e["peak_gib"] / sup["peak_gib"], 1),
+                    "transient_memory": (round(e["transient_gib"] / sup["transient_gib"], 1)
+                                         if sup["transient_gib"] > 0 else None),
+                    "time": round(statistics.median(per_round), 1),
+                    "time_per_round": [round(x, 1) for x in per_round],
+                }
+            else:
+                entry["ratios"][m] = {
+                    "peak_memory_predicted": round(e["predicted_peak_gib"] / sup["peak_gib"], 1), "time": None,
+                    "note": "baseline not run (memory limit): predicted peak / measured support peak"}
+        results[str(k)] = entry
+
+    out = {
+        "config": {"vocab": args.vocab, "hidden": args.hidden, "dtype": "float32", "temperature": args.temperature,
+                   "kept_set_sizes": f"lognormal median {LEN_MEDIAN:g} sigma {LEN_SIGMA:g}, clipped [1, {LEN_MAX}]",
+                   "methods": args.methods, "chunk": args.chunk, "repeats": args.repeats, "threads": args.threads,
+                   "max_gib": args.max_gib, "head_grad_gib": round(args.vocab * args.hidden * 4 / GIB, 3),
+                   "torch": torch.__version__, "quick": args.quick},
+        "numerics": numerics,
+        "tokens": results,
+        "ratio_meaning": "baseline / support: >1 means support uses less memory / time",
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Peak memory and time of support replay's logprobs against full-vocabulary logits (forward + backward).
 
     python benchmarks/support_replay.py [--tokens 4096 8192] [--hidden 512] [--vocab 151936]
-                                        [--repeats 1] [--threads 2] [--max-gib 16] [--chunk 65536]
+                                        [--repeats 1] [--threads 2] [--max-gib 16] [--chunk 16384]
                                         [--methods support masked full] [--quick]
 
 The problem: ``K`` scored tokens (``--tokens``), each with a final hidden state [H]
@@ -18,7 +18,7 @@ backward:
 - ``support``: ``support_logprobs(hidden, weight, None, targets, offsets, ids,
   chunk=--chunk)``, the candidate: reads only the kept rows of the head, never forms
   [K, V]; its working memory is mostly two gathered [chunk, H] float32 blocks, so
-  ``--chunk`` (default: the module's 65,536 pairs) trades memory for per-chunk overhead;
+  ``--chunk`` (default: the module's 16,384 pairs) trades memory for per-chunk overhead;
 - ``masked``: ``logits = hidden @ weight.T``, then ``masked_logprobs`` (log-softmax over
   the kept ids: the naive way to the same numbers);
 - ``full``: ``logits = hidden @ weight.T``, ``logits.gather(targets) - logsumexp(logits)``

@@ -77,7 +77,7 @@ class SupportReplay:
     name = "support"
     side_channel = "sample_support"
 
-    def __init__(self, chunk: int = 65536):
+    def __init__(self, chunk: int = 16384):
         self.chunk = int(chunk)
         self._rank_of: tuple[Any, np.ndarray] | None = None
 

@@ -29,7 +29,7 @@ class SupportConfig:
     """Options of ``[replay.support]``."""
 
     chunk: int = option(
-        65536, help="(candidate id, token) pairs scored at once: bounds the memory of the gathered head rows",
+        16384, help="(candidate id, token) pairs scored at once: bounds the memory of the gathered head rows",
         validator=gt(0),
     )
 

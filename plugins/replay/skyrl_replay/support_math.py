@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK = 1 << 16  # (id, position) pairs per chunk
+DEFAULT_CHUNK = 1 << 14  # (id, position) pairs per chunk: 2 x 16384 x H floats of gathered rows
 
 
 def _pair_logits(hidden, weight, bias, rows, ids, temperature, chunk) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """The GLM family's implementation (imports torch and transformers).
 
 Imported by :func:`skyrl_models.glm.make_family` only when a job selects
-``family = "glm"``, so discovery and ``skyrl validate`` stay light.
+``family = "glm"``, so discovery and ``skyrl validate`` stay light. GLM-5.3-Flash's
+causal LM lives in :mod:`skyrl_models._glm5_next`, imported only for its model types.
 """
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
+from skyrl_host.errors import Problem, UserError
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
 from skyrl_models.glm import (
@@ -26,9 +29,14 @@ _CLASSES = {  # model_type -> (config class, causal-LM class) names in transform
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
 }
+GLM5_NEXT_TYPES = ("glm5_next", "glm5_next_text")  # the vision-language model, its text model
 
 
 def _classes(model_type: str) -> tuple[Any, Any]:
+    if model_type == "glm5_next_text":
+        from skyrl_models._glm5_next import Glm5NextTextConfig, Glm5NextTextForCausalLM
+
+        return Glm5NextTextConfig, Glm5NextTextForCausalLM
     import transformers
 
     cfg_name, model_name = _CLASSES[model_type]
@@ -96,12 +104,49 @@ def routers(model: Any) -> list[RouterInfo]:
     return out
 
 
+def _load_glm5_next(path: str, config: GlmConfig, model_type: str) -> tuple[Any, Any]:
+    """A ``glm5_next_text`` folder (what this family saves) or a ``glm5_next`` one (the
+    vision-language checkpoints, of which only the language model is loaded), as a
+    ``Glm5NextTextForCausalLM`` + the folder's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from skyrl_models import _glm5_next
+
+    if not any((pathlib.Path(path) / name).is_file() for name in _hf.TOKENIZER_FILES):
+        names = ", ".join(_hf.TOKENIZER_FILES)
+        raise UserError(Problem(f"{path!r} has no tokenizer files (expected one of {names})", key="model.path"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(Problem(f"cannot load a tokenizer from {path!r}: {exc}", key="model.path")) from None
+    dtype = _hf.DTYPES[config.dtype]
+    try:
+        if model_type == _glm5_next.VLM_MODEL_TYPE:
+            model = _glm5_next.text_model_from_vlm_folder(
+                path, dtype=dtype, attn_implementation=config.attn_implementation
+            )
+        else:
+            model = _glm5_next.Glm5NextTextForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=config.attn_implementation
+            )
+    except OSError as exc:  # missing or unreadable weight files
+        raise UserError(Problem(f"cannot load the model from {path!r}: {exc}", key="model.path")) from None
+    return model.eval(), tokenizer
+
+
 class GlmFamily(_hf.HFFamily):
-    """A :class:`skyrl_host.interfaces.ModelFamily` for GLM-4.5/4.7, GLM-4.7-Flash and GLM-5."""
+    """A :class:`skyrl_host.interfaces.ModelFamily` for GLM-4.5/4.7, GLM-4.7-Flash, GLM-5
+    and GLM-5.3-Flash's text model."""
 
     name = "glm"
     model_types = MODEL_TYPES
     lora_targets = LORA_TARGETS
+
+    def load_folder(self, path: str) -> tuple[Any, Any]:
+        model_type = _hf.read_model_type(path)
+        if model_type in GLM5_NEXT_TYPES:
+            return _load_glm5_next(path, self.config, model_type)
+        return super().load_folder(path)
 
     def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
         """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""

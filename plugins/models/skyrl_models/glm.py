@@ -1,19 +1,24 @@
 """glm: the GLM mixture-of-experts family (Zhipu / Z.ai).
 
 Model types: ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7), ``glm4_moe_lite``
-(GLM-4.7-Flash, multi-head latent attention) and ``glm_moe_dsa`` (GLM-5, MLA with
-DeepSeek sparse attention). All route DeepSeek-V3 style: sigmoid scores plus an
-``e_score_correction_bias`` for the choice, group-limited top-k, renormalised
-weights times ``routed_scaling_factor``.
+(GLM-4.7-Flash, multi-head latent attention), ``glm_moe_dsa`` (GLM-5, MLA with
+DeepSeek sparse attention) and the text model of ``glm5_next`` (GLM-5.3-Flash:
+linear attention with forget gates and sparse-attention MLA layers, hyper-connections).
+All route DeepSeek-V3 style: sigmoid scores plus an ``e_score_correction_bias`` for
+the choice, group-limited top-k, renormalised weights times ``routed_scaling_factor``.
 
 ``[model] family = "glm"`` with either ``preset`` (a tiny model with random weights
 from the job's seed and a character-level tokenizer for the dataset's alphabet) or
 ``path`` (a local Hugging Face folder).
 
-GLM-5.3-Flash (``glm5_next``) is not covered: transformers 5.24 ships it only as a
-vision-language ``Glm5NextForConditionalGeneration`` plus a bare ``Glm5NextTextModel``
-(no causal-LM head for the text model, no ``AutoModelForCausalLM`` mapping), so a
-checkpoint of it cannot meet this family's save/load contract.
+GLM-5.3-Flash: transformers ships it as the vision-language
+``Glm5NextForConditionalGeneration`` and the bare decoder ``Glm5NextTextModel``, with
+no causal LM for the text model. This family brings one
+(:class:`skyrl_models._glm5_next.Glm5NextTextForCausalLM`, registered with
+``AutoModelForCausalLM`` for ``glm5_next_text`` in the process that loads it): a
+``glm5_next`` folder (the published checkpoints) loads its language model only
+(``model.language_model.*`` and ``lm_head``; the vision tower is not read), and the
+family saves the text model (``model_type = "glm5_next_text"``), which it loads back.
 
 This module is what the ``skyrl`` entry point imports: options and presets only, no
 torch or transformers. The factory imports :mod:`skyrl_models._glm_impl`.
@@ -31,8 +36,9 @@ from skyrl_host.config import OptionError, option
 from skyrl_host.errors import did_you_mean
 from skyrl_models._options import check_hf_folder
 
-MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
-"""The transformers ``model_type`` values this family loads from a path."""
+MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm5_next", "glm5_next_text")
+"""The transformers ``model_type`` values this family loads from a path (``glm5_next``:
+its language model)."""
 
 ROUTER_KIND = "sigmoid_group_topk"
 
@@ -52,6 +58,12 @@ LORA_TARGETS = (
     "down_proj",
     # routed experts: fused 3-D parameters of ``mlp.experts``
     "gate_up_proj",
+    # linear attention of glm5_next (q/k/v/o_proj above): beta, output gate, forget gate
+    "b_proj",
+    "g_a_proj",
+    "g_b_proj",
+    "f_a_proj",
+    "f_b_proj",
 )
 """Module / parameter names LoRA may target (attention and expert projections)."""
 
@@ -105,6 +117,32 @@ PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
             index_topk=8,
             index_head_dim=32,
             index_n_heads=2,
+        ),
+    ),
+    # GLM-5.3-Flash's text model: one layer of each kind in four. Layer 0: linear
+    # attention + dense MLP; 1: sparse-attention MLA running its indexer; 2: the same
+    # reusing layer 1's key choice; 3: linear attention again; 1-3 are MoE. No rotary
+    # part (qk_rope_head_dim = 0, as the model requires). The indexer keeps 2 pools of 4
+    # keys (+ the current partial pool), so prompts of a dozen tokens already attend
+    # sparsely; 16 indexer heads make exact ties between pool scores (ReLU zeros, which
+    # topk may break differently in a full forward and a cached decode) improbable.
+    "tiny-glm5-next": (
+        "glm5_next_text",
+        dict(
+            _TINY_MOE,
+            **dict(_TINY_MLA, qk_rope_head_dim=0),
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+            indexer_types=["full", "full", "shared", "full"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            linear_num_heads=2,
+            linear_head_dim=16,
+            linear_conv_kernel_dim=4,
+            hc_mult=4,
+            index_topk=8,
+            index_kpool=4,
+            index_head_dim=16,
+            index_n_heads=16,
         ),
     ),
 }
@@ -278,5 +316,6 @@ def skyrl_register_models(register: Any) -> None:
         "glm",
         make_family,
         config=GlmConfig,
-        description="GLM MoE models (glm4_moe, glm4_moe_lite, glm_moe_dsa): tiny presets or a local Hugging Face folder",
+        description="GLM MoE models (glm4_moe, glm4_moe_lite, glm_moe_dsa, glm5_next's text model): "
+        "tiny presets or a local Hugging Face folder",
     )

@@ -1,5 +1,7 @@
 """The glm family: tiny presets (determinism, forward+backward, routers), checkpoints,
-generation through the embedded engine, and full-size configs (no weights)."""
+generation through the embedded engine, and full-size configs (no weights); GLM-5.3-Flash's
+text model: its causal LM, cached generation against a full forward, loading the language
+model of a vision-language folder."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ EXPECTED = {  # preset -> (model type, class)
     "tiny-glm4-moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "tiny-glm4-moe-lite": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
     "tiny-glm-moe-dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),
+    "tiny-glm5-next": ("glm5_next_text", "Glm5NextTextForCausalLM"),
 }
+MOE_LAYERS = {"tiny-glm5-next": (1, 2, 3)}  # the others: (1, 2)
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +98,7 @@ def test_tiny_preset_builds_deterministically_and_trains(preset: str) -> None:
     model = lm.model.train()
     infos = family.routers(model)
     cfg = model.config
+    moe_layers = MOE_LAYERS.get(preset, (1, 2))
     assert infos == [
         RouterInfo(
             layer=i,
@@ -104,7 +109,7 @@ def test_tiny_preset_builds_deterministically_and_trains(preset: str) -> None:
             normalize=True,  # norm_topk_prob
             scale=2.5,  # routed_scaling_factor
         )
-        for i in (1, 2)
+        for i in moe_layers
     ]
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (2, 1, 2.5)
     assert not hasattr(model.model.layers[0].mlp, "gate")
@@ -115,7 +120,7 @@ def test_tiny_preset_builds_deterministically_and_trains(preset: str) -> None:
     loss.backward()
     for h in hooks:
         h.remove()
-    assert torch.isfinite(loss) and len(seen) == 2
+    assert torch.isfinite(loss) and len(seen) == len(moe_layers)
     for router_logits, weights, indices in seen:
         assert router_logits.shape == (ids.numel(), 8)
         assert weights.shape == indices.shape == (ids.numel(), 2)
@@ -169,6 +174,180 @@ def test_greedy_generation_through_the_embedded_engine(preset: str, skyrl_host) 
     assert out.tokens.shape[0] == int(out.cu_seqlens[-1])
     again = engine.generate(prompts, n=1, sampler=Greedy(), max_new_tokens=4, seed=1)
     assert (out.tokens == again.tokens).all()  # greedy: the same whatever the seed
+
+
+# -- GLM-5.3-Flash's text model (glm5_next) -----------------------------------------
+
+
+class _Sampling:
+    """Plain sampling at temperature 1 from the engine's generator."""
+
+    temperature = 1.0
+
+    def sample(self, logits: Any, generator: Any) -> Any:
+        from skyrl_host.interfaces import SampleOutput
+
+        lp = torch.log_softmax(logits.float(), -1)
+        ids = torch.multinomial(lp.exp(), 1, generator=generator)[:, 0]
+        return SampleOutput(ids, lp.gather(1, ids[:, None])[:, 0])
+
+
+def _vlm_config(text_config: Any) -> Any:
+    """A glm5_next (vision-language) config around ``text_config`` with a tiny vision tower."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=64,
+        out_hidden_size=text_config.hidden_size,
+        projection_intermediate_size=64,
+        patch_size=14,
+        image_size=28,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    return Glm5NextConfig(text_config=text_config, vision_config=vision, tie_word_embeddings=False)
+
+
+def test_glm5_next_text_causal_lm() -> None:
+    """The preset covers every layer kind; the causal LM's head, decoder, cache and
+    ``generate`` behave like transformers' own causal LMs."""
+    lm = load("tiny-glm5-next", seed=1)
+    model, cfg = lm.model, lm.model.config
+    assert cfg.layer_types == ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"]
+    assert cfg.indexer_types[1:3] == ["full", "shared"] and cfg.mlp_layer_types[0] == "dense"
+    assert cfg.qk_rope_head_dim == 0 and cfg.index_topk == 8 and cfg.index_kpool == 4
+    assert model.get_decoder() is model.model and model.get_output_embeddings() is model.lm_head
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()  # untied
+    assert model.model.layers[2].self_attn.indexer is None  # reuses layer 1's choice
+    trainer = pytest.importorskip("skyrl_backends._trainer")
+    assert trainer.has_recurrent_layers(cfg)  # the torch backend gives each sequence its own row
+
+    ids, mask = batch()
+    with torch.no_grad():
+        full = model(input_ids=ids[1:], use_cache=False).logits
+        last = model(input_ids=ids[1:], logits_to_keep=1, use_cache=False).logits
+        torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-6)
+        # the cache: a prefill, then one token at a time (also under the old keyword name)
+        out = model(input_ids=ids[1:, :5], use_cache=True)
+        steps = [out.logits[:, -1]]
+        for t in range(5, ids.shape[1]):
+            out = model(input_ids=ids[1:, t : t + 1], past_key_values=out.cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+        torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-5)
+        # generate: a left-padded batch, greedy, equals greedy decoding by full forwards
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    for row in range(ids.shape[0]):
+        seq = ids[row][mask[row].bool()][None]
+        with torch.no_grad():
+            for _ in range(4):
+                nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1)
+                seq = torch.cat([seq, nxt[:, None]], 1)
+        assert torch.equal(got[row, ids.shape[1] :], seq[0, -4:])
+
+
+def test_glm5_next_tied_head_saves_and_loads(tmp_path) -> None:
+    from skyrl_models import _glm5_next, _glm_impl, _hf
+
+    tokenizer = _hf.char_tokenizer(ALPHABET, model_max_length=512)
+    cfg = _glm_impl.preset_config(GlmConfig(preset="tiny-glm5-next"), tokenizer)
+    cfg.tie_word_embeddings = True
+    with _hf.seeded(0):
+        model = _glm5_next.Glm5NextTextForCausalLM(cfg).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(back) is _glm5_next.Glm5NextTextForCausalLM
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids, mask = batch()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, back(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_glm5_next_engine_matches_a_full_forward(skyrl_host) -> None:
+    """Cached generation (left-padded prefill, one token at a time, finished rows
+    dropped from the batch) gives the logprobs and expert choices of one full forward
+    of each finished sequence; prompts longer than the indexer's budget attend sparsely."""
+    import numpy as np
+
+    lm = load("tiny-glm5-next", seed=4)
+    reg = skyrl_host.registry.get("engines", "embedded")
+    engine = reg.create(reg.config(return_routed_experts=True, max_batch_size=5))
+    engine.start(lm)
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(3, VOCAB, size=n))) for n in (1, 4, 13, 22, 30)]
+    out = engine.generate(prompts, n=2, sampler=_Sampling(), max_new_tokens=12, seed=3)
+    routes = out.side_channels["routed_experts"]
+    assert routes.shape == (out.n_tokens, 3, 2)
+    infos = list(lm.routers)
+    worst = 0.0
+    for i in range(out.n_sequences):
+        a, b = int(out.cu_seqlens[i]), int(out.cu_seqlens[i + 1])
+        p = int(out.prompt_lens[i])
+        seq = torch.as_tensor(out.tokens[a:b], dtype=torch.long)[None]
+        seen: list[Any] = []
+        hooks = [lm.model.get_submodule(r.path).register_forward_hook(lambda _m, _i, o: seen.append(o[2])) for r in infos]
+        try:
+            with torch.no_grad():
+                logits = lm.model(input_ids=seq, use_cache=False).logits[0].float()
+        finally:
+            for h in hooks:
+                h.remove()
+        lp = torch.log_softmax(logits, -1)[p - 1 : -1].gather(1, seq[0, p:, None])[:, 0]
+        worst = max(worst, float((lp - torch.as_tensor(out.logprobs[a + p : b])).abs().max()))
+        full_routes = torch.stack(seen, 1).sort(-1).values  # [S, L, k]
+        engine_routes = torch.as_tensor(routes[a:b].astype(np.int64)).sort(-1).values
+        assert torch.equal(full_routes[:-1], engine_routes[:-1])  # the last token is never fed back
+    assert worst <= 1e-5, worst
+
+
+def test_glm5_next_loads_the_language_model_of_a_vision_language_folder(tmp_path) -> None:
+    """A glm5_next folder (vision-language, as published): only ``model.language_model.*``
+    and ``lm_head`` are loaded, into the text causal LM, which gives the VLM's own logits
+    on text and saves as (and loads back from) a glm5_next_text folder."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+
+    from skyrl_models import _glm_impl, _hf
+
+    tokenizer = _hf.char_tokenizer(ALPHABET, model_max_length=512)
+    text_cfg = _glm_impl.preset_config(GlmConfig(preset="tiny-glm5-next"), tokenizer)
+    with _hf.seeded(7):
+        vlm = Glm5NextForConditionalGeneration(_vlm_config(text_cfg)).eval()
+    vlm.generation_config.eos_token_id = tokenizer.eos_token_id
+    vlm.save_pretrained(tmp_path / "vlm")
+    tokenizer.save_pretrained(tmp_path / "vlm")
+
+    family = make_family(GlmConfig(path=str(tmp_path / "vlm")))
+    lm = family.load(alphabet=None, seed=0)
+    model = lm.model
+    assert type(model).__name__ == "Glm5NextTextForCausalLM" and model.config.model_type == "glm5_next_text"
+    assert not any("visual" in n for n, _ in model.named_parameters())
+    language = dict(vlm.model.language_model.named_parameters())
+    assert {n.removeprefix("model.") for n, _ in model.model.named_parameters(prefix="model")} == set(language)
+    for name, p in model.model.named_parameters():
+        assert torch.equal(p, language[name]), name
+    assert torch.equal(model.lm_head.weight, vlm.lm_head.weight)
+    assert lm.stop_token_ids == [tokenizer.eos_token_id] and len(lm.routers) == 3
+    ids, mask = batch()
+    with torch.no_grad():
+        want = vlm(input_ids=ids, attention_mask=mask).logits  # the VLM on text alone
+        got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    family.save(lm, str(tmp_path / "text"))
+    import json
+
+    from safetensors import safe_open
+
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "glm5_next_text"
+    with safe_open(str(tmp_path / "text" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert "model.embed_tokens.weight" in keys and not any("language_model" in k or "visual" in k for k in keys)
+    again = make_family(GlmConfig(path=str(tmp_path / "text"))).load(alphabet=None, seed=0).model
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids, attention_mask=mask).logits, got)
 
 
 # -- full-size configs ---------------------------------------------------------------

@@ -174,8 +174,11 @@ def test_kl_in_reward_penalises_rewards(skyrl_cli, tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "family, preset",
-    [("qwen", "tiny-moe"), ("qwen", "tiny-qwen3.5-moe"), ("qwen", "tiny-qwen3-next"), ("glm", "tiny-glm4-moe"), ("glm", "tiny-glm4-moe-lite"), ("glm", "tiny-glm-moe-dsa"),
-     ("kimi", "tiny-kimi"), ("nemotron", "tiny-nemotron-h")],
+    [
+        ("qwen", "tiny-moe"), ("qwen", "tiny-qwen3.5-moe"), ("qwen", "tiny-qwen3-next"),
+        ("glm", "tiny-glm4-moe"), ("glm", "tiny-glm4-moe-lite"), ("glm", "tiny-glm-moe-dsa"), ("glm", "tiny-glm5-next"),
+        ("kimi", "tiny-kimi"), ("nemotron", "tiny-nemotron-h"),
+    ],
 )
 def test_every_family_runs_the_rl_loop(skyrl_cli, tmp_path, family, preset) -> None:
     path, out = write_job(tmp_path, steps=2)

@@ -102,7 +102,10 @@ class ModelFamily(Protocol):
         ...
 
     # Families of MoE models also offer ``routers(model) -> list[RouterInfo]`` (in
-    # layer order; empty for a dense model) and ``lora_targets: Sequence[str]``.
+    # layer order; empty for a dense model) and ``lora_targets: Sequence[str]``; the
+    # built-in families map in-memory weight names (fused experts) to the on-disk ones:
+    # ``disk_weights(model, named) -> iter[(disk name, tensor)]``,
+    # ``memory_weights(model, disk) -> {name: tensor}`` and ``weight_layout(model)``.
 
 
 @attrs.frozen

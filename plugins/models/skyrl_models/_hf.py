@@ -19,7 +19,7 @@ import os
 import pathlib
 import shutil
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -267,3 +267,62 @@ class HFFamily(abc.ABC):
 
     def save(self, loaded: Any, path: str) -> None:
         save_folder(loaded.model, loaded.tokenizer, path)
+
+    # -- in-memory vs on-disk weight names ---------------------------------------
+
+    def disk_weights(self, model: Any, named_tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """In-memory weights (names of ``model.state_dict()``: fused 3-D experts) in the
+        Hugging Face on-disk layout ``save_pretrained`` writes (one tensor per expert and
+        projection), tensor by tensor. Uses transformers' own conversion mapping for the
+        model type, so it follows what transformers loads and saves."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        for name, tensor in named_tensors:
+            yield from revert_weight_conversion(model, {name: tensor}).items()
+
+    def weight_layout(self, model: Any) -> dict[str, list[str]]:
+        """Each in-memory weight name -> the on-disk names it is stored under."""
+        return {
+            name: [disk for disk, _ in self.disk_weights(model, [(name, torch.empty(t.shape, device="meta"))])]
+            for name, t in model.state_dict().items()
+        }
+
+    def memory_weights(self, model: Any, disk: Mapping[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`disk_weights`: on-disk tensors (a mapping name -> tensor,
+        e.g. a safetensors file's) -> in-memory names and shapes, fusing experts. Every
+        element is placed where ``disk_weights`` took it from (the conversions only move
+        elements: an index tensor run through them gives the placement), so the round
+        trip is exact. A tied weight may be absent (``save_pretrained`` writes one copy).
+        Raises KeyError naming a missing on-disk tensor, ValueError for a wrong shape or
+        a tensor the model has no place for."""
+        state = model.state_dict()
+        used: set[str] = set()
+        out: dict[str, Any] = {}
+        by_storage: dict[int, str] = {}
+        for name, ref in state.items():
+            idx = torch.arange(ref.numel(), dtype=torch.int64).reshape(ref.shape)
+            pieces = dict(self.disk_weights(model, [(name, idx)]))
+            missing = [d for d in pieces if d not in disk]
+            if missing:
+                tied = by_storage.get(ref.data_ptr()) if ref.numel() else None
+                if tied is not None and len(pieces) == 1:
+                    out[name] = out[tied]  # a tied weight stored once
+                    continue
+                raise KeyError(f"on-disk weight {missing[0]!r} (part of {name!r}) is missing")
+            flat = None
+            for disk_name, where in pieces.items():
+                value = disk[disk_name]
+                if tuple(value.shape) != tuple(where.shape):
+                    raise ValueError(
+                        f"on-disk weight {disk_name!r} has shape {tuple(value.shape)}, expected {tuple(where.shape)}"
+                    )
+                if flat is None:
+                    flat = torch.empty(ref.numel(), dtype=value.dtype, device=value.device)
+                flat[where.reshape(-1).to(flat.device)] = value.reshape(-1)
+                used.add(disk_name)
+            out[name] = flat.reshape(ref.shape) if flat is not None else torch.empty(ref.shape, dtype=ref.dtype)
+            by_storage.setdefault(ref.data_ptr(), name)
+        extra = sorted(set(disk) - used)
+        if extra:
+            raise ValueError(f"on-disk weight {extra[0]!r} has no place in the model ({len(extra)} such)")
+        return out

@@ -1,0 +1,98 @@
+"""``transport = "delta"``: compressed XOR deltas of the published weights on any fsspec URL.
+
+The trainer keeps the bytes it last published (in the wire dtype, bfloat16 by
+default). Each new version stores, per tensor that changed, the XOR of its new bytes
+with those (sparse positions + values when few 16-bit words changed, else the dense
+XOR), zstd-compressed and checksummed (xxHash3), as payload files, then a manifest,
+then the ``LATEST`` pointer, all under ``uri`` (``file://``, ``memory://``, ``s3://``,
+``gs://``: whatever fsspec opens). Unchanged tensors cost nothing. Every
+``keyframe_every`` versions (and whenever the publisher has no previous bytes, e.g.
+after a restart) a full version is written, so a receiver joining late, or one many
+versions behind, catches up from the nearest keyframe.
+
+Receivers fetch while the engine is still generating (``prefetch``), then at a safe
+point verify every checksum, apply byte-exactly and hand the engine the complete new
+weights; a missing, torn or corrupted version leaves the engine on its last complete
+version and the error names the version and the file. See docs/weightsync.md.
+
+``[weight_sync] transport = "delta"``, ``uri = "s3://bucket/run-1"``.
+This module is light: the factory imports :mod:`skyrl_weightsync._delta`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.config import ge, in_interval, option
+
+
+def _check_uri(_inst: Any, _attr: Any, value: str) -> None:
+    import fsspec
+    from fsspec.core import split_protocol
+
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected a URL or path, e.g. 'file:///tmp/run/weights' or 's3://bucket/run-1'")
+    protocol = split_protocol(value)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ValueError(f"unknown protocol {protocol!r} in {value!r} (fsspec knows: file, memory, s3, gs, ...)") from None
+    except ImportError as exc:
+        raise ValueError(f"protocol {protocol!r} needs a package that is not installed: {exc}") from None
+
+
+_check_uri.__doc__ = "a URL fsspec can open"
+
+
+@attrs.frozen
+class DeltaConfig:
+    """Options of ``[weight_sync]`` when ``transport = "delta"``."""
+
+    uri: str = option(help="where versions are written and read: any fsspec URL (file://, memory://, s3://, gs://)",
+                      validator=_check_uri)
+    storage_options: dict[str, Any] = option(
+        factory=dict, help="options for the fsspec filesystem, e.g. {client_kwargs = {endpoint_url = \"...\"}}"
+    )
+    dtype: Literal["bfloat16", "float32"] = option("bfloat16", help="dtype of the weights on the wire (and in the engine)")
+    keyframe_every: int = option(20, help="write a full version every N versions (0: only when needed)", validator=ge(0))
+    level: int = option(1, help="zstd compression level", validator=in_interval(-7, 22))
+    threads: int = option(2, help="zstd compression threads", validator=ge(0))
+
+
+def check(spec: Any) -> list[tuple[str, str]]:
+    """Job-level check: an engine that serves the trainer's own tensors (same dtype) must
+    not be handed weights of another dtype: that would overwrite the trainer's."""
+    transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
+    if transport is None or engine is None or model is None:
+        return []
+    model_dtype = getattr(model.config, "dtype", None)
+    engine_dtype = getattr(engine.config, "dtype", None)
+    wire = transport.config.dtype
+    served = model_dtype if engine_dtype == "auto" else engine_dtype
+    if model_dtype and served == model_dtype and wire != model_dtype:
+        return [(
+            "weight_sync.dtype" if "dtype" in spec.raw.get("weight_sync", {}) else "weight_sync",
+            f"the delta transport ships {wire} weights, but the engine serves the trainer's own {model_dtype} tensors "
+            f"(engine.dtype = {engine_dtype!r}); set engine.dtype = \"{wire}\" so the engine keeps its own copy",
+        )]
+    return []
+
+
+def create(config: DeltaConfig) -> Any:
+    from skyrl_weightsync._delta import Delta
+
+    return Delta(config)
+
+
+@hookimpl
+def skyrl_register_weight_transports(register: Any) -> None:
+    register(
+        "delta",
+        create,
+        config=DeltaConfig,
+        description="Compressed, checksummed XOR deltas of the weights on any fsspec URL (file, memory, s3, gs)",
+        check=check,
+    )

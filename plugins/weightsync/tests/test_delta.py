@@ -1,0 +1,326 @@
+"""delta: byte-exact versions over fsspec URLs, unchanged tensors for free, keyframes and
+catch-up, and the faults: a publisher killed between payloads and manifest, a corrupted
+payload byte, a missing version, a wrong delta, two receivers at once, a late joiner.
+The engine never applies a partial or wrong version, and errors name version and file."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from skyrl_weightsync._delta import DeltaError, DeltaReceiver, DeltaSender, _checksum
+
+
+class Engine:
+    """Records what update_weights hands it (an engine that keeps its own copy)."""
+
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weight_version = 0
+        self.updates = 0
+
+    def update_weights(self, named, version):
+        self.weights = {k: v.clone() for k, v in named}
+        self.weight_version = version
+        self.updates += 1
+
+
+def weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layers.0.w": torch.randn(256, 128, generator=g),
+        "layers.0.b": torch.randn(128, generator=g),
+        "layers.1.w": torch.randn(128, 96, generator=g),
+        "steps": torch.tensor([3], dtype=torch.int64),
+    }
+
+
+def perturb(w: dict[str, torch.Tensor], fraction: float, seed: int, names=("layers.0.w",)) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name in names:
+        flat = w[name].view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, int(fraction * flat.numel())),), generator=g)
+        flat[idx] += 0.05 * flat[idx].abs() + 0.01
+
+
+def same(engine: Engine, w: dict[str, torch.Tensor], dtype=torch.bfloat16) -> bool:
+    return set(engine.weights) == set(w) and all(
+        torch.equal(engine.weights[k], v.to(dtype) if v.is_floating_point() else v) for k, v in w.items()
+    )
+
+
+@pytest.fixture(params=["file", "memory"])
+def uri(request, tmp_path):
+    if request.param == "file":
+        yield f"file://{tmp_path}/weights"
+        return
+    import fsspec
+
+    path = f"/delta-{os.getpid()}-{uuid.uuid4().hex}"
+    yield f"memory://{path}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def test_versions_arrive_byte_exact_and_unchanged_tensors_cost_nothing(uri) -> None:
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, keyframe_every=0), DeltaReceiver(uri), Engine()
+    first = sender.publish(1, w.items())
+    receiver.sync(engine)
+    assert first["sync_keyframe"] == 1 and engine.weight_version == 1 and same(engine, w)
+    full = first["sync_full_bytes"]
+    assert full == sum(v.numel() * (2 if v.is_floating_point() else 8) for v in w.values())  # bf16 on the wire
+    perturb(w, 0.01, seed=1)  # 1% of one tensor's elements
+    second = sender.publish(2, w.items())
+    receiver.sync(engine)
+    assert second["sync_keyframe"] == 0 and engine.weight_version == 2 and same(engine, w)
+    manifest = json.loads(sender.store.read("e000/v00000002/manifest.json"))
+    enc = {t["name"]: t["encoding"] for t in manifest["tensors"]}
+    assert enc == {"layers.0.w": "sparse_xor", "layers.0.b": "unchanged", "layers.1.w": "unchanged", "steps": "unchanged"}
+    assert [t["name"] for t in manifest["tensors"] if "payload" in t] == ["layers.0.w"]  # one payload file
+    assert second["sync_bytes"] < 0.02 * full
+    # Dense changes take the dense XOR.
+    w["layers.1.w"] += 1.0
+    sender.publish(3, w.items())
+    receiver.sync(engine)
+    assert same(engine, w)
+    enc = {t["name"]: t["encoding"] for t in json.loads(sender.store.read("e000/v00000003/manifest.json"))["tensors"]}
+    assert enc["layers.1.w"] == "xor" and enc["layers.0.w"] == "unchanged"
+    # Nothing new: nothing to do.
+    assert receiver.sync(engine) == {"sync_applied": 0.0, "sync_fetch_s": pytest.approx(0.0, abs=1.0)}
+    assert engine.updates == 3
+
+
+def test_float32_on_the_wire(uri) -> None:
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, dtype="float32"), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    perturb(w, 0.003, seed=2)
+    sender.publish(2, w.items())
+    receiver.sync(engine)
+    assert same(engine, w, dtype=torch.float32)
+
+
+def test_late_and_lagging_receivers_catch_up_through_keyframes(uri) -> None:
+    w = weights()
+    sender = DeltaSender(uri, keyframe_every=3)
+    lagging, engine_lag = DeltaReceiver(uri), Engine()
+    for v in range(1, 9):
+        if v > 1:
+            perturb(w, 0.01, seed=v)
+        stats = sender.publish(v, w.items())
+        assert stats["sync_keyframe"] == float(v in (1, 4, 7))
+        if v == 2:
+            lagging.sync(engine_lag)
+    # Lagging receiver at version 2: applies 7 (a keyframe) then 8; a new one does the same.
+    lagging.sync(engine_lag)
+    late, engine_late = DeltaReceiver(uri), Engine()
+    late.sync(engine_late)
+    for e in (engine_lag, engine_late):
+        assert e.weight_version == 8 and same(e, w)
+    # A receiver at version 5 applies 6, 7, 8 (or from the keyframe): same bytes.
+    mid, engine_mid = DeltaReceiver(uri), Engine()
+    mid.sync(engine_mid, target=5)
+    mid.sync(engine_mid)
+    assert same(engine_mid, w)
+
+
+def test_corrupted_payload_byte_changes_nothing_and_names_the_file(tmp_path) -> None:
+    uri = f"file://{tmp_path}/w"
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, keyframe_every=0), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    receiver.sync(engine)
+    before = {k: v.clone() for k, v in engine.weights.items()}
+    perturb(w, 0.01, seed=3)
+    sender.publish(2, w.items())
+    payload = glob.glob(f"{tmp_path}/w/e000/v00000002/*.zst")[0]
+    data = bytearray(open(payload, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(payload, "wb").write(bytes(data))
+    with pytest.raises(DeltaError, match=rf"version 2: payload file://{tmp_path}/w/e000/v00000002/t00000\.zst \(tensor 'layers\.0\.w'\) fails its checksum"):
+        receiver.sync(engine)
+    assert engine.weight_version == 1 and receiver.version == 1 and engine.updates == 1
+    assert all(torch.equal(engine.weights[k], before[k]) for k in before)
+
+
+def test_a_wrong_delta_is_undone(tmp_path) -> None:
+    """A payload with a valid checksum that does not give the published bytes (a bug or
+    a forged file): the applied part is rolled back, the engine is untouched, and the
+    receiver then applies a correct version exactly."""
+    uri = f"file://{tmp_path}/w"
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, keyframe_every=0), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    receiver.sync(engine)
+    perturb(w, 0.01, seed=4, names=("layers.0.w", "layers.1.w"))
+    sender.publish(2, w.items())
+    manifest_path = f"{tmp_path}/w/e000/v00000002/manifest.json"
+    manifest = json.loads(open(manifest_path).read())
+    manifest["tensors"][2]["result_xxh3"] = "0" * 16  # layers.1.w: applied after layers.0.w
+    open(manifest_path, "w").write(json.dumps(manifest))
+    with pytest.raises(DeltaError, match=r"version 2: tensor 'layers\.1\.w' from .*e000/v00000002/t00002\.zst does not give the published bytes"):
+        receiver.sync(engine)
+    assert receiver.version == 1 and engine.weight_version == 1
+    # Buffers were restored: a fresh, correct version 3 (a delta on 2) cannot apply, a keyframe can.
+    sender.keyframe_every = 1
+    sender.publish(3, w.items())
+    receiver.sync(engine)
+    assert engine.weight_version == 3 and same(engine, w)
+
+
+def test_missing_version_names_it(tmp_path) -> None:
+    uri = f"file://{tmp_path}/w"
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, keyframe_every=0), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    receiver.sync(engine)
+    for v in (2, 3):
+        perturb(w, 0.01, seed=v)
+        sender.publish(v, w.items())
+    os.remove(f"{tmp_path}/w/e000/v00000002/manifest.json")
+    with pytest.raises(DeltaError, match=rf"version 2: manifest file://{tmp_path}/w/e000/v00000002/manifest\.json is missing"):
+        receiver.sync(engine)
+    assert engine.weight_version == 1 and receiver.version == 1
+
+
+KILLED_PUBLISHER = r"""
+import os, sys, signal, torch
+sys.path.insert(0, {tests!r})
+from test_delta import weights, perturb
+from skyrl_weightsync._delta import DeltaSender
+sender = DeltaSender({uri!r}, keyframe_every=0)
+w = weights()
+sender.publish(1, w.items())
+perturb(w, 0.01, seed=7)
+write = sender.store.write
+def write_then_die(rel, data):
+    if rel.endswith("manifest.json") and "v00000002" in rel:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed between the payloads and the manifest
+    write(rel, data)
+sender.store.write = write_then_die
+sender.publish(2, w.items())
+"""
+
+
+def test_publisher_killed_between_payloads_and_manifest(tmp_path) -> None:
+    uri = f"file://{tmp_path}/w"
+    script = KILLED_PUBLISHER.format(tests=os.path.dirname(__file__), uri=uri)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert glob.glob(f"{tmp_path}/w/e000/v00000002/*.zst") and not os.path.exists(f"{tmp_path}/w/e000/v00000002/manifest.json")
+    receiver, engine = DeltaReceiver(uri), Engine()
+    receiver.sync(engine)
+    assert engine.weight_version == 1 and same(engine, weights())  # the torn version 2 is invisible
+    # A restarted publisher has no previous bytes: its next version is a keyframe.
+    w = weights()
+    perturb(w, 0.01, seed=7)
+    stats = DeltaSender(uri, keyframe_every=0).publish(2, w.items())
+    assert stats["sync_keyframe"] == 1 and stats["sync_epoch"] == 1  # a new publisher opens the next epoch
+    receiver.sync(engine)
+    assert engine.weight_version == 2 and same(engine, w)
+
+
+def test_a_resumed_run_republishes_older_versions_in_a_new_epoch(uri) -> None:
+    """A run resumed from its step-2 checkpoint publishes version 2 again after version 4
+    was out: a new epoch, so receivers (at 4) move to it instead of refusing or mixing."""
+    w = weights()
+    first = DeltaSender(uri, keyframe_every=0)
+    receiver, engine = DeltaReceiver(uri), Engine()
+    for v in range(1, 5):
+        perturb(w, 0.01, seed=20 + v)
+        first.publish(v, w.items())
+    receiver.sync(engine)
+    assert (receiver.epoch, receiver.version) == (0, 4)
+    resumed = DeltaSender(uri, keyframe_every=0)
+    w2 = weights(seed=5)
+    resumed.publish(2, w2.items())
+    perturb(w2, 0.01, seed=30)
+    resumed.publish(3, w2.items())
+    receiver.sync(engine)
+    assert (receiver.epoch, receiver.version) == (1, 3) and engine.weight_version == 3 and same(engine, w2)
+
+
+def test_two_receivers_pull_at_once(uri) -> None:
+    w = weights()
+    sender = DeltaSender(uri, keyframe_every=0)
+    sender.publish(1, w.items())
+    for v in range(2, 5):
+        perturb(w, 0.02, seed=v)
+        sender.publish(v, w.items())
+    pairs = [(DeltaReceiver(uri), Engine()) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def pull(r, e):
+        try:
+            r.sync(e)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pull, args=p) for p in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for _, e in pairs:
+        assert e.weight_version == 4 and same(e, w)
+
+
+def test_prefetch_while_generating_then_apply(uri) -> None:
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    receiver.sync(engine)
+    perturb(w, 0.01, seed=9)
+    sender.publish(2, w.items())
+    receiver.prefetch()
+    assert engine.weight_version == 1  # nothing applied until the safe point
+    receiver.apply(engine)
+    assert engine.weight_version == 2 and same(engine, w)
+
+
+def test_publisher_refuses_old_versions_and_changed_tensor_sets(uri) -> None:
+    w = weights()
+    sender = DeltaSender(uri, keyframe_every=0)
+    sender.publish(3, w.items())
+    with pytest.raises(ValueError, match="version 3 is not newer than the published version 3"):
+        sender.publish(3, w.items())
+    with pytest.raises(ValueError, match="tensor 'layers.1.w' of version 3 is missing from version 4"):
+        sender.publish(4, [(k, v) for k, v in w.items() if k != "layers.1.w"])
+
+
+def test_engine_failure_leaves_receiver_on_its_version(uri) -> None:
+    class Refusing(Engine):
+        def update_weights(self, named, version):
+            raise ValueError("update_weights: unknown weight name 'x'; nothing was changed")
+
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, keyframe_every=0), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    receiver.sync(engine)
+    snapshot = {k: v.copy() for k, v in receiver._bufs.items()}
+    perturb(w, 0.01, seed=11)
+    sender.publish(2, w.items())
+    with pytest.raises(ValueError, match="unknown weight name"):
+        receiver.sync(Refusing())
+    assert receiver.version == 1
+    assert all(np.array_equal(receiver._bufs[k], snapshot[k]) for k in snapshot)
+    receiver.sync(engine)
+    assert same(engine, w)
+
+
+def test_checksum_is_xxhash() -> None:
+    import xxhash
+
+    assert _checksum(b"abc") == xxhash.xxh3_64_hexdigest(b"abc")

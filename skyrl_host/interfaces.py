@@ -292,11 +292,19 @@ class Precision(Protocol):
 
 @runtime_checkable
 class WeightTransport(Protocol):
-    """Moves new weights from the backend to the engine (``[weight_sync] transport``)."""
+    """Moves new weights from the backend to the engine (``[weight_sync] transport``).
+
+    Transports between processes have two decoupled halves, so either side can be
+    swapped: ``sender.publish(version, named_tensors)`` in the trainer's process, and
+    ``receiver.fetch()`` (while the engine generates) then ``receiver.apply(engine)`` at
+    a safe point in the engine's (``receiver.sync(engine)`` does both). Versions grow
+    monotonically; a receiver applies only complete, verified versions, through
+    ``engine.update_weights``, and otherwise raises naming the version and the file
+    or peer, leaving the engine on its last complete version."""
 
     def publish(self, backend: Backend, engine: Engine, version: int) -> Mapping[str, float]:
-        """Make ``version`` of the backend's weights the engine's; returns metrics
-        (bytes moved, seconds)."""
+        """Both halves in one process: make ``version`` of the backend's weights the
+        engine's; returns metrics (bytes moved, seconds)."""
         ...
 
 

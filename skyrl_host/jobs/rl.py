@@ -16,7 +16,7 @@ import math
 import pathlib
 import random
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 
@@ -88,14 +88,43 @@ class RLDriver:
             if not self.replay:
                 raise
             raise UserError(f"[replay] strategies: {exc}") from None
-        self.engine = run.plugin("engine").create()
-        self.engine.start(self.loaded)
         self.transport = run.plugin("weight_sync").create()
+        self.ray_sync = None
+        if run.spec.cluster.launcher == "ray":
+            self._start_ray_engine(alphabet)
+        else:
+            self.engine = run.plugin("engine").create()
+            self.engine.start(self.loaded)
         self.start_step = 1
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
             self.start_step = run.resume_step + 1
-        self.transport.publish(self.backend, self.engine, self.start_step - 1)
+        self._publish(self.start_step - 1)
+
+    def _start_ray_engine(self, alphabet: str | None) -> None:
+        """The engine in a Ray actor; weights through the transport's two halves."""
+        from skyrl_host.jobs import ray_engine
+
+        run = self.run_
+        self._own_ray = ray_engine.start_ray(run.spec.cluster)
+        choices = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync")}
+        actor = ray_engine.start_engine_actor(choices, alphabet, self.seed, self.cfg.threads)
+        self.engine = ray_engine.RemoteEngine(actor)
+        self.ray_sync = ray_engine.RaySync(self.transport, actor)
+
+    def _publish(self, version: int) -> Mapping[str, float]:
+        if self.ray_sync is not None:
+            return self.ray_sync.publish(self.backend, version)
+        return self.transport.publish(self.backend, self.engine, version)
+
+    def close(self) -> None:
+        if self.ray_sync is not None:
+            import ray
+
+            self.ray_sync.close()
+            if self._own_ray:
+                ray.shutdown()
+            self.ray_sync = None
 
     # -- one step ----------------------------------------------------------------
 
@@ -194,7 +223,7 @@ class RLDriver:
             # The backend's own timings are superseded by the driver's, measured alike for every backend.
             metrics.update({k: float(v) for k, v in train.items() if k not in ("tokens_per_s", "step_time_s")})
             metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
-        sync = self.transport.publish(self.backend, self.engine, step)
+        sync = self._publish(step)
         metrics.update({k: float(v) for k, v in sync.items()})
         metrics["gen_tokens_per_s"] = float(gen_tokens / max(gen_time, 1e-9))
         metrics["step_time"] = time.perf_counter() - t0
@@ -252,18 +281,22 @@ class RLDriver:
     def run(self) -> None:
         run, cfg = self.run_, self.cfg
         run.headline = ["reward_mean", "accuracy", "entropy"]
-        self.build()
-        for step in range(self.start_step, run.total_steps + 1):
-            metrics = self.step(step)
-            bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v) and k.startswith(("loss", "grad"))]
-            if bad:
-                raise FloatingPointError(f"step {step}: {bad[0]} is NaN")
-            run.report(step, metrics)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
-                self._save_checkpoint(step)
-        self._save_checkpoint(run.total_steps)
-        if cfg.save_final:
-            self._save_final()
+        self.ray_sync = None
+        try:
+            self.build()
+            for step in range(self.start_step, run.total_steps + 1):
+                metrics = self.step(step)
+                bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v) and k.startswith(("loss", "grad"))]
+                if bad:
+                    raise FloatingPointError(f"step {step}: {bad[0]} is NaN")
+                run.report(step, metrics)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
+                    self._save_checkpoint(step)
+            self._save_checkpoint(run.total_steps)
+            if cfg.save_final:
+                self._save_final()
+        finally:
+            self.close()
 
 
 @hookimpl

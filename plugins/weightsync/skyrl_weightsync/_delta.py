@@ -478,13 +478,20 @@ class DeltaReceiver:
 class Delta:
     """The ``delta`` transport: a sender and a receiver over one URL."""
 
+    collective = False  # the receiver reads what the sender wrote: publish first, then sync
+
     def __init__(self, config: Any):
         self.config = config
-        self.sender = DeltaSender(
-            config.uri, storage_options=config.storage_options, dtype=config.dtype,
-            keyframe_every=config.keyframe_every, level=config.level, threads=config.threads,
-        )
-        self.receiver = DeltaReceiver(config.uri, storage_options=config.storage_options)
+        self._sender: DeltaSender | None = None
+        self._receiver: DeltaReceiver | None = None
+
+    def sender(self, **_context: Any) -> DeltaSender:
+        c = self.config
+        return DeltaSender(c.uri, storage_options=c.storage_options, dtype=c.dtype,
+                           keyframe_every=c.keyframe_every, level=c.level, threads=c.threads)
+
+    def receiver(self, **_context: Any) -> DeltaReceiver:
+        return DeltaReceiver(self.config.uri, storage_options=self.config.storage_options)
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         """One process: publish the backend's weights, then bring the engine up to date."""
@@ -494,8 +501,10 @@ class Delta:
                 f"tensors ({_param_dtype(backend)}), so applying them would overwrite the trainer's weights: "
                 f"set engine.dtype = \"{self.config.dtype}\" (the engine then keeps its own copy)"
             )
-        stats = self.sender.publish(version, backend.named_weights())
-        stats.update(self.receiver.sync(engine, version))
+        if self._sender is None:
+            self._sender, self._receiver = self.sender(), self.receiver()
+        stats = self._sender.publish(version, backend.named_weights())
+        stats.update(self._receiver.sync(engine, version))
         return stats
 
 

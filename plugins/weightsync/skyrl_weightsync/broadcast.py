@@ -27,6 +27,8 @@ class BroadcastConfig:
 
 
 class Broadcast:
+    collective = True  # sender and receivers take part in the same collectives: start the receiver first
+
     def __init__(self, config: BroadcastConfig):
         self.config = config
 

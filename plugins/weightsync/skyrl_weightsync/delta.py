@@ -68,6 +68,11 @@ def check(spec: Any) -> list[tuple[str, str]]:
     transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
     if transport is None or engine is None or model is None:
         return []
+    if spec.cluster.launcher != "local" and transport.config.uri.startswith("memory://"):
+        return [("weight_sync.uri", "a memory:// URL lives in one process, but the engine runs in another "
+                 f"([cluster] launcher = {spec.cluster.launcher!r}): use a file://, s3:// or gs:// URL")]
+    if spec.cluster.launcher != "local":
+        return []  # the engine has its own copy in its own process
     model_dtype = getattr(model.config, "dtype", None)
     engine_dtype = getattr(engine.config, "dtype", None)
     wire = transport.config.dtype

@@ -30,10 +30,20 @@ class Inproc:
         }
 
 
+def check(spec: Any) -> list[tuple[str, str]]:
+    if spec.cluster.launcher != "local":
+        return [("weight_sync.transport" if "weight_sync" in spec.raw else "cluster.launcher",
+                 f"transport 'inproc' hands tensors over within one process, but [cluster] launcher = "
+                 f"{spec.cluster.launcher!r} runs the engine in a process of its own: use transport = \"delta\" "
+                 "or \"broadcast\"")]
+    return []
+
+
 @hookimpl
 def skyrl_register_weight_transports(register: Any) -> None:
     register(
         "inproc",
         Inproc,
         description="Engine and trainer in one process: shared tensors, or in-place copies",
+        check=check,
     )

@@ -1,0 +1,118 @@
+"""[cluster] launcher = "ray": the engine in a Ray actor, rollouts through the object store,
+weights through the job's transport. The same job learns exactly as with one process:
+every metric but timings is equal, step by step, for `delta` and for `broadcast`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+JOB = """
+[job]
+kind = "rl"
+seed = 3
+steps = 3
+batch_size = 8
+n_samples = 4
+max_new_tokens = 6
+checkpoint_every = 0
+save_final = false
+threads = 1
+output_dir = "{out}"
+
+[cluster]
+launcher = "{launcher}"
+
+[model]
+family = "qwen"
+preset = "tiny"
+
+[dataset]
+name = "reverse_digits"
+min_len = 3
+max_len = 4
+prefix = ""
+
+[engine]
+name = "embedded"
+dtype = "{engine_dtype}"
+
+[weight_sync]
+{weight_sync}
+
+[backend]
+name = "torch"
+lr = 5e-4
+"""
+
+TIMING = ("time", "_s", "per_s")
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def run(skyrl_cli, tmp_path, name: str, *, launcher: str, engine_dtype: str, weight_sync: str) -> list[dict]:
+    out = tmp_path / name
+    path = tmp_path / f"{name}.toml"
+    path.write_text(JOB.format(out=out, launcher=launcher, engine_dtype=engine_dtype, weight_sync=weight_sync))
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "step" in r and "event" not in r]
+
+
+def learning(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("sync") and not any(t in k for t in TIMING)} for r in rows]
+
+
+@pytest.mark.slow
+def test_ray_launcher_learns_exactly_like_one_process(ray_session, skyrl_cli, tmp_path) -> None:
+    local = run(skyrl_cli, tmp_path, "local", launcher="local", engine_dtype="auto", weight_sync='transport = "inproc"')
+    delta = run(skyrl_cli, tmp_path, "delta", launcher="ray", engine_dtype="float32",
+                weight_sync=f'transport = "delta"\nuri = "file://{tmp_path}/weights"\ndtype = "float32"')
+    broadcast = run(skyrl_cli, tmp_path, "broadcast", launcher="ray", engine_dtype="float32",
+                    weight_sync='transport = "broadcast"\ndtype = "float32"')
+    assert [r["step"] for r in local] == [1, 2, 3]
+    assert learning(delta) == learning(local)
+    assert learning(broadcast) == learning(local)
+    assert [r["sync_version"] for r in delta] == [1, 2, 3] and all(r["sync_bytes"] > 0 for r in delta)
+    assert [r["sync_collectives"] for r in broadcast] == [1, 1, 1]  # a tiny model fits one 64 MiB bucket
+
+
+def test_one_process_transports_are_refused_with_ray(skyrl_cli, tmp_path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(out=tmp_path / "o", launcher="ray", engine_dtype="float32", weight_sync='transport = "inproc"'))
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert "weight_sync.transport: transport 'inproc' hands tensors over within one process" in result.stderr
+    path.write_text(JOB.format(out=tmp_path / "o", launcher="ray", engine_dtype="float32",
+                               weight_sync='transport = "delta"\nuri = "memory://weights"'))
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert "weight_sync.uri: a memory:// URL lives in one process, but the engine runs in another" in result.stderr
+
+
+def test_rollout_batches_cross_the_object_store_without_copies(ray_session) -> None:
+    import numpy as np
+    import ray
+
+    from skyrl_host.rollout import CSR, RolloutBatch
+
+    batch = RolloutBatch.from_sequences([[1, 2, 3]] * 64, [[4, 5, 6, 7]] * 64, [[-0.5] * 4] * 64, group_ids=list(range(64)))
+    batch.side_channels["routed_experts"] = np.zeros((batch.n_tokens, 4, 2), dtype=np.uint8)
+    batch.side_channels["sample_support"] = CSR.from_rows([[4, 9]] * int(batch.loss_mask.sum()))
+    ref = ray.put(dict(batch.to_arrays()))
+    first, second = ray.get(ref), ray.get(ref)
+    for name, array in first.items():
+        # Read-only views of the object store's memory: two gets share it, nothing was copied.
+        assert not array.flags.writeable and np.shares_memory(array, second[name]), name
+    back = RolloutBatch.from_arrays(first)
+    assert np.array_equal(back.tokens, batch.tokens) and back.side_channels["sample_support"].n_rows == 256

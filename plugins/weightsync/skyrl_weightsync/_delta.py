@@ -29,15 +29,23 @@ A receiver applies a version only after every payload's checksum matched, and ch
 each tensor's resulting bytes against the manifest; on any mismatch it undoes what it
 applied (XOR is its own inverse) and raises, naming the version and the file: the
 engine keeps its last complete version.
+
+Speed (benchmarks/weight_sync.py): the sender reads each tensor's memory in place and
+compares it with its copy of the last version a cache-sized chunk at a time, writing
+back only the changed words (a failed publish XORs its payloads back out); payloads
+are written by threads while the next tensors are encoded, and read by threads.
+Big buffers are reused across versions: fresh ones cost page faults.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 import fsspec
@@ -48,6 +56,9 @@ import zstandard
 FORMAT = 1
 LATEST = "LATEST"
 SPARSE_MAX_FRACTION = 0.2  # changed 16-bit words above this fraction: store the dense XOR
+_CHUNK = 1 << 17  # 64-bit words the sender compares at a time (1 MiB: stays in cache)
+_PIECE = 1 << 20  # changed words a receiver applies at a time
+_INFLIGHT_BYTES = 256 << 20  # payload bytes a sender may have queued for writing
 
 
 class DeltaError(RuntimeError):
@@ -67,49 +78,143 @@ def _words(buf: np.ndarray) -> np.ndarray:
     return buf.view(np.uint16)
 
 
-def _encode_sparse(xor: np.ndarray) -> bytes | None:
-    """(count, gaps uint32, values uint16) of the non-zero 16-bit words, or None when
-    too many changed for the sparse form to pay."""
-    words = _words(xor)
-    n = words.size
-    # Non-zero 64-bit words first (4x fewer to scan), then their non-zero lanes.
-    pad = (-n) % 4
-    if pad:
-        words64 = np.concatenate([words, np.zeros(pad, np.uint16)]).view(np.uint64)
-    else:
-        words64 = words.view(np.uint64)
-    hot = np.flatnonzero(words64)
-    if hot.size > n * SPARSE_MAX_FRACTION:  # each hot 64-bit word holds at least one changed word
-        return None
-    lanes = words64[hot][:, None] >> np.array([0, 16, 32, 48], dtype=np.uint64)
-    lanes = (lanes & np.uint64(0xFFFF)).astype(np.uint16)
-    nz = lanes != 0
-    positions = (hot[:, None] * 4 + np.arange(4))[nz]
-    if positions.size > n * SPARSE_MAX_FRACTION:
-        return None
-    values = lanes[nz]
-    gaps = np.diff(positions, prepend=-1)
-    if gaps.size and int(gaps.max()) > 0xFFFFFFFF:
-        return None
-    head = np.array([positions.size], dtype="<u8").tobytes()
-    return head + gaps.astype("<u4").tobytes() + values.astype("<u2").tobytes()
+def _scan(src: np.ndarray, last: np.ndarray, bufs: tuple[np.ndarray, np.ndarray, np.ndarray],
+          limit: float) -> tuple[list[np.ndarray], list[np.ndarray], int] | None:
+    """The 16-bit words where ``src`` and ``last`` (byte buffers of one even size) differ,
+    as the sparse payload's gaps (uint32 pieces) and XOR values (uint16 pieces) and their
+    count, with ``last`` updated to ``src`` in place; or None, ``last`` unchanged, when
+    more than ``limit`` words differ or a gap does not fit 32 bits.
+
+    Works a chunk of 64-bit words at a time (``bufs``: ``_CHUNK`` uint64, ``_CHUNK`` and
+    ``_CHUNK // 8`` bool), so the XOR and the search for changed words stay in cache, and
+    writes only the changed words to ``last``."""
+    scratch, mask, mask8 = bufs
+    n8 = src.size // 8
+    gaps: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    count, prev = 0, -1  # changed words so far, and the position of the last one
+    rare = True  # few changed 64-bit words: find them 8 at a time first
+
+    def add(pos: np.ndarray, vals: np.ndarray) -> bool:
+        nonlocal count, prev
+        if count + pos.size > limit or int(pos[0]) - prev > 0xFFFFFFFF:
+            _unscan(last, gaps, values)
+            return False
+        g = np.empty(pos.size, np.uint32)
+        g[0] = int(pos[0]) - prev
+        np.subtract(pos[1:], pos[:-1], out=g[1:], casting="unsafe")
+        gaps.append(g)
+        values.append(vals)
+        count += pos.size
+        prev = int(pos[-1])
+        return True
+
+    if n8:
+        s64 = src[: n8 * 8].view(np.uint64)
+        l64 = last[: n8 * 8].view(np.uint64)
+        for o in range(0, n8, _CHUNK):
+            s, l = s64[o:o + _CHUNK], l64[o:o + _CHUNK]
+            m = s.size
+            x = np.bitwise_xor(s, l, out=scratch[:m])
+            changed = np.not_equal(x, 0, out=mask[:m])  # flatnonzero is ~2x faster on bool than on uint64
+            if rare and m % 8 == 0:
+                groups = changed.view(np.uint64)  # 8 flags a word
+                hit = np.flatnonzero(np.not_equal(groups, 0, out=mask8[: m // 8]))
+                sub = np.flatnonzero(groups[hit].view(np.bool_))
+                hot = (hit[sub >> 3] << 3) | (sub & 7)
+            else:
+                hot = np.flatnonzero(changed)
+            rare = hot.size < 0.06 * m
+            if not hot.size:
+                continue
+            words = x[hot].view(np.uint16)  # the 4 16-bit words of each changed 64-bit word, in memory order
+            lane = np.flatnonzero(words != 0)
+            pos = (hot[lane >> 2] << 2) | (lane & 3)
+            pos += 4 * o
+            if not add(pos, words[lane]):
+                return None
+            l[hot] = s[hot]
+    if n8 * 8 < src.size:  # the last 2, 4 or 6 bytes
+        st, lt = _words(src[n8 * 8:]), _words(last[n8 * 8:])
+        xt = np.bitwise_xor(st, lt)
+        nz = np.flatnonzero(xt)
+        if nz.size:
+            if not add(nz + 4 * n8, xt[nz]):
+                return None
+            lt[nz] = st[nz]
+    return gaps, values, count
 
 
-def _decode_sparse(raw: bytes, n_words: int) -> tuple[np.ndarray, np.ndarray]:
-    """(positions int64, XOR values uint16) of a sparse payload, checked against ``n_words``."""
-    count = int(np.frombuffer(raw, dtype="<u8", count=1)[0]) if len(raw) >= 8 else -1
-    if count < 0 or len(raw) != 8 + 6 * count:
+def _unscan(last: np.ndarray, gaps: list[np.ndarray], values: list[np.ndarray]) -> None:
+    """Undo what ``_scan`` wrote to ``last`` so far."""
+    if gaps:
+        positions = np.cumsum(np.concatenate(gaps), dtype=np.int64) - 1
+        _words(last)[positions] ^= np.concatenate(values)
+
+
+def _sparse_blob(gaps: list[np.ndarray], values: list[np.ndarray], count: int) -> np.ndarray:
+    """The sparse payload before compression: count (uint64), gaps between the changed
+    16-bit words' positions (uint32, the first from -1), XOR values (uint16), little-endian."""
+    blob = np.empty(8 + 6 * count, dtype=np.uint8)
+    blob[:8].view("<u8")[0] = count
+    if count:
+        np.concatenate(gaps, out=blob[8:8 + 4 * count].view("<u4"))
+        np.concatenate(values, out=blob[8 + 4 * count:].view("<u2"))
+    return blob
+
+
+def _fill(decompressor: Any, payload: bytes, out: np.ndarray) -> bool:
+    """Decompress ``payload`` straight into ``out``; True when it held exactly ``out.size``
+    bytes (raises ``zstandard.ZstdError`` on a broken frame)."""
+    view = memoryview(out).cast("B")
+    got = 0
+    with decompressor.stream_reader(payload) as reader:
+        while got < len(view):
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        extra = reader.read(1)
+    return got == len(view) and not extra
+
+
+def _sparse_raw(decompressor: Any, payload: bytes, scratch: Any) -> np.ndarray:
+    """A sparse payload decompressed into ``scratch(size)`` (a reused buffer)."""
+    size = zstandard.frame_content_size(payload)
+    if size < 0:  # no size in the frame header
+        return np.frombuffer(decompressor.decompress(payload), np.uint8)
+    raw = scratch(size)
+    if not _fill(decompressor, payload, raw):
         raise ValueError("malformed sparse payload")
-    gaps = np.frombuffer(raw, dtype="<u4", count=count, offset=8)
-    values = np.frombuffer(raw, dtype="<u2", count=count, offset=8 + 4 * count)
-    positions = np.cumsum(gaps, dtype=np.int64) - 1
-    if count and (positions[-1] >= n_words or int(gaps.min()) < 1):
+    return raw
+
+
+def _xor_sparse(buf: np.ndarray, raw: np.ndarray) -> None:
+    """XOR a decompressed sparse payload into ``buf``, after checking it against ``buf``'s
+    size (ValueError, ``buf`` untouched); positions are rebuilt ``_PIECE`` at a time, so
+    the temporaries stay in cache."""
+    count = int(raw[:8].view("<u8")[0]) if raw.size >= 8 else -1
+    if count < 0 or raw.size != 8 + 6 * count:
+        raise ValueError("malformed sparse payload")
+    gaps = raw[8:8 + 4 * count].view("<u4")
+    values = raw[8 + 4 * count:].view("<u2")
+    if count and (int(gaps.min()) < 1 or int(gaps.sum(dtype=np.uint64)) - 1 >= buf.size // 2):
         raise ValueError("sparse payload positions out of range")
-    return positions, values
+    words = _words(buf)
+    positions = np.empty(min(count, _PIECE), np.int64)
+    last = -1
+    for a in range(0, count, _PIECE):
+        g = gaps[a:a + _PIECE]
+        pos = np.cumsum(g, dtype=np.int64, out=positions[: g.size])
+        pos += last
+        last = int(pos[-1])
+        words[pos] ^= values[a:a + _PIECE]
 
 
 def _to_bytes(tensor: Any, dtype: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """A tensor as contiguous bytes in the wire dtype (a new array the caller owns)."""
+    """A tensor's bytes in the wire dtype, contiguous: a view of the tensor's own memory
+    when it is already a contiguous CPU tensor of that dtype (no copy: read it before
+    the tensor changes), else of a converted copy."""
     import torch
 
     wire = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
@@ -121,7 +226,7 @@ def _to_bytes(tensor: Any, dtype: str) -> tuple[np.ndarray, str, tuple[int, ...]
         name = str(t.dtype).removeprefix("torch.")
     t = t.contiguous().cpu()
     shape = tuple(t.shape)
-    raw = t.reshape(-1).view(torch.uint8).numpy().copy() if t.numel() else np.zeros(0, np.uint8)
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
     return raw, name, shape
 
 
@@ -141,7 +246,11 @@ class _Store:
         self.fs, root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
         self.root = root.rstrip("/")
         self.uri = uri.rstrip("/")
-        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protocols
+        # Threads for payload reads and writes: object stores answer each request after a
+        # round trip (many at once pay it once); local files overlap with the encoding.
+        self.workers = 0 if "memory" in protocols else (2 if self.local else 8)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -177,6 +286,41 @@ class _Store:
         return int(data["epoch"]), int(data["version"])
 
 
+class _Writes:
+    """A publish's payload writes, in the store's threads while the next tensors are
+    encoded (at most ``_INFLIGHT_BYTES`` queued); ``wait`` returns when all are written
+    and raises the first error."""
+
+    def __init__(self, store: _Store, pool: ThreadPoolExecutor | None):
+        self.store, self.pool = store, pool
+        self.pending: collections.deque[tuple[Future, int]] = collections.deque()
+        self.queued = 0
+
+    def submit(self, rel: str, data: bytes) -> None:
+        if self.pool is None:
+            self.store.write(rel, data)
+            return
+        while self.pending and (self.queued > _INFLIGHT_BYTES or self.pending[0][0].done()):
+            self._pop()
+        self.pending.append((self.pool.submit(self.store.write, rel, data), len(data)))
+        self.queued += len(data)
+
+    def _pop(self) -> None:
+        future, size = self.pending.popleft()
+        self.queued -= size
+        future.result()
+
+    def wait(self) -> None:
+        while self.pending:
+            self._pop()
+
+    def abandon(self) -> None:
+        """After an error: let the queued writes finish (no manifest will name them)."""
+        for future, _ in self.pending:
+            future.exception()
+        self.pending.clear()
+
+
 class DeltaSender:
     """The trainer's half: ``publish(version, named_tensors)``."""
 
@@ -190,6 +334,33 @@ class DeltaSender:
         self._last_version: int | None = None
         self._since_keyframe = 0
         self.epoch: int | None = None  # set by the first publish
+        # Reused between publishes (fresh big buffers cost page faults, ~10x a copy).
+        self._bufs = (np.empty(_CHUNK, np.uint64), np.empty(_CHUNK, bool), np.empty(_CHUNK // 8, bool))
+        self._dense = np.empty(0, np.uint8)
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _dense_buffer(self, n: int) -> np.ndarray:
+        if self._dense.size < n:
+            self._dense = np.empty(n, np.uint8)
+        return self._dense[:n]
+
+    def _encode_delta(self, src: np.ndarray, last: np.ndarray) -> tuple[Any, str]:
+        """(compressed payload or None, encoding) of ``src`` against ``last``, which is
+        updated to ``src`` in place."""
+        n = src.size
+        if n % 2 == 0:
+            found = _scan(src, last, self._bufs, (n // 2) * SPARSE_MAX_FRACTION)
+            if found is not None:
+                gaps, values, count = found
+                if not count:
+                    return None, "unchanged"
+                return self.compressor.compress(_sparse_blob(gaps, values, count)), "sparse_xor"
+        xor = np.bitwise_xor(src, last, out=self._dense_buffer(n))
+        if not xor.any():
+            return None, "unchanged"
+        payload = self.compressor.compress(xor)
+        np.copyto(last, src)
+        return payload, "xor"
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
         version = int(version)
@@ -204,63 +375,96 @@ class DeltaSender:
         t0 = time.perf_counter()
         entries, new_last = [], {}
         total = payload_total = 0
-        encode_s = write_s = 0.0
+        encode_s = 0.0
         seen: set[str] = set()
-        for i, (name, tensor) in enumerate(named_tensors):
-            if name in seen:
-                raise ValueError(f"tensor {name!r} given twice")
-            seen.add(name)
-            e0 = time.perf_counter()
-            raw, dtype, shape = _to_bytes(tensor, self.dtype)
-            entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(raw.size),
-                                     "result_xxh3": _checksum(raw)}
-            base = None if keyframe else self._last.get(name)  # type: ignore[union-attr]
-            if not keyframe and (base is None or base.size != raw.size):
-                raise ValueError(f"tensor {name!r} is new or changed size since version {self._last_version}")
-            if keyframe:
-                payload, encoding = self.compressor.compress(raw.tobytes()), "full"
-            else:
-                xor = np.bitwise_xor(raw, base)
-                if not xor.any():
-                    payload, encoding = None, "unchanged"
+        # A delta updates the last published bytes in place; ``undo`` (buffer, encoding,
+        # payload) puts them back if the publish fails (XOR is its own inverse).
+        undo: list[tuple[np.ndarray, str, Any]] = []
+        if self.store.workers and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.store.workers, thread_name_prefix="delta-write")
+        writes = _Writes(self.store, self._pool)
+        encoding_into: np.ndarray | None = None
+        try:
+            for i, (name, tensor) in enumerate(named_tensors):
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} given twice")
+                seen.add(name)
+                e0 = time.perf_counter()
+                src, dtype, shape = _to_bytes(tensor, self.dtype)
+                entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(src.size),
+                                         "result_xxh3": _checksum(src)}
+                if keyframe:
+                    # The last version's buffers are reused (a failed keyframe drops them all).
+                    buf = self._last.get(name) if self._last is not None else None
+                    if buf is None or buf.size != src.size:
+                        buf = np.empty(src.size, np.uint8)
+                    np.copyto(buf, src)
+                    new_last[name] = buf
+                    payload, encoding = self.compressor.compress(buf if buf.size else b""), "full"
                 else:
-                    sparse = _encode_sparse(xor) if raw.size % 2 == 0 else None
-                    if sparse is not None:
-                        payload, encoding = self.compressor.compress(sparse), "sparse_xor"
-                    else:
-                        payload, encoding = self.compressor.compress(xor.tobytes()), "xor"
-            entry["encoding"] = encoding
-            encode_s += time.perf_counter() - e0
-            if payload is not None:
-                rel = f"{version_dir(epoch, version)}/t{i:05d}.zst"
-                w0 = time.perf_counter()
-                self.store.write(rel, payload)
-                write_s += time.perf_counter() - w0
-                entry.update(payload=rel.rsplit("/", 1)[1], payload_bytes=len(payload), payload_xxh3=_checksum(payload))
-                payload_total += len(payload)
-            entries.append(entry)
-            new_last[name] = raw
-            total += raw.size
-        if not keyframe and set(self._last) - seen:  # type: ignore[arg-type]
-            missing = sorted(set(self._last) - seen)  # type: ignore[arg-type]
-            raise ValueError(f"tensor {missing[0]!r} of version {self._last_version} is missing from version {version}")
-        manifest = {
-            "format": FORMAT, "epoch": epoch, "version": version, "base": None if keyframe else self._last_version,
-            "dtype": self.dtype, "created": time.time(), "total_bytes": total, "payload_bytes": payload_total,
-            "tensors": entries,
-        }
-        w0 = time.perf_counter()
-        self.store.write(f"{version_dir(epoch, version)}/manifest.json", json.dumps(manifest).encode())
-        # Last: the version is now complete.
-        self.store.write(LATEST, json.dumps({"epoch": epoch, "version": version}).encode())
-        write_s += time.perf_counter() - w0
-        self._last, self._last_version = new_last, version
+                    buf = self._last.get(name)  # type: ignore[union-attr]
+                    if buf is None or buf.size != src.size:
+                        raise ValueError(f"tensor {name!r} is new or changed size since version {self._last_version}")
+                    encoding_into = buf  # an error inside leaves it half-updated: the next version is a keyframe
+                    payload, encoding = self._encode_delta(src, buf)
+                    encoding_into = None
+                    if payload is not None:
+                        undo.append((buf, encoding, payload))
+                del src
+                entry["encoding"] = encoding
+                encode_s += time.perf_counter() - e0
+                if payload is not None:
+                    rel = f"{version_dir(epoch, version)}/t{i:05d}.zst"
+                    writes.submit(rel, payload)
+                    entry.update(payload=rel.rsplit("/", 1)[1], payload_bytes=len(payload),
+                                 payload_xxh3=_checksum(payload))
+                    payload_total += len(payload)
+                entries.append(entry)
+                total += entry["nbytes"]
+            if not keyframe and set(self._last) - seen:  # type: ignore[arg-type]
+                missing = sorted(set(self._last) - seen)  # type: ignore[arg-type]
+                raise ValueError(f"tensor {missing[0]!r} of version {self._last_version} is missing from version {version}")
+            writes.wait()
+            manifest = {
+                "format": FORMAT, "epoch": epoch, "version": version, "base": None if keyframe else self._last_version,
+                "dtype": self.dtype, "created": time.time(), "total_bytes": total, "payload_bytes": payload_total,
+                "tensors": entries,
+            }
+            self.store.write(f"{version_dir(epoch, version)}/manifest.json", json.dumps(manifest).encode())
+            # Last: the version is now complete.
+            self.store.write(LATEST, json.dumps({"epoch": epoch, "version": version}).encode())
+        except BaseException:
+            writes.abandon()
+            if keyframe or encoding_into is not None:
+                self._last = None  # some buffers may hold new bytes: the next version is a keyframe again
+            else:
+                decompressor = zstandard.ZstdDecompressor()
+                for buf, encoding, payload in reversed(undo):
+                    _xor_payload(buf, encoding, payload, decompressor, self._dense_buffer)
+            raise
+        if keyframe:
+            self._last = new_last
+        self._last_version = version
         self._since_keyframe = 1 if keyframe else self._since_keyframe + 1
+        publish_s = time.perf_counter() - t0
         return {
             "sync_version": float(version), "sync_epoch": float(epoch), "sync_keyframe": float(keyframe), "sync_bytes": float(payload_total),
-            "sync_full_bytes": float(total), "sync_encode_s": encode_s, "sync_write_s": write_s,
-            "sync_publish_s": time.perf_counter() - t0,
+            # Payload writes overlap the encoding: the write time is what publishing did besides encoding.
+            "sync_full_bytes": float(total), "sync_encode_s": encode_s, "sync_write_s": publish_s - encode_s,
+            "sync_publish_s": publish_s,
         }
+
+
+def _xor_payload(buf: np.ndarray, encoding: str, payload: bytes, decompressor: Any, scratch: Any) -> None:
+    """XOR a delta payload (``xor`` or ``sparse_xor``) into ``buf``; ``scratch(n)`` lends a
+    buffer of ``n`` bytes."""
+    if encoding == "xor":
+        xor = scratch(buf.size)
+        if not _fill(decompressor, payload, xor):
+            raise ValueError(f"the payload does not hold {buf.size} bytes")
+        np.bitwise_xor(buf, xor, out=buf)
+    else:
+        _xor_sparse(buf, _sparse_raw(decompressor, payload, scratch))
 
 
 class DeltaReceiver:
@@ -277,6 +481,8 @@ class DeltaReceiver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.decompressor = zstandard.ZstdDecompressor()
+        self._pool: ThreadPoolExecutor | None = None
+        self._scratch = np.empty(0, np.uint8)  # payloads are decompressed here (reused: no page faults)
 
     # -- fetching ----------------------------------------------------------------
 
@@ -323,23 +529,36 @@ class DeltaReceiver:
             return None
         fetched = []
         for m in self._plan(epoch, target):
+            todo = [e for e in m["tensors"] if "payload" in e]
+            if self.store.workers and len(todo) > 1:  # all at once, then the first failure in manifest order
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.store.workers, thread_name_prefix="delta-read")
+                got: Iterable[Any] = list(self._pool.map(lambda e, m=m: self._read(m, e), todo))
+            else:
+                got = (self._read(m, e) for e in todo)
             payloads: dict[str, bytes] = {}
-            for entry in m["tensors"]:
-                if "payload" not in entry:
-                    continue
-                rel = f"{version_dir(epoch, m['version'])}/{entry['payload']}"
-                try:
-                    data = self.store.read(rel)
-                except FileNotFoundError:
-                    raise DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
-                                     f"(tensor {entry['name']!r}) is missing") from None
-                if len(data) != entry["payload_bytes"] or _checksum(data) != entry["payload_xxh3"]:
-                    raise DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
-                                     f"(tensor {entry['name']!r}) fails its checksum")
+            for entry, data in zip(todo, got):
+                if isinstance(data, BaseException):
+                    raise data
                 payloads[entry["name"]] = data
             fetched.append((m, payloads))
         self._fetched = fetched
         return target
+
+    def _read(self, m: dict, entry: dict) -> bytes | BaseException:
+        """A payload, checked against the manifest, or the error to raise."""
+        rel = f"{version_dir(m['epoch'], m['version'])}/{entry['payload']}"
+        try:
+            data = self.store.read(rel)
+        except FileNotFoundError:
+            return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
+                              f"(tensor {entry['name']!r}) is missing")
+        except Exception as exc:  # noqa: BLE001 - raised by fetch, in manifest order
+            return exc
+        if len(data) != entry["payload_bytes"] or _checksum(data) != entry["payload_xxh3"]:
+            return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
+                              f"(tensor {entry['name']!r}) fails its checksum")
+        return data
 
     def prefetch(self, target: int | None = None) -> None:
         """``fetch`` in a background thread (the engine keeps generating); ``apply`` waits for it."""
@@ -356,10 +575,9 @@ class DeltaReceiver:
 
     # -- applying ----------------------------------------------------------------
 
-    def _apply_one(self, m: dict, payloads: dict[str, bytes]) -> list[tuple[str, Any, np.ndarray]]:
-        """Apply one manifest to the buffers; returns the undo list (name, positions or
-        None, XOR values)."""
-        undo: list[tuple[str, Any, np.ndarray]] = []
+    def _apply_one(self, m: dict, payloads: dict[str, bytes]) -> list[tuple[str, str, bytes]]:
+        """Apply one manifest to the buffers; returns the undo list (name, encoding, payload)."""
+        undo: list[tuple[str, str, bytes]] = []
         version, epoch = m["version"], m["epoch"]
         keyframe = m["base"] is None
         if not keyframe and (m["base"] != self.version or epoch != self.epoch):
@@ -382,20 +600,18 @@ class DeltaReceiver:
                     if enc == "unchanged":
                         continue
                     file = self.store.url(version_dir(epoch, version), entry.get("payload", "?"))
+                    if enc not in ("xor", "sparse_xor"):
+                        raise DeltaError(f"version {version}: tensor {name!r} has unknown encoding {enc!r}")
                     if enc == "xor":
-                        xor = np.empty(buf.size, dtype=np.uint8)
+                        xor = self._scratch_buffer(buf.size)
                         self._decompress_into(payloads[name], xor, m, entry)
                         np.bitwise_xor(buf, xor, out=buf)
-                        undo.append((name, None, xor))
-                    elif enc == "sparse_xor":
+                    else:
                         try:
-                            positions, values = _decode_sparse(self.decompressor.decompress(payloads[name]), buf.size // 2)
+                            _xor_sparse(buf, _sparse_raw(self.decompressor, payloads[name], self._scratch_buffer))
                         except (ValueError, zstandard.ZstdError) as exc:
                             raise DeltaError(f"version {version}: payload {file} (tensor {name!r}): {exc}") from None
-                        _words(buf)[positions] ^= values
-                        undo.append((name, positions, values))
-                    else:
-                        raise DeltaError(f"version {version}: tensor {name!r} has unknown encoding {enc!r}")
+                    undo.append((name, enc, payloads[name]))  # undone by applying it again
                 if _checksum(buf) != entry["result_xxh3"]:
                     file = f"{version_dir(epoch, version)}/{entry.get('payload', 'manifest.json')}"
                     raise DeltaError(f"version {version}: tensor {name!r} from {self.store.url(file)} does not give "
@@ -409,33 +625,27 @@ class DeltaReceiver:
         self.version, self.epoch = version, epoch
         return undo
 
-    def _undo(self, undo: list[tuple[str, Any, np.ndarray]]) -> None:
-        """XOR is its own inverse: apply the same changes again, newest first."""
-        for name, positions, values in reversed(undo):
-            if positions is None:
-                np.bitwise_xor(self._bufs[name], values, out=self._bufs[name])
-            else:
-                _words(self._bufs[name])[positions] ^= values
+    def _undo(self, undo: list[tuple[str, str, bytes]]) -> None:
+        """XOR is its own inverse: apply the same payloads again, newest first."""
+        for name, encoding, payload in reversed(undo):
+            _xor_payload(self._bufs[name], encoding, payload, self.decompressor, self._scratch_buffer)
+
+    def _scratch_buffer(self, n: int) -> np.ndarray:
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.uint8)
+        return self._scratch[:n]
 
     def _decompress_into(self, payload: bytes, out: np.ndarray, m: dict, entry: dict) -> None:
         """Decompress a payload straight into ``out`` (no intermediate buffer); it must fill it exactly."""
         version = m["version"]
         file = self.store.url(version_dir(m["epoch"], version), entry.get("payload", "?"))
-        view = memoryview(out).cast("B")
-        got = 0
         try:
-            with self.decompressor.stream_reader(payload) as reader:
-                while got < len(view):
-                    n = reader.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                extra = reader.read(1)
+            full = _fill(self.decompressor, payload, out)
         except zstandard.ZstdError as exc:
             raise DeltaError(f"version {version}: payload {file} (tensor {entry['name']!r}): {exc}") from None
-        if got != len(view) or extra:
+        if not full:
             raise DeltaError(f"version {version}: payload {file} (tensor {entry['name']!r}) does not hold "
-                             f"{len(view)} bytes")
+                             f"{out.size} bytes")
 
     def apply(self, engine: Any) -> dict[str, float]:
         """Apply what ``fetch``/``prefetch`` got, all versions or none, then hand the
@@ -453,7 +663,7 @@ class DeltaReceiver:
         if not fetched:
             return {"sync_applied": 0.0}
         saved = (self.version, self.epoch, dict(self._bufs), dict(self._meta))
-        undos: list[list[tuple[str, Any, np.ndarray]]] = []
+        undos: list[list[tuple[str, str, bytes]]] = []
         try:
             for m, payloads in fetched:
                 undos.append(self._apply_one(m, payloads))

@@ -1,6 +1,8 @@
-"""[cluster] launcher = "ray": the engine in a Ray actor, rollouts through the object store,
-weights through the job's transport. The same job learns exactly as with one process:
-every metric but timings is equal, step by step, for `delta` and for `broadcast`."""
+"""[cluster] launcher = "ray": the backend and the engine in Ray actors (placement groups),
+rollouts through the object store, weights through the job's transport between the two
+actors. The same job learns exactly as with one process: every metric but timings is
+equal, step by step, for `delta` and for `broadcast`; the actors and their placement
+groups are gone afterwards."""
 
 from __future__ import annotations
 
@@ -85,6 +87,9 @@ def test_ray_launcher_learns_exactly_like_one_process(ray_session, skyrl_cli, tm
     assert learning(broadcast) == learning(local)
     assert [r["sync_version"] for r in delta] == [1, 2, 3] and all(r["sync_bytes"] > 0 for r in delta)
     assert [r["sync_collectives"] for r in broadcast] == [1, 1, 1]  # a tiny model fits one 64 MiB bucket
+    import ray
+
+    assert ray.available_resources().get("CPU") == 2  # every actor and placement group released
 
 
 def test_one_process_transports_are_refused_with_ray(skyrl_cli, tmp_path) -> None:

@@ -76,23 +76,23 @@ class RLDriver:
         self.tokenizer = self.loaded.tokenizer
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
-        self.backend = run.plugin("backend").create()
-        self.replay = [choice.create() for choice in run.plugin("replay")]
-        extra = {"replay": self.replay} if self.replay else {}
-        try:
-            self.backend.start(
-                self.loaded, seed=self.seed, total_steps=run.total_steps,
-                reference=bool(self.algorithm.needs_reference), **extra,
-            )
-        except ValueError as exc:
-            if not self.replay:
-                raise
-            raise UserError(f"[replay] strategies: {exc}") from None
         self.transport = run.plugin("weight_sync").create()
         self.ray_sync = None
         if run.spec.cluster.launcher == "ray":
-            self._start_ray_engine(alphabet)
+            self._start_ray_actors(alphabet)
         else:
+            self.backend = run.plugin("backend").create()
+            self.replay = [choice.create() for choice in run.plugin("replay")]
+            extra = {"replay": self.replay} if self.replay else {}
+            try:
+                self.backend.start(
+                    self.loaded, seed=self.seed, total_steps=run.total_steps,
+                    reference=bool(self.algorithm.needs_reference), **extra,
+                )
+            except ValueError as exc:
+                if not self.replay:
+                    raise
+                raise UserError(f"[replay] strategies: {exc}") from None
             self.engine = run.plugin("engine").create()
             self.engine.start(self.loaded)
         self.start_step = 1
@@ -101,30 +101,44 @@ class RLDriver:
             self.start_step = run.resume_step + 1
         self._publish(self.start_step - 1)
 
-    def _start_ray_engine(self, alphabet: str | None) -> None:
-        """The engine in a Ray actor; weights through the transport's two halves."""
-        from skyrl_host.jobs import ray_engine
+    def _start_ray_actors(self, alphabet: str | None) -> None:
+        """The backend and the engine in Ray actors; weights through the transport's two halves."""
+        from skyrl_host.jobs import ray_actors
 
         run = self.run_
-        self._own_ray = ray_engine.start_ray(run.spec.cluster)
-        choices = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync")}
-        actor = ray_engine.start_engine_actor(choices, alphabet, self.seed, self.cfg.threads)
-        self.engine = ray_engine.RemoteEngine(actor)
-        self.ray_sync = ray_engine.RaySync(self.transport, actor)
+        self._own_ray = ray_actors.start_ray(run.spec.cluster)
+        plugins = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync", "algorithm", "backend", "replay")}
+        backend_actor = ray_actors.start_actor(
+            ray_actors.BackendWorker, plugins, alphabet, self.seed, self.cfg.threads, run.total_steps
+        )
+        engine_actor = ray_actors.start_actor(ray_actors.EngineWorker, plugins, alphabet, self.seed, self.cfg.threads)
+        self.backend = ray_actors.RemoteBackend(backend_actor)
+        self.engine = ray_actors.RemoteEngine(engine_actor)
+        self.ray_sync = ray_actors.RaySync(self.transport, backend_actor, engine_actor)
 
     def _publish(self, version: int) -> Mapping[str, float]:
         if self.ray_sync is not None:
-            return self.ray_sync.publish(self.backend, version)
+            return self.ray_sync.publish(version)
         return self.transport.publish(self.backend, self.engine, version)
 
     def close(self) -> None:
-        if self.ray_sync is not None:
-            import ray
+        """Stop what the Ray launcher started (also after a failed start)."""
+        own_ray = getattr(self, "_own_ray", None)
+        if own_ray is None:
+            return
+        import ray
 
-            self.ray_sync.close()
-            if self._own_ray:
+        from skyrl_host.jobs import ray_actors
+
+        try:
+            if self.ray_sync is not None:
+                self.ray_sync.close()
+        finally:
+            ray_actors.stop_actors()
+            if own_ray:
                 ray.shutdown()
             self.ray_sync = None
+            self._own_ray = None
 
     # -- one step ----------------------------------------------------------------
 
@@ -267,6 +281,12 @@ class RLDriver:
 
     def _save_final(self) -> None:
         import torch
+
+        if self.ray_sync is not None:
+            import ray
+
+            ray.get(self.backend.actor.save_final.remote(str(self.run_.output_dir / "final")))
+            return
 
         trained = dict(self.backend.named_weights())
         model = self.loaded.model

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
-from typing import Any
+from typing import Any, Iterable
+
+from skyrl_host.config import OptionError
+from skyrl_host.errors import did_you_mean
 
 
 def check_hf_folder(_inst: Any, _attr: Any, value: str | None) -> None:
@@ -20,3 +24,44 @@ def check_hf_folder(_inst: Any, _attr: Any, value: str | None) -> None:
     else:
         return
     raise ValueError(f"expected a folder with config.json, found {found}")
+
+
+def preset_validator(presets: Iterable[str], full_size: Iterable[str] = (), full_config: str = "") -> Any:
+    """The validator of ``[model] preset``: one of ``presets`` (or None). A full-size
+    name (a configuration only, for ``skyrl models show``) is refused with a pointer to
+    ``path`` (and to ``full_config``, the function that builds its configuration, if given)."""
+    presets, full_size = tuple(presets), frozenset(full_size)
+    names = ", ".join(repr(p) for p in presets)
+
+    def check(_inst: Any, _attr: Any, value: str | None) -> None:
+        if value is None or value in presets:
+            return
+        if value in full_size:
+            raise ValueError(
+                f"{value!r} is a full-size architecture without weights (a config only); "
+                f"set path = a local folder of the checkpoint, or use a preset: {names}"
+                + (f" (its configuration: {full_config}({value!r}))" if full_config else "")
+            )
+        raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, presets)}")
+
+    check.__doc__ = f"one of {names}"
+    return check
+
+
+class PresetOrPath:
+    """What every family's ``[model]`` config shares: exactly one of ``preset`` and
+    ``path`` (checked by :meth:`check_preset_or_path` from ``__attrs_post_init__``)."""
+
+    preset: str | None
+    path: str | None
+
+    def check_preset_or_path(self, presets: Iterable[str]) -> None:
+        if self.preset is not None and self.path is not None:
+            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
+        if self.preset is None and self.path is None:
+            names = " or ".join(repr(p) for p in presets)
+            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
+
+    @property
+    def resolved_path(self) -> str | None:
+        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))

@@ -26,15 +26,13 @@ torch or transformers. The factory imports :mod:`skyrl_models._glm_impl`.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Mapping
 
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, option
-from skyrl_host.errors import did_you_mean
-from skyrl_models._options import check_hf_folder
+from skyrl_host.config import option
+from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm5_next", "glm5_next_text")
 """The transformers ``model_type`` values this family loads from a path (``glm5_next``:
@@ -256,21 +254,14 @@ FULL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
 FULL_PRESETS = {**FULL_PRESETS, "glm-4.6": FULL_PRESETS["glm-4.5"], "glm-4.7": FULL_PRESETS["glm-4.5"]}
 
 
-def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
-    if value is not None and value not in PRESETS:
-        names = ", ".join(repr(p) for p in PRESETS)
-        hint = " (a full-size name builds a config only: see full_config)" if value in FULL_PRESETS else ""
-        raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}{hint}")
-
-
-_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+_check_preset = preset_validator(PRESETS, FULL_PRESETS, full_config="skyrl_models.glm.full_config")
 
 
 _check_path = check_hf_folder
 
 
 @attrs.frozen
-class GlmConfig:
+class GlmConfig(PresetOrPath):
     """Options of ``[model]`` when ``family = "glm"``: exactly one of ``preset`` and ``path``."""
 
     preset: str | None = option(
@@ -285,15 +276,7 @@ class GlmConfig:
     attn_implementation: Literal["sdpa", "eager"] = option("sdpa", help="transformers attention implementation")
 
     def __attrs_post_init__(self) -> None:
-        if self.preset is not None and self.path is not None:
-            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
-        if self.preset is None and self.path is None:
-            names = " or ".join(repr(p) for p in PRESETS)
-            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
-
-    @property
-    def resolved_path(self) -> str | None:
-        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+        self.check_preset_or_path(PRESETS)
 
 
 def full_config(name: str) -> Any:

@@ -18,15 +18,13 @@ the implementation (:mod:`skyrl_models._kimi_impl`) when a job selects the famil
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Mapping
 
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, option
-from skyrl_host.errors import did_you_mean
-from skyrl_models._options import check_hf_folder
+from skyrl_host.config import option
+from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k25")
 """The transformers ``model_type`` values this family loads from a path
@@ -110,26 +108,14 @@ FULL_PRESETS: Mapping[str, Mapping[str, Any]] = {
 }
 
 
-def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
-    if value is None or value in PRESETS:
-        return
-    if value in FULL_PRESETS:
-        raise ValueError(
-            f"{value!r} is a full-size architecture (a configuration only, no weights); "
-            "set path to a local Hugging Face folder of the model instead, or use preset 'tiny-kimi'"
-        )
-    names = ", ".join(repr(p) for p in PRESETS)
-    raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
-
-
-_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+_check_preset = preset_validator(PRESETS, FULL_PRESETS)
 
 
 _check_path = check_hf_folder
 
 
 @attrs.frozen
-class KimiConfig:
+class KimiConfig(PresetOrPath):
     """Options of ``[model]`` when ``family = "kimi"``: exactly one of ``preset`` and ``path``."""
 
     preset: str | None = option(
@@ -144,15 +130,7 @@ class KimiConfig:
     attn_implementation: Literal["sdpa", "eager"] = option("sdpa", help="transformers attention implementation")
 
     def __attrs_post_init__(self) -> None:
-        if self.preset is not None and self.path is not None:
-            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
-        if self.preset is None and self.path is None:
-            names = " or ".join(repr(p) for p in PRESETS)
-            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
-
-    @property
-    def resolved_path(self) -> str | None:
-        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+        self.check_preset_or_path(PRESETS)
 
 
 def make_family(config: KimiConfig) -> Any:

@@ -17,15 +17,13 @@ the implementation (:mod:`skyrl_models._nemotron_impl`) when a job selects the f
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Mapping
 
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, option
-from skyrl_host.errors import did_you_mean
-from skyrl_models._options import check_hf_folder
+from skyrl_host.config import option
+from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("nemotron_h",)
 """The transformers ``model_type`` values this family loads from a path."""
@@ -99,26 +97,14 @@ def layer_types(pattern: str) -> list[str]:
     return [LAYER_LETTERS[c] for c in pattern]
 
 
-def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
-    if value is None or value in PRESETS:
-        return
-    names = ", ".join(repr(p) for p in PRESETS)
-    if value in FULL_CONFIGS:
-        raise ValueError(
-            f"{value!r} is a full-size architecture without weights (a config only); "
-            f"set path = a local folder of the checkpoint, or use a preset: {names}"
-        )
-    raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
-
-
-_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+_check_preset = preset_validator(PRESETS, FULL_CONFIGS)
 
 
 _check_path = check_hf_folder
 
 
 @attrs.frozen
-class NemotronConfig:
+class NemotronConfig(PresetOrPath):
     """Options of ``[model]`` when ``family = "nemotron"``: exactly one of ``preset`` and ``path``."""
 
     preset: str | None = option(
@@ -133,15 +119,7 @@ class NemotronConfig:
     attn_implementation: Literal["sdpa", "eager"] = option("sdpa", help="transformers attention implementation")
 
     def __attrs_post_init__(self) -> None:
-        if self.preset is not None and self.path is not None:
-            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
-        if self.preset is None and self.path is None:
-            names = " or ".join(repr(p) for p in PRESETS)
-            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
-
-    @property
-    def resolved_path(self) -> str | None:
-        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+        self.check_preset_or_path(PRESETS)
 
 
 def make_family(config: NemotronConfig) -> Any:

@@ -24,15 +24,13 @@ the implementation (:mod:`skyrl_models._qwen_impl`) when a job selects the famil
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Mapping
 
 import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.config import OptionError, gt, option
-from skyrl_host.errors import did_you_mean
-from skyrl_models._options import check_hf_folder
+from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 """The transformers ``model_type`` values this family loads from a path (``qwen3_5_moe``:
@@ -228,26 +226,14 @@ FULL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
 }
 
 
-def _check_preset(_inst: Any, _attr: Any, value: str | None) -> None:
-    if value is None or value in PRESETS:
-        return
-    names = ", ".join(repr(p) for p in PRESETS)
-    if value in FULL_PRESETS:
-        raise ValueError(
-            f"{value!r} is a full-size architecture without weights (a config only); "
-            f"set path = a local folder of the checkpoint, or use a preset: {names}"
-        )
-    raise ValueError(f"expected one of {names}, found {value!r}{did_you_mean(value, PRESETS)}")
-
-
-_check_preset.__doc__ = "one of " + ", ".join(repr(p) for p in PRESETS)
+_check_preset = preset_validator(PRESETS, FULL_PRESETS)
 
 
 _check_path = check_hf_folder
 
 
 @attrs.frozen
-class QwenConfig:
+class QwenConfig(PresetOrPath):
     """Options of ``[model]`` when ``family = "qwen"``: exactly one of ``preset`` and ``path``."""
 
     preset: str | None = option(
@@ -275,11 +261,7 @@ class QwenConfig:
     top_k: int | None = option(None, help="preset override, MoE presets only: experts per token", validator=gt(0))
 
     def __attrs_post_init__(self) -> None:
-        if self.preset is not None and self.path is not None:
-            raise OptionError("path", f"give either preset or path, not both (preset is {self.preset!r})")
-        if self.preset is None and self.path is None:
-            names = " or ".join(repr(p) for p in PRESETS)
-            raise OptionError("preset", f"missing: give preset = {names}, or path = a local Hugging Face folder")
+        self.check_preset_or_path(PRESETS)
         overrides = [k for k in ARCH_KEYS + MOE_KEYS if getattr(self, k) is not None]
         if self.path is not None and overrides:
             raise OptionError(
@@ -326,10 +308,6 @@ class QwenConfig:
     def model_type(self) -> str | None:
         """The ``model_type`` the preset builds (None for a path)."""
         return None if self.preset is None else PRESET_MODEL_TYPES[self.preset]
-
-    @property
-    def resolved_path(self) -> str | None:
-        return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
 
 
 def full_config(name: str) -> Any:

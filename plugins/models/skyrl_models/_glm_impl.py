@@ -20,7 +20,6 @@ from skyrl_models.glm import (
     MAX_POSITION_EMBEDDINGS,
     MODEL_TYPES,
     PRESETS,
-    ROUTER_KIND,
     GlmConfig,
 )
 
@@ -91,15 +90,7 @@ def routers(model: Any) -> list[RouterInfo]:
         if mlp is None or not hasattr(mlp, "gate") or not hasattr(mlp, "experts"):
             continue  # a dense layer
         out.append(
-            RouterInfo(
-                layer=i,
-                path=f"model.layers.{i}.mlp.gate",
-                kind=ROUTER_KIND,
-                n_experts=int(cfg.n_routed_experts),
-                top_k=int(cfg.num_experts_per_tok),
-                normalize=bool(cfg.norm_topk_prob),
-                scale=float(cfg.routed_scaling_factor),
-            )
+            _hf.group_topk_router(i, f"model.layers.{i}.mlp.gate", cfg)
         )
     return out
 
@@ -148,16 +139,13 @@ class GlmFamily(_hf.HFFamily):
             return _load_glm5_next(path, self.config, model_type)
         return super().load_folder(path)
 
-    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
-        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
-        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=MAX_POSITION_EMBEDDINGS)
-        hf_config = preset_config(self.config, tokenizer)
-        _, cls = _classes(hf_config.model_type)
-        with _hf.seeded(seed):
-            model = cls(hf_config)
-        _hf.set_special_ids(model, tokenizer)
-        model = model.to(_hf.DTYPES[self.config.dtype])
-        return model.eval(), tokenizer
+    max_positions = MAX_POSITION_EMBEDDINGS
+
+    def preset_config(self, tokenizer: Any) -> Any:
+        return preset_config(self.config, tokenizer)
+
+    def model_class(self, hf_config: Any) -> Any:
+        return _classes(hf_config.model_type)[1]
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)

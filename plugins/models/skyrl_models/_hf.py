@@ -182,6 +182,23 @@ def stop_token_ids(model: Any, tokenizer: Any, *, key: str = "model.path") -> li
     return ids
 
 
+def group_topk_router(layer: int, path: str, config: Any) -> Any:
+    """The RouterInfo of a DeepSeek-V3-style router (GLM, Kimi, Nemotron-H): sigmoid scores,
+    correction bias and group limit for the choice; ``normalize`` = ``norm_topk_prob``,
+    ``scale`` = ``routed_scaling_factor``."""
+    from skyrl_host.interfaces import RouterInfo
+
+    return RouterInfo(
+        layer=layer,
+        path=path,
+        kind="sigmoid_group_topk",
+        n_experts=int(config.n_routed_experts),
+        top_k=int(config.num_experts_per_tok),
+        normalize=bool(config.norm_topk_prob),
+        scale=float(config.routed_scaling_factor),
+    )
+
+
 def save_folder(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> None:
     """Write ``model`` and ``tokenizer`` as a Hugging Face folder at ``path``, atomically.
 
@@ -227,7 +244,8 @@ class HFFamily(abc.ABC):
     """What every family over transformers models shares: a config with ``preset`` or
     ``path`` (+ ``dtype``, ``attn_implementation``), loading a folder or building a
     preset, and saving a Hugging Face folder. Subclasses set ``name`` and
-    ``model_types`` and implement ``build_preset``."""
+    ``model_types`` and implement ``preset_config`` and ``model_class`` (``build_preset``
+    builds the preset from them)."""
 
     name: str = ""
     model_types: Sequence[str] = ()
@@ -261,9 +279,27 @@ class HFFamily(abc.ABC):
             attn_implementation=self.config.attn_implementation,
         )
 
-    @abc.abstractmethod
+    max_positions: int = 512  # the presets' max_position_embeddings (the tokenizer's model_max_length)
+
     def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
-        """(model, tokenizer) of the configured preset, with random weights from ``seed``."""
+        """(model, tokenizer) of the configured preset: a character-level tokenizer for
+        ``alphabet``, random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
+        tokenizer = char_tokenizer(alphabet, model_max_length=self.max_positions)
+        hf_config = self.preset_config(tokenizer)
+        cls = self.model_class(hf_config)
+        with seeded(seed):
+            model = cls(hf_config)
+        set_special_ids(model, tokenizer)
+        model = model.to(DTYPES[self.config.dtype])
+        return model.eval(), tokenizer
+
+    @abc.abstractmethod
+    def preset_config(self, tokenizer: Any) -> Any:
+        """The transformers config of the configured preset (vocabulary from ``tokenizer``)."""
+
+    @abc.abstractmethod
+    def model_class(self, hf_config: Any) -> Any:
+        """The causal-LM class that builds ``hf_config``."""
 
     def save(self, loaded: Any, path: str) -> None:
         save_folder(loaded.model, loaded.tokenizer, path)

@@ -23,8 +23,6 @@ from skyrl_models.kimi import (
     KimiConfig,
 )
 
-ROUTER_KIND = "sigmoid_group_topk"
-
 # Linear layers LoRA adapts: MLA attention projections, the dense MLP and the
 # shared experts (the routed experts are fused 3-D parameters, not nn.Linear).
 LORA_TARGETS: tuple[str, ...] = (
@@ -99,15 +97,7 @@ def routers(model: Any) -> list[RouterInfo]:
         if gate is None or not hasattr(gate, "e_score_correction_bias"):
             continue  # a dense MLP (its gate_proj is not a router)
         out.append(
-            RouterInfo(
-                layer=i,
-                path=names[id(gate)],
-                kind=ROUTER_KIND,
-                n_experts=int(cfg.n_routed_experts),
-                top_k=int(cfg.num_experts_per_tok),
-                normalize=bool(cfg.norm_topk_prob),
-                scale=float(cfg.routed_scaling_factor),
-            )
+            _hf.group_topk_router(i, names[id(gate)], cfg)
         )
     return out
 
@@ -151,17 +141,15 @@ class KimiFamily(_hf.HFFamily):
             raise UserError(Problem(message, key="model.path"))
         return _text_model_of_kimi_k25(path, self.config), AutoTokenizer.from_pretrained(path)
 
-    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
-        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
+    max_positions = MAX_POSITION_EMBEDDINGS
+
+    def preset_config(self, tokenizer: Any) -> Any:
+        return preset_config(self.config, tokenizer)
+
+    def model_class(self, hf_config: Any) -> Any:
         from transformers import DeepseekV3ForCausalLM
 
-        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=MAX_POSITION_EMBEDDINGS)
-        hf_config = preset_config(self.config, tokenizer)
-        with _hf.seeded(seed):
-            model = DeepseekV3ForCausalLM(hf_config)
-        _hf.set_special_ids(model, tokenizer)
-        model = model.to(_hf.DTYPES[self.config.dtype])
-        return model.eval(), tokenizer
+        return DeepseekV3ForCausalLM
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)

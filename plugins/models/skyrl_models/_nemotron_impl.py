@@ -19,7 +19,6 @@ from skyrl_models.nemotron import (
     INITIALIZER_RANGE,
     MODEL_TYPES,
     PRESETS,
-    ROUTER_KIND,
     NemotronConfig,
     layer_types,
 )
@@ -86,15 +85,7 @@ def routers(model: Any) -> list[RouterInfo]:
             continue
         gate = layer.mixer.gate
         out.append(
-            RouterInfo(
-                layer=i,
-                path=names[id(gate)],
-                kind=ROUTER_KIND,
-                n_experts=int(cfg.n_routed_experts),
-                top_k=int(cfg.num_experts_per_tok),
-                normalize=bool(cfg.norm_topk_prob),
-                scale=float(cfg.routed_scaling_factor),
-            )
+            _hf.group_topk_router(i, names[id(gate)], cfg)
         )
     return out
 
@@ -106,18 +97,17 @@ class NemotronFamily(_hf.HFFamily):
     model_types = MODEL_TYPES
     lora_targets = LORA_TARGETS
 
-    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
-        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
+    @property
+    def max_positions(self) -> int:  # type: ignore[override]
+        return int(PRESETS[self.config.preset]["max_position_embeddings"])  # type: ignore[index]
+
+    def preset_config(self, tokenizer: Any) -> Any:
+        return preset_config(self.config, tokenizer)
+
+    def model_class(self, hf_config: Any) -> Any:
         from transformers import NemotronHForCausalLM
 
-        max_len = PRESETS[self.config.preset]["max_position_embeddings"]  # type: ignore[index]
-        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=max_len)
-        hf_config = preset_config(self.config, tokenizer)
-        with _hf.seeded(seed):
-            model = NemotronHForCausalLM(hf_config)
-        _hf.set_special_ids(model, tokenizer)
-        model = model.to(_hf.DTYPES[self.config.dtype])
-        return model.eval(), tokenizer
+        return NemotronHForCausalLM
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)

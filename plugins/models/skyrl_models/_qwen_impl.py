@@ -141,16 +141,13 @@ class QwenFamily(_hf.HFFamily):
     model_types = MODEL_TYPES
     lora_targets = LORA_TARGETS
 
-    def build_preset(self, alphabet: str | None, seed: int) -> tuple[Any, Any]:
-        """Random weights from ``seed`` (float32, then cast to ``dtype``), eval mode."""
-        tokenizer = _hf.char_tokenizer(alphabet, model_max_length=MAX_POSITION_EMBEDDINGS)
-        hf_config = preset_config(self.config, tokenizer)
-        _, cls = _classes(hf_config.model_type)
-        with _hf.seeded(seed):
-            model = cls(hf_config)
-        _hf.set_special_ids(model, tokenizer)
-        model = model.to(_hf.DTYPES[self.config.dtype])
-        return model.eval(), tokenizer
+    max_positions = MAX_POSITION_EMBEDDINGS
+
+    def preset_config(self, tokenizer: Any) -> Any:
+        return preset_config(self.config, tokenizer)
+
+    def model_class(self, hf_config: Any) -> Any:
+        return _classes(hf_config.model_type)[1]
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)

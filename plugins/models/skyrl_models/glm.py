@@ -38,8 +38,6 @@ MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm5_next", "glm5_ne
 """The transformers ``model_type`` values this family loads from a path (``glm5_next``:
 its language model)."""
 
-ROUTER_KIND = "sigmoid_group_topk"
-
 LORA_TARGETS = (
     # attention: GQA (glm4_moe) and MLA (glm4_moe_lite, glm_moe_dsa)
     "q_proj",

@@ -89,7 +89,6 @@ FULL_CONFIGS: Mapping[str, Mapping[str, Any]] = {
     },
 }
 INITIALIZER_RANGE = 0.02  # std of the presets' random weights
-ROUTER_KIND = "sigmoid_group_topk"  # sigmoid scores + correction bias, group-limited top-k
 
 
 def layer_types(pattern: str) -> list[str]:

@@ -48,13 +48,10 @@ def preset_config(config: GlmConfig, tokenizer: Any) -> Any:
     cfg_cls, _ = _classes(model_type)
     hf = cfg_cls(
         **arch,
-        vocab_size=len(tokenizer),
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        **_hf.vocab_ids(tokenizer),
     )
     hf._attn_implementation = config.attn_implementation
     return hf

@@ -84,6 +84,17 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def vocab_ids(tokenizer: Any) -> dict[str, Any]:
+    """The config keys a preset takes from its tokenizer: the vocabulary size and the
+    special ids (no BOS: the character tokenizer has none)."""
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+    }
+
+
 def set_special_ids(model: Any, tokenizer: Any) -> None:
     """Make the model's config and generation config agree with the tokenizer."""
     for cfg in (model.config, getattr(model, "generation_config", None)):

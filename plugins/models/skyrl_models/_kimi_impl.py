@@ -43,13 +43,10 @@ def preset_config(config: KimiConfig, tokenizer: Any) -> Any:
 
     hf = DeepseekV3Config(
         **PRESETS[config.preset],  # type: ignore[index]
-        vocab_size=len(tokenizer),
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INITIALIZER_RANGE,
         num_mtp_layers=0,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        **_hf.vocab_ids(tokenizer),
     )
     hf._attn_implementation = config.attn_implementation
     return hf

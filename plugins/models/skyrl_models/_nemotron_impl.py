@@ -51,10 +51,7 @@ def preset_config(config: NemotronConfig, tokenizer: Any) -> Any:
     """The NemotronHConfig of a preset, for the tokenizer's vocabulary."""
     hf = _hf_config(
         PRESETS[config.preset],  # type: ignore[index]
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        **_hf.vocab_ids(tokenizer),
     )
     hf._attn_implementation = config.attn_implementation
     return hf

@@ -53,7 +53,6 @@ def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
     model_type = config.model_type
     assert model_type is not None  # a preset
     common: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),
         hidden_size=arch["hidden_size"],
         num_hidden_layers=arch["num_layers"],
         num_attention_heads=arch["num_heads"],
@@ -62,9 +61,7 @@ def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INITIALIZER_RANGE,
         tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        **_hf.vocab_ids(tokenizer),
     )
     if config.is_moe:
         common.update(

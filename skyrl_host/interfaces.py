@@ -295,9 +295,12 @@ class WeightTransport(Protocol):
     """Moves new weights from the backend to the engine (``[weight_sync] transport``).
 
     Transports between processes have two decoupled halves, so either side can be
-    swapped: ``sender.publish(version, named_tensors)`` in the trainer's process, and
-    ``receiver.fetch()`` (while the engine generates) then ``receiver.apply(engine)`` at
-    a safe point in the engine's (``receiver.sync(engine)`` does both). Versions grow
+    swapped: ``transport.sender(**context).publish(version, named_tensors)`` in the
+    trainer's process, and ``transport.receiver(**context)``: ``fetch()`` (while the
+    engine generates) then ``apply(engine)`` at a safe point in the engine's process
+    (``sync(engine)`` does both). ``collective = True`` marks a transport whose halves
+    take part in the same collectives (start the receiver's ``sync`` before ``publish``);
+    otherwise the receiver reads what ``publish`` wrote. Versions grow
     monotonically; a receiver applies only complete, verified versions, through
     ``engine.update_weights``, and otherwise raises naming the version and the file
     or peer, leaving the engine on its last complete version."""

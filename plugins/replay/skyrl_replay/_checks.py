@@ -16,9 +16,10 @@ def check_plugin_flag(spec: Any, table: str, flag: str, strategy: str, what: str
         return [("replay.strategies", f"replay strategy {strategy!r} needs {what} from [{table}], which this job has not")]
     config = choice.config
     if config is None or not hasattr(config, flag):
-        selector = {"engine": "name", "sampler": "name"}.get(table, "name")
+        from skyrl_host.config import SLOTS
+
         return [(
-            f"{table}.{selector}",
+            f"{table}.{SLOTS[table].selector}",
             f"replay strategy {strategy!r} needs {what}, but {table} {choice.name!r} cannot produce them "
             f"(it has no {flag!r} option)",
         )]

@@ -714,6 +714,16 @@ class TorchBackend:
             return iter(list(sd.items()))
         return iter([(k, v.detach()) for k, v in self.module.state_dict().items()])
 
+    def local_weights(self) -> Iterator[tuple[str, Any]]:
+        """This rank's part of the model's state, with Hugging Face names, gathering
+        nothing (never a collective): under FSDP2 each value is the parameter's
+        ``DTensor`` (``.to_local()`` is this rank's shard, ``.placements`` and
+        ``.shape`` say where it sits in the full tensor); otherwise the full tensors.
+        For sharded transports (``nixl``), where each rank serves its own shards."""
+        if self.module is None:
+            raise RuntimeError("local_weights before start()")
+        return iter([(k, v.detach()) for k, v in self.module.state_dict().items()])
+
     def state_dict(self) -> Mapping[str, Any]:
         """Model, optimizer (keyed by parameter name), scheduler and step counts, on CPU.
         Under DDP/FSDP2 every rank calls it; rank 0 gets the full state."""

@@ -117,6 +117,19 @@ class ClusterSection:
     address: str | None = option(None, help="address of a running Ray cluster (default: start one)")
     num_cpus: int | None = option(None, help="CPUs the job may use (default: all)", validator=gt(0))
     num_gpus: int | None = option(None, help="GPUs the job may use (default: all)", validator=ge(0))
+    trainer_ranks: int = option(
+        1, help="backend ranks, one Ray actor each, data parallel as [backend] says (launcher 'ray')", validator=gt(0)
+    )
+    engine_replicas: int = option(
+        1, help="engine replicas, one Ray actor each; a step's prompts are split between them (launcher 'ray')",
+        validator=gt(0),
+    )
+    cpus_per_actor: float = option(1.0, help="CPUs each actor's placement-group bundle asks Ray for", validator=gt(0))
+
+    def __attrs_post_init__(self) -> None:
+        for key in ("trainer_ranks", "engine_replicas"):
+            if getattr(self, key) > 1 and self.launcher != "ray":
+                raise OptionError(key, f'more than one needs launcher = "ray" (launcher is {self.launcher!r})')
 
 
 HOST_JOB_KEYS = tuple(f.name for f in attrs.fields(JobSection))

@@ -101,7 +101,10 @@ class ModelFamily(Protocol):
         files) that ``AutoModelForCausalLM.from_pretrained`` loads."""
         ...
 
-    # Families of MoE models also offer ``routers(model) -> list[RouterInfo]`` (in
+    # Families may also offer ``load_tokenizer(*, alphabet) -> LoadedModel`` with
+    # ``model=None``: what ``load`` gives without building or reading the model (the Ray
+    # launcher's driver only encodes and decodes). Families of MoE models also offer
+    # ``routers(model) -> list[RouterInfo]`` (in
     # layer order; empty for a dense model) and ``lora_targets: Sequence[str]``; the
     # built-in families map in-memory weight names (fused experts) to the on-disk ones:
     # ``disk_weights(model, named) -> iter[(disk name, tensor)]``,

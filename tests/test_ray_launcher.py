@@ -121,3 +121,55 @@ def test_rollout_batches_cross_the_object_store_without_copies(ray_session) -> N
         assert not array.flags.writeable and np.shares_memory(array, second[name]), name
     back = RolloutBatch.from_arrays(first)
     assert np.array_equal(back.tokens, batch.tokens) and back.side_channels["sample_support"].n_rows == 256
+
+
+def metrics_close(a: list[dict], b: list[dict], rel: float) -> None:
+    assert len(a) == len(b)
+    for ra, rb in zip(learning(a), learning(b)):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=1e-6), (ra["step"], k)
+
+
+RANKS = "\n[cluster]\nlauncher = \"ray\"\ntrainer_ranks = 2\nengine_replicas = {replicas}\ncpus_per_actor = 0.5\n"
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_like_one_process(ray_session, skyrl_cli, tmp_path) -> None:
+    """Two backend ranks (DDP across two actors), each on its share of the batch's
+    sequences, take the one-process step: the same metrics up to float32 reduction order."""
+    local = run(skyrl_cli, tmp_path, "local", launcher="local", engine_dtype="auto", weight_sync='transport = "inproc"')
+    out = tmp_path / "ddp"
+    text = JOB.format(out=out, launcher="ray", engine_dtype="float32",
+                      weight_sync=f'transport = "delta"\nuri = "file://{tmp_path}/w"\ndtype = "float32"')
+    text = text.replace('[cluster]\nlauncher = "ray"\n', RANKS.format(replicas=1)) + 'data_parallel = "ddp"\n'
+    (tmp_path / "ddp.toml").write_text(text)
+    result = skyrl_cli("run", str(tmp_path / "ddp.toml"))
+    assert result.exit_code == 0, result.stderr
+    ddp = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    ddp = [r for r in ddp if "step" in r and "event" not in r]
+    metrics_close(ddp, local, rel=1e-4)
+    assert [r["sequences"] for r in ddp] == [32.0, 32.0, 32.0]  # both ranks' shares counted once
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_broadcast_to_two_engine_replicas(ray_session, skyrl_cli, tmp_path) -> None:
+    """FSDP2 over two backend actors; rank 0 broadcasts to two engine replicas that split
+    each step's prompts. Every engine serves the trainer's weights: the trainer's
+    logprobs of the replicas' tokens equal theirs (float32 both sides)."""
+    out = tmp_path / "fsdp"
+    text = JOB.format(out=out, launcher="ray", engine_dtype="float32", weight_sync='transport = "broadcast"\ndtype = "float32"')
+    text = text.replace('[cluster]\nlauncher = "ray"\n', RANKS.format(replicas=2)) + 'data_parallel = "fsdp2"\n'
+    text = text.replace("save_final = false", "save_final = true")
+    (tmp_path / "fsdp.toml").write_text(text)
+    result = skyrl_cli("run", str(tmp_path / "fsdp.toml"))
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step" in r and "event" not in r]
+    assert [r["weight_version"] for r in rows] == [0.0, 1.0, 2.0]
+    assert all(r["kept_groups"] == 8 and r["sequences"] == 32 for r in rows)
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-4
+    assert (out / "final" / "config.json").is_file()
+    import ray
+
+    assert ray.available_resources().get("CPU") == 2

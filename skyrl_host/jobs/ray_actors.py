@@ -1,32 +1,98 @@
-"""``[cluster] launcher = "ray"``: the engine and the backend in Ray actors (imports ray
-only when used).
+"""``[cluster] launcher = "ray"``: the backend's ranks and the engine's replicas in Ray
+actors (imports ray only when used).
 
 The driver process keeps the dataset, the algorithm (for advantages) and the
 tokenizer. Each actor builds its own copy of the model from the same family plugin and
-seed, in a placement group of its own (one CPU, or one GPU when the cluster has them):
+seed. The ``[cluster] trainer_ranks`` backend actors share one placement group (one
+bundle each: ``cpus_per_actor`` CPUs, or one GPU when the cluster has them) and one
+``torch.distributed`` group (gloo on CPU, NCCL on GPU) in which the backend runs data
+parallel (``[backend] data_parallel``); the ``engine_replicas`` engine actors share
+another placement group.
 
-- the **engine actor** starts the engine and the weight transport's receiver and answers
+- an **engine actor** starts the engine and the weight transport's receiver and answers
   ``generate`` with the RolloutBatch's numpy arrays (``RolloutBatch.to_arrays``), which
   travel through Ray's object store and reach the driver as zero-copy, read-only views;
-- the **backend actor** starts the backend (with the job's replay strategies) and the
-  transport's sender, trains on the batches the driver hands it (again numpy arrays
-  through the object store) and publishes each version.
+  the driver splits a step's prompts between the replicas and joins their batches;
+- a **backend actor** (one per rank) starts the backend (with the job's replay
+  strategies) and trains on its share of each batch's sequences (again numpy arrays
+  through the object store); rank 0 holds the transport's sender (every rank, for
+  sharded transports) and publishes each version.
 
-Weights move only through the job's weight transport (``delta`` through its URL,
-``broadcast`` over a gloo group between the two actors), never through Ray.
+Weights move only through the job's weight transport, never through Ray's object store
+(``delta`` through its URL; ``broadcast`` over a group of its own between backend rank 0
+and the engines; ``nixl`` from every backend rank to every engine; ``lora``'s adapters
+as one object handed from rank 0 to the engines).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from skyrl_host.errors import UserError
 
 
+def ray_get(refs: Any) -> Any:
+    """``ray.get``, re-raising a user error from an actor as itself (one clear message,
+    not a remote traceback)."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UserError):
+            raise exc.cause from None
+        raise
+
+
+def _address() -> str:
+    """``tcp://<this node's IP>:<a free port>``, for a group whose rank 0 runs here."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+
+def _dist_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0) -> Any:
+    """A ``torch.distributed`` process group of its own for moving weights (backend rank
+    0 = group rank 0, the engines 1..n), beside any default group the process has (the
+    backend ranks' data-parallel group). Usable with ``dist.broadcast(..., group=...)``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore("skyrl-weights/", dist.TCPStore(host, int(port), world, rank == 0, timeout=timeout))
+    group, _ = c10d._new_process_group_helper(
+        world, rank, [], c10d.Backend(_dist_backend()), store, group_name=f"skyrl-weights-{port}", timeout=timeout
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group
+
+
+def _destroy(group: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except (AssertionError, RuntimeError, ValueError, KeyError):
+        pass
+
+
 class EngineWorker:
-    """The engine's actor (wrapped with ``ray.remote`` by :func:`start_actor`)."""
+    """One engine replica's actor (wrapped with ``ray.remote`` by :func:`start_actors`)."""
 
     def __init__(self, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None):
         import torch
@@ -40,21 +106,27 @@ class EngineWorker:
         self.engine.start(self.loaded)
         self.transport = choices["weight_sync"].create()
         self.receiver: Any = None
+        self.group: Any = None
 
     def ready(self) -> str:
         return socket.gethostname()
 
-    def init_receiver(self, group_address: str | None = None) -> None:
+    def init_receiver(self, group: tuple[str, int, int] | None = None) -> None:
+        """``group``: (address, rank, world) of the weight group, for collective transports."""
         context: dict[str, Any] = {}
-        if group_address is not None:
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo", init_method=group_address, rank=1, world_size=2)
-            context = {"src": 0}
+        if group is not None:
+            self.group = weight_group(*group)
+            context = {"group": self.group, "src": 0}
         self.receiver = self.transport.receiver(**context)
 
-    def sync(self, version: int) -> Mapping[str, float]:
-        kwargs = {} if getattr(self.transport, "collective", False) else {"target": version}
+    def connect(self, endpoints: Sequence[Any]) -> None:
+        """Rendezvous transports: every backend rank's endpoint."""
+        self.receiver.connect(list(endpoints))
+
+    def sync(self, version: int, payload: Any = None) -> Mapping[str, float]:
+        kwargs: dict[str, Any] = {} if getattr(self.transport, "collective", False) else {"target": version}
+        if payload is not None:
+            kwargs["payload"] = payload
         return self.receiver.sync(self.engine, **kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int,
@@ -66,41 +138,84 @@ class EngineWorker:
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
 
+    def close(self) -> None:
+        if self.group is not None:
+            _destroy(self.group)
+            self.group = None
+
 
 class BackendWorker:
-    """The backend's actor (wrapped with ``ray.remote`` by :func:`start_actor`)."""
+    """One backend rank's actor (wrapped with ``ray.remote`` by :func:`start_actors`)."""
 
     def __init__(self, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None,
-                 total_steps: int):
+                 rank: int, world: int):
         import torch
 
         if threads:
             torch.set_num_threads(threads)
-        torch.manual_seed(seed)  # as the one-process driver does before starting the backend
+        self.choices, self.alphabet, self.seed = choices, alphabet, seed
+        self.rank, self.world = rank, world
         self.family = choices["model"].create()
         self.loaded = self.family.load(alphabet=alphabet, seed=seed)
         self.algorithm = choices["algorithm"].create()
         self.backend = choices["backend"].create()
-        replay = [c.create() for c in choices["replay"]]
-        self.backend.start(self.loaded, seed=seed, total_steps=total_steps,
-                           reference=bool(self.algorithm.needs_reference), **({"replay": replay} if replay else {}))
         self.transport = choices["weight_sync"].create()
         self.sender: Any = None
+        self.group: Any = None
 
     def ready(self) -> str:
         return socket.gethostname()
 
-    def init_sender(self, group_address: str | None = None) -> None:
-        if group_address is not None:
+    def address(self) -> str:
+        return _address()
+
+    def start(self, total_steps: int, dp_address: str | None) -> None:
+        """Join the ranks' data-parallel group (when there are several), then start the backend."""
+        import torch
+
+        if self.world > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=group_address, rank=0, world_size=2)
-            self.sender = self.transport.sender(src=0)
-        else:
-            self.sender = self.transport.sender()
+            os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
+            dist.init_process_group(_dist_backend(), init_method=dp_address, rank=self.rank, world_size=self.world)
+        torch.manual_seed(self.seed)  # as the one-process driver does before starting the backend
+        replay = [c.create() for c in self.choices["replay"]]
+        try:
+            self.backend.start(self.loaded, seed=self.seed, total_steps=total_steps,
+                               reference=bool(self.algorithm.needs_reference), **({"replay": replay} if replay else {}))
+        except ValueError as exc:
+            if not replay:
+                raise
+            raise UserError(f"[replay] strategies: {exc}") from None
 
-    def publish(self, version: int) -> Mapping[str, float]:
-        return self.sender.publish(version, self.backend.named_weights())
+    def init_sender(self, group: tuple[str, int, int] | None = None) -> None:
+        if getattr(self.transport, "rendezvous", False):  # every rank serves its own shards
+            self.sender = self.transport.sender(rank=self.rank, world=self.world)
+        elif self.rank == 0:
+            if group is not None:
+                self.group = weight_group(*group)
+                self.sender = self.transport.sender(group=self.group, src=0)
+            else:
+                self.sender = self.transport.sender()
+
+    def publish(self, version: int) -> Any:
+        """Publish ``version``; every rank calls it (gathering sharded weights is a
+        collective). Transports that carry their payload return (stats, payload)."""
+        if getattr(self.transport, "carries_payload", False):
+            if self.sender is None:
+                return {}, None
+            return self.sender.publish(version, self.backend)
+        if getattr(self.transport, "rendezvous", False):
+            return self.sender.publish(version, self.backend.local_weights())
+        weights = self.backend.named_weights()
+        if self.sender is None:
+            for _ in weights:  # take part in the gather; rank 0 publishes
+                pass
+            return {}
+        return self.sender.publish(version, weights)
+
+    def endpoint(self) -> Any:
+        return self.sender.endpoint()
 
     def train_step(self, arrays: Mapping[str, Any], advantages: Any, temperature: float,
                    max_new_tokens: int) -> Mapping[str, float]:
@@ -115,115 +230,166 @@ class BackendWorker:
         return self.backend.reference_logprobs(RolloutBatch.from_arrays(arrays), temperature=temperature)
 
     def state_dict(self) -> Any:
-        return self.backend.state_dict()
+        state = self.backend.state_dict()  # a collective with several ranks: rank 0 gets the full state
+        return state if self.rank == 0 else None
 
     def load_state_dict(self, state: Any) -> None:
-        self.backend.load_state_dict(state)
+        self.backend.load_state_dict(state if self.rank == 0 else {})
 
     def save_final(self, path: str) -> None:
         import torch
 
-        trained = dict(self.backend.named_weights())
+        trained = dict(self.backend.named_weights())  # a collective with several ranks
+        if self.rank != 0:
+            return
+        # With several ranks the model this actor holds is sharded or wrapped: save a fresh copy.
+        loaded = self.loaded if self.world == 1 else self.family.load(alphabet=self.alphabet, seed=self.seed)
         with torch.no_grad():
-            for name, param in self.loaded.model.state_dict().items():
+            for name, param in loaded.model.state_dict().items():
                 if name in trained and trained[name].data_ptr() != param.data_ptr():
                     param.copy_(trained[name])
-        self.family.save(self.loaded, path)
+        self.family.save(loaded, path)
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.group is not None:
+            _destroy(self.group)
+            self.group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-class RemoteBackend:
-    """The driver's handle on the backend actor: the Backend protocol's calls the driver makes."""
+def split_sequences(seq_lens: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Contiguous runs of sequence indices, one per part, with token counts as even as
+    whole sequences allow (a part may be empty)."""
+    cum = np.cumsum(np.asarray(seq_lens, dtype=np.int64))
+    total = int(cum[-1]) if len(cum) else 0
+    # Sequence i goes to the part its middle token falls in.
+    middle = cum - np.asarray(seq_lens, dtype=np.int64) / 2.0
+    owner = np.minimum((middle * parts / max(total, 1)).astype(np.int64), parts - 1)
+    return [np.flatnonzero(owner == p) for p in range(parts)]
 
-    def __init__(self, actor: Any):
-        self.actor = actor
+
+class RemoteBackend:
+    """The driver's handle on the backend ranks: the Backend protocol's calls the driver
+    makes. Each rank trains on its share of the batch's sequences; the backend reduces
+    over ranks, so every rank returns the step's metrics."""
+
+    def __init__(self, actors: Sequence[Any]):
+        self.actors = list(actors)
+        self.actor = self.actors[0]
 
     def train_step(self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float,
                    max_new_tokens: int) -> Mapping[str, float]:
-        import ray
-
-        return ray.get(self.actor.train_step.remote(dict(batch.to_arrays()), advantages, temperature, max_new_tokens))
+        advantages = np.asarray(advantages)
+        calls = []
+        for actor, seqs in zip(self.actors, split_sequences(batch.seq_lens, len(self.actors))):
+            if len(self.actors) == 1:
+                part, adv = batch, advantages
+            else:
+                part = batch.select(seqs)
+                cu = batch.cu_seqlens
+                tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)
+                adv = advantages[tokens]
+            calls.append(actor.train_step.remote(dict(part.to_arrays()), adv, temperature, max_new_tokens))
+        return ray_get(calls)[0]
 
     def reference_logprobs(self, batch: Any, *, temperature: float) -> Any:
         import ray
 
-        return ray.get(self.actor.reference_logprobs.remote(dict(batch.to_arrays()), temperature))
+        # Every rank scores the whole batch (the same forwards on every rank: safe when they are collectives).
+        ref = ray.put(dict(batch.to_arrays()))
+        return ray_get([a.reference_logprobs.remote(ref, temperature) for a in self.actors])[0]
 
     def state_dict(self) -> Any:
-        import ray
-
-        return ray.get(self.actor.state_dict.remote())
+        return ray_get([a.state_dict.remote() for a in self.actors])[0]
 
     def load_state_dict(self, state: Any) -> None:
         import ray
 
-        ray.get(self.actor.load_state_dict.remote(state))
+        ref = ray.put(state)
+        ray_get([a.load_state_dict.remote(ref if i == 0 else None) for i, a in enumerate(self.actors)])
+
+    def save_final(self, path: str) -> None:
+        ray_get([a.save_final.remote(path) for a in self.actors])
+
+
+def replica_seed(seed: int, replica: int) -> int:
+    """The generation seed of engine replica ``replica`` (replica 0 keeps the step's seed)."""
+    return (seed + replica * 0x9E3779B97F4A7C15) % (2**63 - 1)
 
 
 class RemoteEngine:
-    """The driver's handle on the actor: the parts of the Engine protocol the driver uses."""
+    """The driver's handle on the engine replicas: the parts of the Engine protocol the
+    driver uses. A step's prompts are split into contiguous runs, one per replica."""
 
-    def __init__(self, actor: Any):
-        self.actor = actor
+    def __init__(self, actors: Sequence[Any]):
+        self.actors = list(actors)
+        self.actor = self.actors[0]
 
     @property
     def weight_version(self) -> int:
-        import ray
-
-        return ray.get(self.actor.weight_version.remote())
+        return min(ray_get([a.weight_version.remote() for a in self.actors]))
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, sampler: Any, max_new_tokens: int, seed: int,
                  group_offset: int = 0) -> Any:
-        import ray
-
         from skyrl_host.rollout import RolloutBatch
 
-        arrays = ray.get(self.actor.generate.remote([list(p) for p in prompts], n, max_new_tokens, seed, group_offset))
-        return RolloutBatch.from_arrays(arrays)
+        prompts = [list(p) for p in prompts]
+        bounds = np.linspace(0, len(prompts), len(self.actors) + 1).round().astype(int)
+        calls = [
+            actor.generate.remote(prompts[a:b], n, max_new_tokens, replica_seed(seed, i), group_offset + a)
+            for i, (actor, a, b) in enumerate(zip(self.actors, bounds[:-1], bounds[1:]))
+            if b > a
+        ]
+        batches = [RolloutBatch.from_arrays(arrays) for arrays in ray_get(calls)]
+        return batches[0] if len(batches) == 1 else RolloutBatch.concat(batches)
 
 
 class RaySync:
-    """The weight transport between the backend actor (sender) and the engine actor (receiver)."""
+    """The weight transport between the backend ranks (senders) and the engine replicas
+    (receivers)."""
 
-    def __init__(self, transport: Any, backend_actor: Any, engine_actor: Any):
-        import ray
-
-        self.backend_actor, self.engine_actor = backend_actor, engine_actor
+    def __init__(self, transport: Any, backend_actors: Sequence[Any], engine_actors: Sequence[Any]):
+        self.backends, self.engines = list(backend_actors), list(engine_actors)
         self.collective = bool(getattr(transport, "collective", False))
-        if self.collective:
-            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-            ray.get([engine_actor.init_receiver.remote(address), backend_actor.init_sender.remote(address)])
+        self.rendezvous = bool(getattr(transport, "rendezvous", False))
+        self.carries_payload = bool(getattr(transport, "carries_payload", False))
+        self.connected = False
+        if self.collective:  # backend rank 0 and every engine in a group of their own
+            address = ray_get(self.backends[0].address.remote())
+            world = 1 + len(self.engines)
+            ray_get([e.init_receiver.remote((address, 1 + i, world)) for i, e in enumerate(self.engines)]
+                    + [self.backends[0].init_sender.remote((address, 0, world))]
+                    + [b.init_sender.remote() for b in self.backends[1:]])
         else:
-            ray.get([engine_actor.init_receiver.remote(), backend_actor.init_sender.remote()])
+            ray_get([e.init_receiver.remote() for e in self.engines] + [b.init_sender.remote() for b in self.backends])
 
     def publish(self, version: int) -> dict[str, float]:
-        import ray
-
-        if self.collective:  # both sides in the same collectives
-            sent, received = ray.get([self.backend_actor.publish.remote(version), self.engine_actor.sync.remote(version)])
-            stats = dict(sent)
-            stats.update(received)
+        if self.collective:  # every side in the same collectives
+            results = ray_get([b.publish.remote(version) for b in self.backends]
+                              + [e.sync.remote(version) for e in self.engines])
+            sent, received = results[0], results[len(self.backends):]
+        elif self.carries_payload:  # rank 0's payload goes to the engines as one object
+            first = self.backends[0].publish.options(num_returns=2).remote(version)
+            others = [b.publish.remote(version) for b in self.backends[1:]]
+            sent = ray_get(first[0])
+            received = ray_get([e.sync.remote(version, first[1]) for e in self.engines])
+            ray_get(others)
         else:  # written first, then read
-            stats = dict(ray.get(self.backend_actor.publish.remote(version)))
-            stats.update(ray.get(self.engine_actor.sync.remote(version)))
+            sent = ray_get([b.publish.remote(version) for b in self.backends])[0]
+            if self.rendezvous and not self.connected:
+                endpoints = ray_get([b.endpoint.remote() for b in self.backends])
+                ray_get([e.connect.remote(endpoints) for e in self.engines])
+                self.connected = True
+            received = ray_get([e.sync.remote(version) for e in self.engines])
+        stats = dict(sent)
+        stats.update(received[0])
         return stats
 
     def close(self) -> None:
-        import ray
-
-        if self.collective:
-            ray.get(self.backend_actor.close.remote())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+        ray_get([a.close.remote() for a in self.backends + self.engines])
 
 
 def start_ray(cluster: Any) -> bool:
@@ -241,35 +407,47 @@ def start_ray(cluster: Any) -> bool:
     return True
 
 
-def start_actor(worker: type, *args: Any) -> Any:
-    """``worker`` as a Ray actor in a placement group of its own (one GPU when the cluster
-    has one to give, else one CPU); waits until it is built."""
+def start_actors(worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0) -> list[Any]:
+    """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
+    placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
+    enough to give each one); waits until all are built."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    bundle = {"CPU": 1, **({"GPU": 1} if gpus else {})}
-    group = placement_group([bundle])
-    ray.get(group.ready())
-    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus)(worker)
-    actor = actor_cls.options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
-    ).remote(*args)
-    ray.get(actor.ready.remote())
-    _STARTED.append((actor, group))
-    return actor
+    n = len(args)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
+    bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+    group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=120)
+    if not ready:
+        remove_placement_group(group)
+        raise UserError(
+            f"[cluster]: Ray cannot place {n} {worker.__name__} actor(s) of {bundle} each "
+            f"(the cluster has {ray.cluster_resources()}): lower cpus_per_actor, trainer_ranks or engine_replicas"
+        )
+    actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(worker)
+    actors = [
+        actor_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
+        ).remote(*a)
+        for i, a in enumerate(args)
+    ]
+    _STARTED.append((actors, group))
+    ray_get([a.ready.remote() for a in actors])
+    return actors
 
 
-_STARTED: list[tuple[Any, Any]] = []  # (actor, placement group) of this process, for stop_actors
+_STARTED: list[tuple[list[Any], Any]] = []  # (actors, placement group) of this process, for stop_actors
 
 
 def stop_actors() -> None:
-    """Kill the actors :func:`start_actor` started and free their placement groups."""
+    """Kill the actors :func:`start_actors` started and free their placement groups."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
     while _STARTED:
-        actor, group = _STARTED.pop()
-        ray.kill(actor)
+        actors, group = _STARTED.pop()
+        for actor in actors:
+            ray.kill(actor)
         remove_placement_group(group)

@@ -72,13 +72,17 @@ class RLDriver:
         self.dataset = run.plugin("dataset").create(seed=self.seed)
         self.family = run.plugin("model").create()
         alphabet = getattr(self.dataset, "alphabet", None)
-        self.loaded = self.family.load(alphabet=alphabet, seed=self.seed)
+        on_ray = run.spec.cluster.launcher == "ray"
+        if on_ray and callable(getattr(self.family, "load_tokenizer", None)):
+            self.loaded = self.family.load_tokenizer(alphabet=alphabet)  # the actors hold the models
+        else:
+            self.loaded = self.family.load(alphabet=alphabet, seed=self.seed)
         self.tokenizer = self.loaded.tokenizer
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
         self.transport = run.plugin("weight_sync").create()
         self.ray_sync = None
-        if run.spec.cluster.launcher == "ray":
+        if on_ray:
             self._start_ray_actors(alphabet)
         else:
             self.backend = run.plugin("backend").create()
@@ -102,19 +106,28 @@ class RLDriver:
         self._publish(self.start_step - 1)
 
     def _start_ray_actors(self, alphabet: str | None) -> None:
-        """The backend and the engine in Ray actors; weights through the transport's two halves."""
+        """The backend's ranks and the engine's replicas in Ray actors; weights through the
+        transport's halves."""
         from skyrl_host.jobs import ray_actors
 
-        run = self.run_
-        self._own_ray = ray_actors.start_ray(run.spec.cluster)
+        run, cluster = self.run_, self.run_.spec.cluster
+        self._own_ray = ray_actors.start_ray(cluster)
         plugins = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync", "algorithm", "backend", "replay")}
-        backend_actor = ray_actors.start_actor(
-            ray_actors.BackendWorker, plugins, alphabet, self.seed, self.cfg.threads, run.total_steps
+        ranks, replicas = cluster.trainer_ranks, cluster.engine_replicas
+        backends = ray_actors.start_actors(
+            ray_actors.BackendWorker,
+            [(plugins, alphabet, self.seed, self.cfg.threads, rank, ranks) for rank in range(ranks)],
+            cpus=cluster.cpus_per_actor,
         )
-        engine_actor = ray_actors.start_actor(ray_actors.EngineWorker, plugins, alphabet, self.seed, self.cfg.threads)
-        self.backend = ray_actors.RemoteBackend(backend_actor)
-        self.engine = ray_actors.RemoteEngine(engine_actor)
-        self.ray_sync = ray_actors.RaySync(self.transport, backend_actor, engine_actor)
+        dp_address = ray_actors.ray_get(backends[0].address.remote()) if ranks > 1 else None
+        ray_actors.ray_get([b.start.remote(run.total_steps, dp_address) for b in backends])
+        engines = ray_actors.start_actors(
+            ray_actors.EngineWorker, [(plugins, alphabet, self.seed, self.cfg.threads)] * replicas,
+            cpus=cluster.cpus_per_actor,
+        )
+        self.backend = ray_actors.RemoteBackend(backends)
+        self.engine = ray_actors.RemoteEngine(engines)
+        self.ray_sync = ray_actors.RaySync(self.transport, backends, engines)
 
     def _publish(self, version: int) -> Mapping[str, float]:
         if self.ray_sync is not None:
@@ -283,9 +296,7 @@ class RLDriver:
         import torch
 
         if self.ray_sync is not None:
-            import ray
-
-            ray.get(self.backend.actor.save_final.remote(str(self.run_.output_dir / "final")))
+            self.backend.save_final(str(self.run_.output_dir / "final"))
             return
 
         trained = dict(self.backend.named_weights())

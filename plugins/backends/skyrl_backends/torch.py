@@ -79,6 +79,16 @@ def create(config: TorchBackendConfig) -> Any:
     return TorchBackend(config)
 
 
+def check(spec: Any) -> list[tuple[str, str]]:
+    """Several backend ranks train data parallel: ``data_parallel`` must say how."""
+    choice = spec.plugins.get("backend")
+    ranks = spec.cluster.trainer_ranks
+    if ranks > 1 and choice is not None and choice.config.data_parallel == "none":
+        return [("backend.data_parallel", f"[cluster] trainer_ranks = {ranks} trains data parallel: "
+                 "set data_parallel = \"ddp\" or \"fsdp2\"")]
+    return []
+
+
 @hookimpl
 def skyrl_register_backends(register: Any) -> None:
     register(
@@ -86,4 +96,5 @@ def skyrl_register_backends(register: Any) -> None:
         create,
         config=TorchBackendConfig,
         description="PyTorch trainer: packed micro-batches, AdamW, bf16 autocast, DDP or FSDP2 data parallel",
+        check=check,
     )

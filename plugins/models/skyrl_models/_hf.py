@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import shutil
+import types
 import uuid
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -273,8 +274,39 @@ class HFFamily(abc.ABC):
         else:
             model, tokenizer = self.build_preset(alphabet, seed)
         return LoadedModel(
-            model, tokenizer, stop_token_ids(model, tokenizer), family=self.name, routers=tuple(self.routers(model))
+            model, tokenizer, stop_token_ids(model, tokenizer), family=self.name, routers=tuple(self.routers(model)),
+            lora_targets=tuple(getattr(self, "lora_targets", ()) or ()),
         )
+
+    def load_tokenizer(self, *, alphabet: str | None) -> Any:
+        """What :meth:`load` gives, without the model (``model=None``): the tokenizer and
+        the stop ids, for a process that only encodes prompts and decodes responses (the
+        Ray launcher's driver). Reads only the tokenizer files and the configs' JSON."""
+        from skyrl_host.interfaces import LoadedModel
+
+        if self.config.path is None:
+            tokenizer = char_tokenizer(alphabet, model_max_length=self.max_positions)
+            return LoadedModel(None, tokenizer, [tokenizer.eos_token_id], family=self.name)  # set_special_ids' choice
+        path = self.config.resolved_path
+        read_model_type(path)  # the same error as load() for a folder without config.json
+        from transformers import AutoTokenizer
+
+        if not any((pathlib.Path(path) / name).is_file() for name in TOKENIZER_FILES):
+            names = ", ".join(TOKENIZER_FILES)
+            raise UserError(Problem(f"{path!r} has no tokenizer files (expected one of {names})", key="model.path"))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise UserError(Problem(f"cannot load a tokenizer from {path!r}: {exc}", key="model.path")) from None
+        configs = []
+        for name in ("generation_config.json", "config.json"):
+            file = pathlib.Path(path) / name
+            data = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+            # A composite (vision-language) folder keeps the language model's ids in text_config.
+            text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+            configs.append(types.SimpleNamespace(eos_token_id=data.get("eos_token_id", text.get("eos_token_id"))))
+        holder = types.SimpleNamespace(generation_config=configs[0], config=configs[1])
+        return LoadedModel(None, tokenizer, stop_token_ids(holder, tokenizer), family=self.name)
 
     def routers(self, model: Any) -> list[Any]:
         """The model's MoE routers (:class:`skyrl_host.interfaces.RouterInfo`) in layer

@@ -72,3 +72,20 @@ def test_memory_weights_errors_name_the_tensor(skyrl_host) -> None:
         fam.memory_weights(model, {**disk, one: torch.zeros(3, 64)})
     with pytest.raises(ValueError, match="'extra.weight' has no place in the model"):
         fam.memory_weights(model, {**disk, "extra.weight": torch.zeros(1)})
+
+
+@pytest.mark.parametrize(("family", "preset"), CASES, ids=[p for _, p in CASES])
+def test_tokenizer_only_load_gives_what_the_full_load_gives(skyrl_host, tmp_path, family: str, preset: str) -> None:
+    """The Ray driver loads only the tokenizer (``load_tokenizer``): the same ids and stop
+    ids as the full load, for the preset and for the folder it saves."""
+    fam, loaded = load(skyrl_host, family, preset)
+    light = fam.load_tokenizer(alphabet="0123456789+=:")
+    assert light.model is None
+    assert list(light.stop_token_ids) == list(loaded.stop_token_ids)
+    assert light.tokenizer.encode("12+3=15") == loaded.tokenizer.encode("12+3=15")
+    fam.save(loaded, str(tmp_path / "m"))
+    reg = skyrl_host.registry.get("models", family)
+    from_folder = reg.create(reg.config(path=str(tmp_path / "m")))
+    full, light = from_folder.load(alphabet=None, seed=0), from_folder.load_tokenizer(alphabet=None)
+    assert light.model is None and list(light.stop_token_ids) == list(full.stop_token_ids)
+    assert light.tokenizer.encode("12+3=15") == full.tokenizer.encode("12+3=15")

@@ -1,0 +1,356 @@
+"""The corpus reader and writer: our format, Megatron's (written by megatron-core itself),
+torn writes, and remote corpora read lazily through the local cache (fsspec memory://
+and a real S3 API: moto's server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from skyrl_datasets.corpus import CorpusWriter, open_corpus
+from skyrl_host.errors import UserError
+
+
+def random_docs(n: int, vocab: int, seed: int = 0, max_len: int = 60) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, vocab, int(rng.integers(1, max_len))) for _ in range(n)]
+    masks = [rng.integers(0, 2, d.shape[0]).astype(np.uint8) for d in docs]
+    return docs, masks
+
+
+def write(prefix: pathlib.Path, docs, masks=None, vocab: int = 1000, **kw) -> dict:
+    with CorpusWriter(prefix, vocab_size=vocab, eos_id=1, tokenizer="tiny", **kw) as w:
+        half = len(docs) // 2
+        for i in range(half):  # one by one, then the rest as one batch
+            w.add(docs[i], None if masks is None else masks[i])
+        if len(docs) > half:
+            w.add_batch(
+                np.concatenate(docs[half:]),
+                [d.shape[0] for d in docs[half:]],
+                None if masks is None else np.concatenate(masks[half:]),
+            )
+    return json.loads(pathlib.Path(f"{prefix}.json").read_text())
+
+
+def test_round_trip_ids_masks_and_meta(tmp_path) -> None:
+    docs, masks = random_docs(200, 1000)
+    write(tmp_path / "c", docs, masks)
+    with open_corpus(str(tmp_path / "c")) as c:
+        assert (c.n_docs, c.n_tokens) == (200, sum(d.shape[0] for d in docs))
+        assert c.lengths.tolist() == [d.shape[0] for d in docs]
+        for i in range(200):
+            assert c.tokens(i).tolist() == docs[i].tolist()
+            assert c.mask(i).tolist() == masks[i].tolist()
+        assert c.tokens(-1).tolist() == docs[-1].tolist()
+        assert c.meta["format"] == "skyrl-corpus" and c.meta["version"] == 1
+        assert (c.meta["dtype"], c.meta["vocab_size"], c.meta["eos_id"], c.meta["tokenizer"]) == ("uint16", 1000, 1, "tiny")
+        with pytest.raises(IndexError):
+            c.tokens(200)
+    # any of the files' names opens it too
+    assert open_corpus(str(tmp_path / "c.json")).n_docs == 200
+
+
+def test_views_are_zero_copy_and_read_only(tmp_path) -> None:
+    docs, masks = random_docs(20, 1000)
+    write(tmp_path / "c", docs, masks)
+    c = open_corpus(str(tmp_path / "c"))
+    t = c.tokens(3)
+    assert not t.flags.owndata and not t.flags.writeable
+    base = t
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    assert not isinstance(base, (bytes, bytearray))  # a mapping, not a copy read into memory
+    with pytest.raises(ValueError):
+        t[0] = 5
+
+
+def test_no_mask_means_every_token_trains(tmp_path) -> None:
+    docs, _ = random_docs(10, 1000)
+    header = write(tmp_path / "c", docs)
+    assert header["mask"] is None and not (tmp_path / "c.mask").exists()
+    c = open_corpus(str(tmp_path / "c"))
+    assert c.mask(0) is None and not c.has_mask
+
+
+def test_a_mask_given_later_marks_earlier_documents_as_training(tmp_path) -> None:
+    docs, masks = random_docs(6, 1000)
+    with CorpusWriter(tmp_path / "c", vocab_size=1000) as w:
+        w.add(docs[0])
+        w.add(docs[1], masks[1])
+    c = open_corpus(str(tmp_path / "c"))
+    assert c.mask(0).tolist() == [1] * docs[0].shape[0] and c.mask(1).tolist() == masks[1].tolist()
+
+
+def test_large_vocabulary_uses_int32(tmp_path) -> None:
+    docs = [np.array([0, 65535, 65536, 151_000]), np.array([7])]
+    header = write(tmp_path / "c", docs, vocab=152_000)
+    assert header["dtype"] == "int32"
+    c = open_corpus(str(tmp_path / "c"))
+    assert c.tokens(0).dtype == np.int32 and c.tokens(0).tolist() == [0, 65535, 65536, 151_000]
+
+
+def test_writer_refuses_ids_outside_the_vocabulary(tmp_path) -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        with CorpusWriter(tmp_path / "c", vocab_size=100) as w:
+            w.add([5, 100])
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_empty_documents_and_empty_corpus(tmp_path) -> None:
+    write(tmp_path / "e", [np.array([], np.int64), np.array([3, 4]), np.array([], np.int64)])
+    c = open_corpus(str(tmp_path / "e"))
+    assert c.lengths.tolist() == [0, 2, 0] and c.tokens(0).shape == (0,) and c.tokens(1).tolist() == [3, 4]
+    write(tmp_path / "z", [])
+    z = open_corpus(str(tmp_path / "z"))
+    assert (z.n_docs, z.n_tokens) == (0, 0)
+
+
+def test_torn_write_is_never_a_dataset(tmp_path) -> None:
+    docs, masks = random_docs(30, 1000)
+    w = CorpusWriter(tmp_path / "c", vocab_size=1000)
+    for d, m in zip(docs, masks):
+        w.add(d, m)
+    # the writer died before close(): data files exist, no header
+    with pytest.raises(UserError, match="unfinished write"):
+        open_corpus(str(tmp_path / "c"))
+    w.close()
+    assert open_corpus(str(tmp_path / "c")).n_docs == 30
+    # rewriting removes the old header first: a crash mid-rewrite leaves no stale header
+    w2 = CorpusWriter(tmp_path / "c", vocab_size=1000)
+    w2.add(docs[0])
+    assert not (tmp_path / "c.json").exists()
+    w2.abort()
+    # a truncated tokens file under a complete header is refused by its size
+    write(tmp_path / "d", docs, masks)
+    with open(tmp_path / "d.tokens", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(UserError, match="truncated or rewritten"):
+        open_corpus(str(tmp_path / "d"))
+
+
+def test_missing_corpus_is_a_user_error(tmp_path) -> None:
+    with pytest.raises(UserError, match="no corpus at this prefix"):
+        open_corpus(str(tmp_path / "nothing"))
+    (tmp_path / "half.idx").write_bytes(b"")
+    with pytest.raises(UserError, match="in pairs"):
+        open_corpus(str(tmp_path / "half"))
+
+
+def test_open_is_constant_time(tmp_path) -> None:
+    # 20M tokens; opening maps files and reads a few hundred bytes
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 2000, 20_000)
+    with CorpusWriter(tmp_path / "big", vocab_size=50_000) as w:
+        w.add_batch(rng.integers(0, 50_000, int(lens.sum()), dtype=np.uint16), lens)
+    t = time.perf_counter()
+    c = open_corpus(str(tmp_path / "big"))
+    assert time.perf_counter() - t < 0.1
+    assert c.tokens(19_999).shape[0] == lens[-1]
+
+
+# -- Megatron's indexed dataset, written by megatron-core's own builder ----------------------
+
+
+def needs_megatron() -> None:
+    # find it without importing it: the reader must work without megatron in the process
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install -e 'plugins/datasets[test]')")
+
+
+def megatron_write(prefix: pathlib.Path, docs, dtype) -> None:
+    """Run megatron-core's IndexedDatasetBuilder in a subprocess (it imports torch and prints
+    warnings; the reader under test never imports megatron)."""
+    np.save(f"{prefix}.docs.npy", np.array(docs, dtype=object), allow_pickle=True)
+    code = f"""
+import numpy as np, torch, warnings
+warnings.simplefilter("ignore")
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+docs = np.load({f"{prefix}.docs.npy"!r}, allow_pickle=True)
+b = IndexedDatasetBuilder({f"{prefix}.bin"!r}, dtype=np.{dtype})
+for i, d in enumerate(docs):
+    if i == 3:  # one document of two sequences
+        b.add_document(torch.tensor(np.concatenate([d, d])), [len(d), len(d)])
+    else:
+        b.add_item(torch.tensor(d))
+        b.end_document()
+b.finalize({f"{prefix}.idx"!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+def test_reads_megatron_core_indexed_dataset(tmp_path, dtype) -> None:
+    needs_megatron()
+    docs, _ = random_docs(40, 60_000 if dtype == "uint16" else 200_000, seed=3)
+    megatron_write(tmp_path / "m", docs, dtype)
+    c = open_corpus(str(tmp_path / "m"))
+    # sequences are the documents: doc 3 was added as two sequences of the same ids
+    expected = docs[:3] + [docs[3], docs[3]] + docs[4:]
+    assert c.meta["format"] == "megatron" and c.meta["dtype"] == dtype
+    assert c.meta["megatron_documents"] == 40
+    assert (c.n_docs, c.n_tokens) == (41, sum(d.shape[0] for d in expected))
+    assert c.lengths.tolist() == [d.shape[0] for d in expected]
+    for i, d in enumerate(expected):
+        assert c.tokens(i).tolist() == d.tolist()
+    assert c.mask(0) is None
+    # the reader itself needs neither megatron nor torch
+    probe = (
+        "import sys; from skyrl_datasets.corpus import open_corpus; "
+        f"c = open_corpus({str(tmp_path / 'm')!r}); c.tokens(0); "
+        "assert 'megatron' not in sys.modules and 'torch' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
+    # the same as megatron's own reader, sequence by sequence
+    code = f"""
+import numpy as np, warnings, json
+warnings.simplefilter("ignore")
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+ds = IndexedDataset({str(tmp_path / "m")!r})
+print(json.dumps([ds[i].tolist() for i in range(len(ds))]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == [c.tokens(i).tolist() for i in range(c.n_docs)]
+
+
+def test_truncated_megatron_bin_is_refused(tmp_path) -> None:
+    needs_megatron()
+    docs, _ = random_docs(10, 1000)
+    megatron_write(tmp_path / "m", docs, "uint16")
+    with open(tmp_path / "m.bin", "r+b") as f:
+        f.truncate(4)
+    with pytest.raises(UserError, match="truncated"):
+        open_corpus(str(tmp_path / "m"))
+
+
+# -- remote corpora -----------------------------------------------------------------------
+
+
+def upload(fs, local_prefix: pathlib.Path, remote_prefix: str) -> None:
+    for f in sorted(local_prefix.parent.iterdir()):
+        if f.name.startswith(local_prefix.name + "."):
+            fs.pipe_file(remote_prefix + f.name[len(local_prefix.name) :], f.read_bytes())
+
+
+def test_memory_url_reads_lazily_through_the_cache(tmp_path) -> None:
+    import fsspec
+
+    docs, masks = random_docs(2000, 60_000, max_len=400)
+    write(tmp_path / "c", docs, masks, vocab=60_000)
+    fs = fsspec.filesystem("memory")
+    upload(fs, tmp_path / "c", f"/lazy-{os.getpid()}/c")
+    url = f"memory://lazy-{os.getpid()}/c"
+    tokens_bytes = (tmp_path / "c.tokens").stat().st_size
+    try:
+        with open_corpus(url, cache_dir=tmp_path / "cache", block_size=4096) as c:
+            assert c.fetched_bytes == 0  # opening fetched the header and the index only
+            for i in (5, 1500, 1999):
+                assert c.tokens(i).tolist() == docs[i].tolist()
+                assert c.mask(i).tolist() == masks[i].tolist()
+            # a few documents: a few blocks of tokens and mask, not the files
+            assert 0 < c.fetched_bytes <= 3 * 2 * 2 * 4096 < tokens_bytes / 10
+            again = c.fetched_bytes
+            assert c.tokens(5).tolist() == docs[5].tolist() and c.fetched_bytes == again
+        # a second open (another process, or the next run) reuses the cached blocks
+        with open_corpus(url, cache_dir=tmp_path / "cache", block_size=4096) as c2:
+            assert c2.tokens(1500).tolist() == docs[1500].tolist() and c2.fetched_bytes == 0
+            for i in range(c2.n_docs):
+                assert c2.tokens(i).tolist() == docs[i].tolist() and c2.mask(i).tolist() == masks[i].tolist()
+        cached = next((tmp_path / "cache").iterdir())
+        assert (cached / "tokens").read_bytes() == (tmp_path / "c.tokens").read_bytes()
+    finally:
+        fs.rm(f"/lazy-{os.getpid()}", recursive=True)
+
+
+def test_file_url_is_read_in_place(tmp_path) -> None:
+    docs, masks = random_docs(10, 1000)
+    write(tmp_path / "c", docs, masks)
+    c = open_corpus(f"file://{tmp_path}/c", cache_dir=tmp_path / "cache")
+    assert c.tokens(4).tolist() == docs[4].tolist() and not (tmp_path / "cache").exists()
+
+
+def test_memory_url_megatron_and_missing(tmp_path) -> None:
+    import fsspec
+
+    needs_megatron()
+    docs, _ = random_docs(30, 1000)
+    megatron_write(tmp_path / "m", docs, "uint16")
+    fs = fsspec.filesystem("memory")
+    root = f"/meg-{os.getpid()}"
+    fs.pipe_file(f"{root}/m.bin", (tmp_path / "m.bin").read_bytes())
+    fs.pipe_file(f"{root}/m.idx", (tmp_path / "m.idx").read_bytes())
+    try:
+        c = open_corpus(f"memory:/{root}/m", cache_dir=tmp_path / "cache", block_size=64)
+        expected = docs[:3] + [docs[3], docs[3]] + docs[4:]
+        assert [c.tokens(i).tolist() for i in range(c.n_docs)] == [d.tolist() for d in expected]
+        with pytest.raises(UserError, match="no corpus"):
+            open_corpus(f"memory:/{root}/other", cache_dir=tmp_path / "cache")
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    pytest.importorskip("s3fs")
+    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if not os.path.exists(exe):
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"moto_server did not start on {url}")
+            time.sleep(0.1)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def test_s3_corpus_fetches_only_the_blocks_it_reads(tmp_path, s3_server) -> None:
+    import s3fs
+
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_server}}
+    fs = s3fs.S3FileSystem(**options)
+    bucket = f"corpus-{os.getpid()}"
+    fs.mkdir(bucket)
+    docs, masks = random_docs(3000, 60_000, max_len=500)
+    write(tmp_path / "c", docs, masks, vocab=60_000)
+    for f in tmp_path.iterdir():
+        if f.name.startswith("c."):
+            fs.put_file(str(f), f"{bucket}/data/{f.name}")
+    tokens_bytes = (tmp_path / "c.tokens").stat().st_size
+    try:
+        with open_corpus(f"s3://{bucket}/data/c", storage_options=options, cache_dir=tmp_path / "cache", block_size=8192) as c:
+            assert c.n_docs == 3000 and c.fetched_bytes == 0
+            rng = np.random.default_rng(1)
+            for i in rng.integers(0, 3000, 5):
+                assert c.tokens(int(i)).tolist() == docs[i].tolist()
+                assert c.mask(int(i)).tolist() == masks[i].tolist()
+            assert 0 < c.fetched_bytes < tokens_bytes / 5
+    finally:
+        fs.rm(bucket, recursive=True)

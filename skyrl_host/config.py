@@ -156,6 +156,7 @@ SLOTS: dict[str, Slot] = {
         Slot("precision", "precisions", "name"),
         Slot("weight_sync", "weight_transports", "transport"),
         Slot("dataset", "datasets", "name"),
+        Slot("data", "data_strategies", "strategy"),
         Slot("backend", "backends", "name"),
     )
 }

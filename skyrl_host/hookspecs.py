@@ -114,6 +114,18 @@ def skyrl_register_datasets(register: Register) -> None:
 
 
 @hookspec
+def skyrl_register_data_strategies(register: Register) -> None:
+    """Register data sampling strategies (``[data] strategy = NAME``): the order in
+    which an SFT job reads the documents of its pretokenized datasets.
+
+    The factory is called as ``factory(config)`` and returns a
+    :class:`skyrl_host.interfaces.DataStrategy`; the driver binds it to the
+    datasets' document lengths and the job's seed, then draws one document at a
+    time and checkpoints its ``state_dict``.
+    """
+
+
+@hookspec
 def skyrl_register_engines(register: Register) -> None:
     """Register inference engines (``[engine] name = NAME``).
 

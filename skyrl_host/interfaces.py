@@ -62,6 +62,9 @@ class LoadedModel:
     # The model's MoE routers in layer order (empty for a dense model), as the family's
     # ``routers(model)`` lists them: for routing capture in the engine and replay in the trainer.
     routers: Sequence["RouterInfo"] = ()
+    # The family's ``lora_targets``: names (last module-path component) of the nn.Linear
+    # modules LoRA adapts by default, e.g. ("q_proj", "k_proj", ...); empty if it names none.
+    lora_targets: Sequence[str] = ()
 
 
 @attrs.frozen
@@ -314,6 +317,39 @@ class WeightTransport(Protocol):
         ...
 
 
+@runtime_checkable
+class DataStrategy(Protocol):
+    """The order in which an SFT job reads documents (``[data] strategy``).
+
+    The driver calls ``bind`` once, then ``draw`` once per document it trains on;
+    ``state_dict``/``load_state_dict`` checkpoint the position, so a resumed job
+    draws exactly the documents the uninterrupted one would have drawn.
+    Strategies import numpy at most: the host keeps no data in them."""
+
+    def bind(self, lengths: Sequence[Any], seed: int) -> None:
+        """Start at the beginning over these datasets: ``lengths[d]`` is dataset
+        ``d``'s token count per document (an int array with one entry per document,
+        usually memory-mapped: read only the entries you need); ``seed`` is the
+        job's seed. Raises ValueError when the strategy cannot serve them (weights
+        for three datasets given two, no documents at all)."""
+        ...
+
+    def draw(self, step: int) -> tuple[int, int]:
+        """The next document, as (dataset index, document index), for training
+        step ``step`` (counting from 1). Deterministic given the seed, the datasets
+        and the draws before; never ends (epochs wrap around)."""
+        ...
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """The position, as JSON-able values (numbers, strings, lists, dicts)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position from ``state_dict`` into a strategy bound to the same
+        datasets and seed."""
+        ...
+
+
 PROTOCOLS: Mapping[str, type] = {
     "models": ModelFamily,
     "algorithms": Algorithm,
@@ -322,6 +358,7 @@ PROTOCOLS: Mapping[str, type] = {
     "weight_transports": WeightTransport,
     "samplers": Sampler,
     "datasets": Dataset,
+    "data_strategies": DataStrategy,
     "engines": Engine,
     "backends": Backend,
     "jobs": JobDriver,

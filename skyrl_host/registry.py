@@ -36,6 +36,7 @@ KINDS: dict[str, Kind] = {
         Kind("weight_transports", "skyrl_register_weight_transports", "weight transport"),
         Kind("samplers", "skyrl_register_samplers", "sampler"),
         Kind("datasets", "skyrl_register_datasets", "dataset"),
+        Kind("data_strategies", "skyrl_register_data_strategies", "data strategy"),
         Kind("engines", "skyrl_register_engines", "engine"),
         Kind("backends", "skyrl_register_backends", "backend"),
         Kind("jobs", "skyrl_register_jobs", "job kind"),

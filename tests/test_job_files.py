@@ -32,7 +32,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "reward_che
 USER_ERROR = 2
 
 VALID_TABLES = (
-    "valid tables: 'algorithm', 'backend', 'cluster', 'dataset', 'engine', 'job', 'model', "
+    "valid tables: 'algorithm', 'backend', 'cluster', 'data', 'dataset', 'engine', 'job', 'model', "
     "'precision', 'replay', 'sampler', 'weight_sync'"
 )
 JOB_KEYS = "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps', 'tensorboard'"

@@ -173,3 +173,32 @@ def test_fsdp2_ranks_broadcast_to_two_engine_replicas(ray_session, skyrl_cli, tm
     import ray
 
     assert ray.available_resources().get("CPU") == 2
+
+
+def test_several_ranks_need_ray_and_a_data_parallel_mode(skyrl_cli, tmp_path) -> None:
+    path = tmp_path / "job.toml"
+    text = JOB.format(out=tmp_path / "o", launcher="local", engine_dtype="float32", weight_sync='transport = "inproc"')
+    path.write_text(text.replace('launcher = "local"', 'launcher = "local"\nengine_replicas = 2'))
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert 'cluster.engine_replicas: more than one needs launcher = "ray" (launcher is \'local\')' in result.stderr
+    text = JOB.format(out=tmp_path / "o", launcher="ray", engine_dtype="float32",
+                      weight_sync=f'transport = "delta"\nuri = "file://{tmp_path}/w"')
+    path.write_text(text.replace('launcher = "ray"', 'launcher = "ray"\ntrainer_ranks = 4'))
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert ('backend.data_parallel: [cluster] trainer_ranks = 4 trains data parallel: set data_parallel = "ddp" '
+            'or "fsdp2"') in result.stderr
+
+
+def test_sequences_split_between_ranks_by_tokens() -> None:
+    import numpy as np
+
+    from skyrl_host.jobs.ray_actors import replica_seed, split_sequences
+
+    parts = split_sequences(np.array([10, 10, 10, 10, 40]), 2)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4]]  # 40 tokens each
+    parts = split_sequences(np.array([5] * 7), 3)
+    assert sorted(sum((p.tolist() for p in parts), [])) == list(range(7)) and [len(p) for p in parts] == [2, 3, 2]
+    assert [p.tolist() for p in split_sequences(np.array([100]), 2)] == [[], [0]]  # a rank may get nothing
+    assert replica_seed(123, 0) == 123 and len({replica_seed(123, i) for i in range(8)}) == 8

@@ -220,6 +220,19 @@ class _PackedLM(torch.nn.Module):
         return head(hidden) if scorer is None else scorer(hidden=hidden, head=head)
 
 
+class _WithoutAdapters:
+    """Calls a ``_PackedLM`` with its LoRA adapters off: the frozen base, used as the
+    reference policy (no second copy of the weights)."""
+
+    def __init__(self, lm: Any, lora: Any):
+        self.lm = lm
+        self.lora = lora
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lora.disabled():
+            return self.lm(*args, **kwargs)
+
+
 def _head_is_plain(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether ``_PackedLM``'s decoder + head path gives the model's own logits
     (checked on two short packed rows; a model that scales or soft-caps its logits
@@ -302,6 +315,7 @@ class TorchBackend:
         self._dp = False
         self.rank, self.world = 0, 1
         self.device = torch.device("cpu")
+        self.lora: Any = None  # LoraAdapters when lora_rank > 0
 
     # -- set-up ----------------------------------------------------------------
 
@@ -326,6 +340,8 @@ class TorchBackend:
         if any(p.dtype in _LOW_PRECISION for p in model.parameters()):
             model = model.float()
         model = model.to(self.device)
+        if cfg.lora_rank > 0:
+            model = self._attach_lora(model, loaded, seed)
         if self._dp and cfg.data_parallel == "fsdp2":
             # FSDP2 shards each rank's own copy: make them equal first (DDP does this itself).
             with torch.no_grad():
@@ -336,7 +352,7 @@ class TorchBackend:
         if self._dp and self.world > 1:
             flag = self._all_reduce(torch.tensor([int(plain)], dtype=torch.int64), dist.ReduceOp.MIN)
             plain = bool(flag[0])
-        if reference:
+        if reference and self.lora is None:
             ref = copy.deepcopy(model)
             ref.eval()
             ref.requires_grad_(False)
@@ -360,6 +376,11 @@ class TorchBackend:
         if self._dp and cfg.data_parallel == "fsdp2":
             self._fully_shard(self._lm, model)  # the wrapper is the root: its hooks run around every forward
         self.module = model
+        if reference and self.lora is not None:
+            # With LoRA the reference policy is the frozen base: the policy's own forward
+            # with the adapters off (no second copy of the weights).
+            self.reference = model
+            self._ref_lm = _WithoutAdapters(self._lm, self.lora)
         if self._dp and cfg.data_parallel == "ddp":
             import inspect
 
@@ -386,6 +407,36 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, LrSchedule(cfg.warmup_steps, total_updates, cfg.schedule, cfg.min_lr_ratio)
         )
+
+    def _attach_lora(self, model: Any, loaded: Any, seed: int) -> Any:
+        """The model to train with LoRA: a module tree of its own over the same (frozen)
+        tensors, so the caller's model (which an engine may serve) never runs the
+        trainer's adapters, with adapters on the target Linear modules."""
+        from skyrl_backends._lora import LoraAdapters
+
+        from skyrl_host.errors import UserError
+
+        cfg = self.config
+        targets = cfg.lora_targets if cfg.lora_targets is not None else list(getattr(loaded, "lora_targets", ()) or ())
+        if not targets:
+            raise UserError(
+                f"[backend] lora_rank = {cfg.lora_rank} needs lora_targets: the model family "
+                f"{getattr(loaded, 'family', '') or '?'!r} declares none; set [backend] lora_targets = [\"q_proj\", ...]"
+            )
+        memo: dict[int, Any] = {}
+        for t in list(model.parameters()) + list(model.buffers()):
+            memo[id(t)] = t
+        own = copy.deepcopy(model, memo)
+        own.requires_grad_(False)
+        try:
+            self.lora = LoraAdapters(
+                own, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=targets, seed=seed,
+                strict=cfg.lora_targets is not None,
+            )
+        except ValueError as exc:
+            key = "lora_targets" if cfg.lora_targets is not None else "lora_targets (the model family's default)"
+            raise UserError(f"[backend] {key}: {exc}") from None
+        return own
 
     def _pick_device(self) -> torch.device:
         if torch.cuda.is_available() and (not self._dp or dist.get_backend() != "gloo"):
@@ -711,8 +762,11 @@ class TorchBackend:
             raise RuntimeError("named_weights before start()")
         if self._fsdp():
             sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            return iter(list(sd.items()))
-        return iter([(k, v.detach()) for k, v in self.module.state_dict().items()])
+        else:
+            sd = {k: v.detach() for k, v in self.module.state_dict().items()}
+        if self.lora is not None:
+            sd = self.lora.merge(sd)  # what a model without adapters holds: plain names, merged weights
+        return iter(list(sd.items()))
 
     def local_weights(self) -> Iterator[tuple[str, Any]]:
         """This rank's part of the model's state, with Hugging Face names, gathering
@@ -722,22 +776,82 @@ class TorchBackend:
         For sharded transports (``nixl``), where each rank serves its own shards."""
         if self.module is None:
             raise RuntimeError("local_weights before start()")
+        if self.lora is not None:
+            if self._fsdp():
+                raise RuntimeError(
+                    "local_weights: a LoRA model under FSDP2 has no per-rank shards of its merged weights; "
+                    "publish the adapters (transport = \"lora\") or the gathered weights (named_weights) instead"
+                )
+            return self.named_weights()
         return iter([(k, v.detach()) for k, v in self.module.state_dict().items()])
+
+    # -- LoRA adapters --------------------------------------------------------------
+
+    def adapter_config(self) -> dict[str, Any] | None:
+        """``{"rank", "alpha", "targets"}`` of the trained adapters (None without LoRA):
+        what a receiver needs to apply :meth:`named_adapters`. The adapters' output is
+        scaled by ``alpha / rank``; ``targets`` are the adapted Linear modules' last name
+        components."""
+        return None if self.lora is None else self.lora.config()
+
+    def named_adapters(self) -> Iterator[tuple[str, Any]]:
+        """Only the adapter tensors, ``(<module path>.lora_A [rank, in], <module
+        path>.lora_B [out, rank])`` for every adapted module in module order, e.g.
+        ``model.layers.0.self_attn.q_proj.lora_A``. Under FSDP2 a collective (every
+        rank calls it; every rank gets the full tensors). Views of the live parameters:
+        copy them to keep a version."""
+        if self.module is None:
+            raise RuntimeError("named_adapters before start()")
+        if self.lora is None:
+            raise RuntimeError("named_adapters: this backend trains every weight ([backend] lora_rank = 0), it has no adapters")
+        params = dict(self.module.named_parameters())
+        out = []
+        for name in self.lora.parameter_names():
+            p = params[name].detach()
+            if hasattr(p, "full_tensor"):
+                p = p.full_tensor()
+            out.append((name, p))
+        return iter(out)
+
+    def save_adapters(self, path: str) -> None:
+        """Write the adapters as ``<path>/adapter_model.safetensors`` (the tensors of
+        :meth:`named_adapters`, float32) and ``<path>/adapter_config.json`` (rank, alpha,
+        targets, the adapted modules), e.g. beside the merged final model."""
+        import json
+        import pathlib
+
+        from safetensors.torch import save_file
+
+        if self.lora is None:
+            raise RuntimeError("save_adapters: this backend has no adapters ([backend] lora_rank = 0)")
+        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.named_adapters()}
+        if self._dp and self.rank != 0:
+            return
+        folder = pathlib.Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        config = dict(self.lora.config(), modules=list(self.lora.modules), dropout=self.lora.dropout)
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def state_dict(self) -> Mapping[str, Any]:
         """Model, optimizer (keyed by parameter name), scheduler and step counts, on CPU.
         Under DDP/FSDP2 every rank calls it; rank 0 gets the full state."""
         if self.module is None:
             raise RuntimeError("state_dict before start()")
+        # With LoRA only the adapters: the frozen base is rebuilt from the model family.
         model_sd, optim_sd = get_state_dict(
-            self.module, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.module, self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora is not None),
         )
+        if self.lora is not None:  # (ignore_frozen_params still lists a tied alias of a frozen weight)
+            model_sd = {k: v for k, v in model_sd.items() if self.lora.is_adapter(k)}
         return {
             "format": 1,
             "model": _clone_tree(model_sd),
             "optimizer": _clone_tree(optim_sd),
             "scheduler": _clone_tree(self.scheduler.state_dict()),
             "steps": self.steps,
+            "lora": self.adapter_config(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -746,13 +860,24 @@ class TorchBackend:
         if self.module is None:
             raise RuntimeError("load_state_dict before start(): start the backend, then load")
         distributed = self._dp and self.world > 1
-        meta = [{"scheduler": state.get("scheduler"), "steps": state.get("steps")}]
+        meta = [{"scheduler": state.get("scheduler"), "steps": state.get("steps"), "lora": state.get("lora")}]
         if distributed:
             dist.broadcast_object_list(meta, src=0)
         if meta[0]["steps"] is None:
             raise ValueError("not a torch backend state: no 'steps'")
+        if meta[0]["lora"] != self.adapter_config():
+            def what(c: Any) -> str:
+                return "full fine-tuning (lora_rank = 0)" if c is None else f"LoRA {c}"
+
+            raise ValueError(
+                f"the checkpoint was written by {what(meta[0]['lora'])}, but this backend runs {what(self.adapter_config())}: "
+                "[backend] lora_rank, lora_alpha and lora_targets must match the run being resumed"
+            )
         # Two calls: set_state_dict skips the model on ranks given an empty model state.
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+        # With LoRA the state holds the adapters only (strict=False: the frozen base stays).
+        options = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=distributed, strict=self.lora is None
+        )
         # (Copies of the containers: torch writes into the dicts it is given.)
         set_model_state_dict(self.module, _copy_containers(state.get("model", {})), options=options)
         set_optimizer_state_dict(self.module, self.optimizer, _copy_containers(state.get("optimizer", {})), options=options)

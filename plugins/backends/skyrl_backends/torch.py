@@ -66,10 +66,34 @@ class TorchBackendConfig:
     data_parallel: Literal["none", "ddp", "fsdp2"] = option(
         "none", help="'ddp' or 'fsdp2' across the processes of an initialised torch.distributed group"
     )
+    lora_rank: int = option(
+        0, help="LoRA rank: > 0 freezes the base weights and trains low-rank adapters on lora_targets; 0 = full fine-tuning",
+        validator=ge(0),
+    )
+    lora_alpha: float = option(16.0, help="LoRA alpha: the adapters' output is scaled by lora_alpha / lora_rank", validator=gt(0))
+    lora_dropout: float = option(
+        0.0, help="dropout on the adapters' input while training (the engine never drops)", validator=in_interval(0, 1, high_open=True)
+    )
+    lora_targets: list[str] | None = option(
+        None,
+        help="names of the nn.Linear modules LoRA adapts (the last component of the module path, e.g. \"q_proj\"); "
+        "default: the model family's lora_targets",
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.min_lr_ratio != 0.0 and self.schedule != "cosine":
             raise OptionError("min_lr_ratio", f"only applies to schedule = \"cosine\" (schedule is {self.schedule!r})")
+        if self.lora_rank == 0:
+            for key, value, default in (("lora_targets", self.lora_targets, None), ("lora_dropout", self.lora_dropout, 0.0)):
+                if value != default:
+                    raise OptionError(key, "only applies with lora_rank > 0 (lora_rank = 0 trains every weight)")
+        if self.lora_targets is not None:
+            bad = [t for t in self.lora_targets if not isinstance(t, str) or not t or "." in t]
+            if bad or not self.lora_targets:
+                raise OptionError(
+                    "lora_targets", f"expected a non-empty list of module names without dots (e.g. [\"q_proj\", \"v_proj\"]), "
+                    f"found {self.lora_targets!r}"
+                )
 
 
 def create(config: TorchBackendConfig) -> Any:

@@ -35,13 +35,14 @@ import contextlib
 import copy
 import inspect
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from skyrl_engines._adapters import EngineAdapters
 from skyrl_host.interfaces import LoadedModel, Sampler
 from skyrl_host.rollout import CSR, RolloutBatch
 
@@ -93,7 +94,7 @@ class EmbeddedEngine:
 
     def __init__(self, config: Any):
         self.config = config
-        self.weight_version = 0
+        self.adapters = EngineAdapters()  # LoRA adapters (update_adapter) and the served version
         self.model: torch.nn.Module | None = None
         self.shares_weights = False
         self.stop_token_ids: list[int] = []
@@ -115,6 +116,7 @@ class EmbeddedEngine:
             self.model.eval()
         self.dtype = dtype
         self.device = first.device
+        self.adapters.bind(self.model, dtype, self.device)
         self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
         self._stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
         pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
@@ -141,6 +143,15 @@ class EmbeddedEngine:
 
             self._hooks = RouterHooks(self.model, self.routers)
             self.route_dtype = expert_dtype(self._hooks.n_experts)
+
+    @property
+    def weight_version(self) -> int:
+        """The version the next generate call serves (base weights and adapter together)."""
+        return self.adapters.serving.version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.adapters.set_version(version)
 
     def _require_started(self) -> torch.nn.Module:
         if self.model is None:
@@ -192,6 +203,27 @@ class EmbeddedEngine:
                 nbytes += tensor.numel() * tensor.element_size()
         self.last_update = {"copied": copied, "shared": shared, "bytes": nbytes}
         self.weight_version = int(version)
+
+    def adapter_slots(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """``{adapter tensor name: shape}`` that a complete LoRA adapter with ``config``
+        (``rank``, ``alpha``, ``targets``) has in this engine's model: ``<module>.lora_A``
+        ``[rank, in]`` and ``<module>.lora_B`` ``[out, rank]`` for every ``nn.Linear``
+        whose last path component is in ``targets``."""
+        self._require_started()
+        return self.adapters.slots(config)
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int) -> None:
+        """Serve a new LoRA adapter (torch tensors or numpy arrays named as in
+        :meth:`adapter_slots`; scale ``alpha / rank``) on the engine's own base weights,
+        and report ``version``. The whole set is validated and copied into buffers no
+        generate call uses, then the served adapter switches in one step: a generate call
+        in flight finishes with the adapter it started with, the next one uses the new
+        one. On any mismatch it raises (naming the version and the tensor) and the engine
+        keeps serving its last adapter and version."""
+        self._require_started()
+        bank = self.adapters.stage(named_tensors, config, version)
+        self.adapters.activate(bank, version)
+        self.last_update = {"copied": 2 * len(bank.tensors), "shared": 0, "bytes": self.adapters.staged_bytes}
 
     # -- generation ----------------------------------------------------------
 
@@ -286,6 +318,14 @@ class EmbeddedEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        # One served (adapter, version) for the whole call, whatever update_adapter does meanwhile.
+        with self.adapters.pinned() as serving:
+            return self._run_pinned(model, prompts, n, sampler, max_new_tokens, seed, group_offset, force, serving.version)
+
+    def _run_pinned(
+        self, model: torch.nn.Module, prompts: list[list[int]], n: int, sampler: Sampler, max_new_tokens: int,
+        seed: int, group_offset: int, force: list[np.ndarray] | None, version: int,
+    ) -> RolloutBatch:
         total = len(prompts) * n
         generator = torch.Generator(device=self.device)
         generator.manual_seed(int(seed))
@@ -331,7 +371,7 @@ class EmbeddedEngine:
         finally:
             if not self._own_module:
                 model.train(training)
-        batch = self._pack(prompts, n, resp, resp_lp, resp_len, stopped, group_offset)
+        batch = self._pack(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         if want_support:
             batch.side_channels["sample_support"] = _support_csr(support_parts)
         if hooks is not None:
@@ -490,6 +530,7 @@ class EmbeddedEngine:
         resp_len: np.ndarray,
         stopped: np.ndarray,
         group_offset: int,
+        version: int,
     ) -> RolloutBatch:
         total, max_new = resp.shape
         plen = np.repeat(np.asarray([len(p) for p in prompts], dtype=np.int64), n)
@@ -517,7 +558,7 @@ class EmbeddedEngine:
             logprobs=np.where(is_resp, lp_grid, 0.0).astype(np.float32)[valid],
             loss_mask=is_resp[valid].astype(np.uint8),
             group_ids=group_offset + np.repeat(np.arange(len(prompts), dtype=np.int64), n),
-            versions=np.full(total, self.weight_version, dtype=np.int64),
+            versions=np.full(total, version, dtype=np.int64),
             truncated=~stopped,
             rewards=np.full(total, np.nan, dtype=np.float32),
         )

@@ -4,6 +4,11 @@ The engine takes the trainer's tensors directly: where both hold the same
 tensors (same dtype, same device) nothing is copied at all; otherwise each
 parameter is copied in place into the engine's preallocated storage. The
 engine applies the whole set or nothing, then reports the new version.
+
+With a LoRA backend (``adapter_config()`` not None) and an engine that takes adapters
+(``update_adapter``), only the adapters are handed over: the engine copies them and
+keeps serving its frozen base (merged weights would otherwise be written into a base
+the engine may share with the trainer).
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ class Inproc:
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         start = time.perf_counter()
-        engine.update_weights(backend.named_weights(), version)
+        adapter = backend.adapter_config() if callable(getattr(backend, "adapter_config", None)) else None
+        if adapter is not None and callable(getattr(engine, "update_adapter", None)):
+            # A LoRA backend: the engine serves the frozen base (possibly the very same tensors)
+            # plus a copy of the adapters; merged weights must never be written into a shared base.
+            engine.update_adapter(backend.named_adapters(), adapter, version)
+        else:
+            engine.update_weights(backend.named_weights(), version)
         stats = getattr(engine, "last_update", {}) or {}
         return {
             "sync_seconds": time.perf_counter() - start,

@@ -27,7 +27,7 @@ object store):
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from skyrl_host import hookimpl
 
@@ -183,11 +183,6 @@ def check(spec: Any) -> list[tuple[str, str]]:
         problems.append(("weight_sync.transport", f"transport 'lora' hands adapters to engine.update_adapter, "
                          f"which [engine] name = {engine.name!r} does not offer yet: use the \"embedded\" engine"))
     return problems
-
-
-def named_payload_tensors(payload: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
-    """The (name, numpy array) pairs of a payload, in the sender's order."""
-    return list(payload["tensors"].items())
 
 
 @hookimpl

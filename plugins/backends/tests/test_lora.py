@@ -230,3 +230,58 @@ def test_lora_options_are_validated() -> None:
     ok = structure_table(TorchBackendConfig, {"lora_rank": 8, "lora_targets": ["q_proj", "v_proj"]}, "backend", out)
     assert out.problems == [] and ok.lora_rank == 8 and ok.lora_alpha == 16.0 and ok.lora_targets == ["q_proj", "v_proj"]
     assert TorchBackendConfig().lora_rank == 0  # full fine-tuning by default
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_train_the_adapters_like_one_process(tiny, tmp_path) -> None:
+    """Two gloo processes (the data-parallel test's uneven shards, float64): the adapters,
+    merged weights and metrics equal the one-process run, and a checkpoint written under
+    DDP/FSDP2 (rank 0's state) restores the adapters exactly."""
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    try:
+        import dp_worker
+        import lora_dp_worker
+    finally:
+        sys.path.remove(str(here))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    procs = [
+        subprocess.Popen([sys.executable, str(here / "lora_dp_worker.py"), str(rank), "2", str(port), str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=150)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    got = torch.load(out, weights_only=False)
+
+    be = tiny.make_backend(**dict(dp_worker.OPTIONS, **lora_dp_worker.LORA))
+    be.start(tiny.loaded(0, dtype=torch.float64), seed=0, total_steps=4, reference=True)
+    algo = tiny.TokenMean(needs_reference=True, metrics=True)
+    want_metrics = [be.train_step(b, a, algo, temperature=0.9, max_new_tokens=8) for b, a in dp_worker.global_batches()]
+    want_adapters, want_weights = dict(be.named_adapters()), dict(be.named_weights())
+    for mode in ("ddp", "fsdp2"):
+        run = got[mode]
+        assert run["adapters"].keys() == want_adapters.keys() and run["weights"].keys() == want_weights.keys()
+        for name, a in want_adapters.items():
+            torch.testing.assert_close(run["adapters"][name], a, atol=1e-12, rtol=0, msg=f"{mode} {name}")
+            assert torch.equal(run["reloaded"][name], run["adapters"][name]), f"{mode} {name}"
+        for name, w in want_weights.items():
+            torch.testing.assert_close(run["weights"][name], w, atol=1e-12, rtol=0, msg=f"{mode} {name}")
+        for m, ref in zip(run["metrics"], want_metrics):
+            for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean"):
+                assert m[key] == pytest.approx(ref[key], rel=1e-10, abs=1e-12), (mode, key)

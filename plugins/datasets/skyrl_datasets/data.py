@@ -8,6 +8,7 @@ call; the commands import what they need when they run.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import click
@@ -15,6 +16,8 @@ import click
 from skyrl_host import hookimpl
 
 HIST_BINS = 12
+DEFAULT_CHUNK_MB = 8.0  # = pretokenize.DEFAULT_CHUNK_BYTES (not imported: this module stays light)
+DEFAULT_CHUNK_ROWS = 20_000
 BAR_WIDTH = 40
 
 
@@ -143,3 +146,119 @@ def skyrl_register_commands(cli: click.Group) -> None:
         if plot:
             _plot(info, plot)
             click.echo(f"histogram written to {plot}", err=True)
+
+    @data.command(name="tokenize")
+    @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+    @click.option("--tokenizer", "tokenizer", required=True, metavar="PATH", help="A Hugging Face tokenizer folder (or hub name).")
+    @click.option("--out", "out", required=True, metavar="PREFIX", help="Write PREFIX.json, PREFIX.tokens, PREFIX.index (and PREFIX.mask).")
+    @click.option("--text-key", default="text", show_default=True, help="Plain-text records: the field holding the text (EOS is appended).")
+    @click.option("--messages-key", default=None, help="Chat records: the field holding the messages; the loss mask covers assistant turns only.")
+    @click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker processes [default: every core].")
+    @click.option("--resume", is_flag=True, help="Continue an interrupted run: keep its finished chunks.")
+    @click.option("--force", is_flag=True, help="Replace an existing corpus (or an interrupted run) at PREFIX.")
+    @click.option("--chunk-mb", type=click.FloatRange(min=0.001), default=DEFAULT_CHUNK_MB, show_default=True, help="JSONL chunk size (the unit of work and of --resume).")
+    @click.option("--chunk-rows", type=click.IntRange(min=1), default=DEFAULT_CHUNK_ROWS, show_default=True, help="Parquet chunk size in rows.")
+    @click.option("--quiet", is_flag=True, help="No progress bar.")
+    def tokenize_cmd(
+        inputs: tuple[str, ...],
+        tokenizer: str,
+        out: str,
+        text_key: str,
+        messages_key: str | None,
+        workers: int | None,
+        resume: bool,
+        force: bool,
+        chunk_mb: float,
+        chunk_rows: int,
+        quiet: bool,
+    ) -> None:
+        """Tokenize JSONL or Parquet INPUT files into a pretokenized corpus at PREFIX.
+
+        Plain text (--text-key): the tokenizer's ids plus EOS, every token trains. Chat
+        (--messages-key): the chat template's ids, loss on assistant turns only. Documents
+        keep the input order. Uses every core; --resume continues an interrupted run and
+        gives the same bytes as an uninterrupted one.
+        """
+        from skyrl_datasets.pretokenize import Options, tokenize
+
+        if resume and force:
+            raise click.UsageError("--resume and --force exclude each other")
+        opts = Options(
+            inputs=tuple(inputs),
+            tokenizer=tokenizer,
+            out=out,
+            text_key=text_key,
+            messages_key=messages_key,
+            chunk_bytes=max(1, int(chunk_mb * (1 << 20))),
+            chunk_rows=chunk_rows,
+        )
+        start = time.monotonic()
+        with _TokenizeProgress(disable=quiet) as bar:
+            result = tokenize(opts, workers=workers, resume=resume, force=force, on_start=bar.start, on_progress=bar.update)
+        seconds = time.monotonic() - start
+        resumed = f" ({result['resumed_chunks']} of {result['chunks']} chunks kept from the interrupted run)" if result["resumed_chunks"] else ""
+        click.echo(
+            f"wrote {out}: {result['n_docs']:,} documents, {result['n_tokens']:,} tokens "
+            f"({result['trained_tokens']:,} trained), {result['dtype']}, in {seconds:.1f} s{resumed}",
+            err=True,
+        )
+
+
+class _TokenizeProgress:
+    """A rich progress bar over the input bytes, with tokens, tokens/s and ETA."""
+
+    def __init__(self, disable: bool):
+        self.disable = disable
+        self.progress: Any = None
+        self.task: Any = None
+        self.t0 = time.monotonic()
+        self.tokens0 = 0
+
+    def __enter__(self) -> "_TokenizeProgress":
+        return self
+
+    def start(self, n_chunks: int, n_done: int, total_weight: int) -> None:
+        """Show the bar once the inputs and the tokenizer are checked (a user error prints alone)."""
+        self.t0 = time.monotonic()
+        if self.disable:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("tokenizing"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[docs]} docs, {task.fields[tokens]} tokens, {task.fields[rate]} tokens/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("tokenize", total=total_weight, completed=0, docs="0", tokens="0", rate="-")
+        if n_done:
+            self.progress.console.print(f"resuming: {n_done} of {n_chunks} chunks are done")
+
+    def update(self, p: Any) -> None:
+        if self.progress is None or self.task is None:
+            return
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        self.progress.update(
+            self.task,
+            completed=p.done_weight,
+            docs=_human(p.documents),
+            tokens=_human(p.tokens),
+            rate=_human(p.tokens / elapsed),
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"

@@ -162,43 +162,61 @@ def test_open_is_constant_time(tmp_path) -> None:
 # -- Megatron's indexed dataset, written by megatron-core's own builder ----------------------
 
 
-def needs_megatron() -> None:
-    # find it without importing it: the reader must work without megatron in the process
+MEGATRON_DOCS = {"uint16": random_docs(40, 60_000, seed=3)[0], "int32": random_docs(40, 200_000, seed=4)[0]}
+
+
+def megatron_expected(dtype: str) -> list[np.ndarray]:
+    """What the corpus holds: Megatron sequences; document 3 was added as two sequences."""
+    docs = MEGATRON_DOCS[dtype]
+    return docs[:3] + [docs[3], docs[3]] + docs[4:]
+
+
+@pytest.fixture(scope="module")
+def megatron_dir(tmp_path_factory) -> pathlib.Path:
+    """Megatron corpora written by megatron-core's own IndexedDatasetBuilder, and what its own
+    IndexedDataset reads back, made in one subprocess (megatron-core imports torch and takes
+    seconds to import; the reader under test never imports it)."""
     import importlib.util
 
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed (pip install -e 'plugins/datasets[test]')")
-
-
-def megatron_write(prefix: pathlib.Path, docs, dtype) -> None:
-    """Run megatron-core's IndexedDatasetBuilder in a subprocess (it imports torch and prints
-    warnings; the reader under test never imports megatron)."""
-    np.save(f"{prefix}.docs.npy", np.array(docs, dtype=object), allow_pickle=True)
+    folder = tmp_path_factory.mktemp("megatron")
+    for dtype, docs in MEGATRON_DOCS.items():
+        np.save(folder / f"{dtype}.npy", np.array(docs, dtype=object), allow_pickle=True)
     code = f"""
-import numpy as np, torch, warnings
+import json, warnings
+import numpy as np, torch
 warnings.simplefilter("ignore")
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-docs = np.load({f"{prefix}.docs.npy"!r}, allow_pickle=True)
-b = IndexedDatasetBuilder({f"{prefix}.bin"!r}, dtype=np.{dtype})
-for i, d in enumerate(docs):
-    if i == 3:  # one document of two sequences
-        b.add_document(torch.tensor(np.concatenate([d, d])), [len(d), len(d)])
-    else:
-        b.add_item(torch.tensor(d))
-        b.end_document()
-b.finalize({f"{prefix}.idx"!r})
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+folder = {str(folder)!r}
+reads = {{}}
+for dtype in ("uint16", "int32"):
+    docs = np.load(f"{{folder}}/{{dtype}}.npy", allow_pickle=True)
+    b = IndexedDatasetBuilder(f"{{folder}}/{{dtype}}.bin", dtype=getattr(np, dtype))
+    for i, d in enumerate(docs):
+        if i == 3:  # one document of two sequences
+            b.add_document(torch.tensor(np.concatenate([d, d])), [len(d), len(d)])
+        else:
+            b.add_item(torch.tensor(d))
+            b.end_document()
+    b.finalize(f"{{folder}}/{{dtype}}.idx")
+    ds = IndexedDataset(f"{{folder}}/{{dtype}}")
+    reads[dtype] = [ds[i].tolist() for i in range(len(ds))]
+json.dump(reads, open(f"{{folder}}/reads.json", "w"))
 """
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    return folder
+
+
+def megatron_copy(megatron_dir: pathlib.Path, dtype: str, prefix: pathlib.Path) -> None:
+    for suffix in (".bin", ".idx"):
+        shutil.copy(megatron_dir / f"{dtype}{suffix}", f"{prefix}{suffix}")
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "int32"])
-def test_reads_megatron_core_indexed_dataset(tmp_path, dtype) -> None:
-    needs_megatron()
-    docs, _ = random_docs(40, 60_000 if dtype == "uint16" else 200_000, seed=3)
-    megatron_write(tmp_path / "m", docs, dtype)
-    c = open_corpus(str(tmp_path / "m"))
-    # sequences are the documents: doc 3 was added as two sequences of the same ids
-    expected = docs[:3] + [docs[3], docs[3]] + docs[4:]
+def test_reads_megatron_core_indexed_dataset(megatron_dir, dtype) -> None:
+    c = open_corpus(str(megatron_dir / dtype))
+    expected = megatron_expected(dtype)
     assert c.meta["format"] == "megatron" and c.meta["dtype"] == dtype
     assert c.meta["megatron_documents"] == 40
     assert (c.n_docs, c.n_tokens) == (41, sum(d.shape[0] for d in expected))
@@ -206,29 +224,22 @@ def test_reads_megatron_core_indexed_dataset(tmp_path, dtype) -> None:
     for i, d in enumerate(expected):
         assert c.tokens(i).tolist() == d.tolist()
     assert c.mask(0) is None
-    # the reader itself needs neither megatron nor torch
+    # the same as megatron's own reader, sequence by sequence
+    reads = json.loads((megatron_dir / "reads.json").read_text())[dtype]
+    assert reads == [c.tokens(i).tolist() for i in range(c.n_docs)]
+
+
+def test_megatron_reader_needs_neither_megatron_nor_torch(megatron_dir) -> None:
     probe = (
         "import sys; from skyrl_datasets.corpus import open_corpus; "
-        f"c = open_corpus({str(tmp_path / 'm')!r}); c.tokens(0); "
+        f"c = open_corpus({str(megatron_dir / 'uint16')!r}); c.tokens(0); "
         "assert 'megatron' not in sys.modules and 'torch' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", probe], check=True)
-    # the same as megatron's own reader, sequence by sequence
-    code = f"""
-import numpy as np, warnings, json
-warnings.simplefilter("ignore")
-from megatron.core.datasets.indexed_dataset import IndexedDataset
-ds = IndexedDataset({str(tmp_path / "m")!r})
-print(json.dumps([ds[i].tolist() for i in range(len(ds))]))
-"""
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    assert json.loads(out.strip().splitlines()[-1]) == [c.tokens(i).tolist() for i in range(c.n_docs)]
 
 
-def test_truncated_megatron_bin_is_refused(tmp_path) -> None:
-    needs_megatron()
-    docs, _ = random_docs(10, 1000)
-    megatron_write(tmp_path / "m", docs, "uint16")
+def test_truncated_megatron_bin_is_refused(megatron_dir, tmp_path) -> None:
+    megatron_copy(megatron_dir, "uint16", tmp_path / "m")
     with open(tmp_path / "m.bin", "r+b") as f:
         f.truncate(4)
     with pytest.raises(UserError, match="truncated"):
@@ -281,20 +292,16 @@ def test_file_url_is_read_in_place(tmp_path) -> None:
     assert c.tokens(4).tolist() == docs[4].tolist() and not (tmp_path / "cache").exists()
 
 
-def test_memory_url_megatron_and_missing(tmp_path) -> None:
+def test_memory_url_megatron_and_missing(megatron_dir, tmp_path) -> None:
     import fsspec
 
-    needs_megatron()
-    docs, _ = random_docs(30, 1000)
-    megatron_write(tmp_path / "m", docs, "uint16")
     fs = fsspec.filesystem("memory")
     root = f"/meg-{os.getpid()}"
-    fs.pipe_file(f"{root}/m.bin", (tmp_path / "m.bin").read_bytes())
-    fs.pipe_file(f"{root}/m.idx", (tmp_path / "m.idx").read_bytes())
+    fs.pipe_file(f"{root}/m.bin", (megatron_dir / "uint16.bin").read_bytes())
+    fs.pipe_file(f"{root}/m.idx", (megatron_dir / "uint16.idx").read_bytes())
     try:
         c = open_corpus(f"memory:/{root}/m", cache_dir=tmp_path / "cache", block_size=64)
-        expected = docs[:3] + [docs[3], docs[3]] + docs[4:]
-        assert [c.tokens(i).tolist() for i in range(c.n_docs)] == [d.tolist() for d in expected]
+        assert [c.tokens(i).tolist() for i in range(c.n_docs)] == [d.tolist() for d in megatron_expected("uint16")]
         with pytest.raises(UserError, match="no corpus"):
             open_corpus(f"memory:/{root}/other", cache_dir=tmp_path / "cache")
     finally:

@@ -120,6 +120,20 @@ def test_merged_weights_are_base_plus_scaled_low_rank_product(tiny) -> None:
     assert be.adapter_config() == {"rank": 4, "alpha": 8.0, "targets": TARGETS}
 
 
+def test_gradient_checkpointing_and_bf16_autocast_train_the_adapters(tiny) -> None:
+    batch = tiny.tiny_batch(2)
+    norms = {}
+    for gc in (False, True):
+        for dtype in ("float32", "bfloat16"):
+            be, _ = start(tiny, lr=1e-2, gradient_checkpointing=gc, compute_dtype=dtype)
+            norms[gc, dtype] = [be.train_step(batch, tiny.tiny_advantages(batch), tiny.TokenMean(), temperature=1.0,
+                                              max_new_tokens=8)["grad_norm"] for _ in range(2)]
+    assert norms[True, "float32"] == norms[False, "float32"]  # recomputation changes nothing
+    assert norms[True, "bfloat16"] == norms[False, "bfloat16"]
+    assert norms[False, "bfloat16"] == pytest.approx(norms[False, "float32"], rel=0.02)
+    assert all(n > 0 for ns in norms.values() for n in ns)
+
+
 def test_save_adapters_writes_safetensors_and_config(tiny, tmp_path) -> None:
     from safetensors.torch import load_file
 

@@ -1,0 +1,144 @@
+"""``transport = "nixl"``: sharded transfer over NIXL (one-sided reads, UCX underneath).
+
+Every trainer rank runs a NIXL agent and serves **its own shards**: at its first
+``publish`` it copies them (in the wire dtype) into buffers it registers once, in the
+memory the tensors live in (DRAM on CPU, VRAM on GPU: the same code), and reuses them
+for every later version; a small registered header holds the version being served.
+Nothing is gathered: not on rank 0, not across the ranks of a sharded parameter
+(FSDP2 ``DTensor`` shards are served where they are; a replicated value by one rank).
+
+Each engine rank's receiver knows every trainer rank's layout (the launcher hands it
+the senders' ``endpoint()`` bytes), computes the byte ranges it needs (all of each
+tensor, or, for a tensor-parallel engine rank ``shard=(k, n)``, its k-th row slice of
+every 2-D+ tensor) and **reads only those**, with batched NIXL READs from the engine
+side into staging buffers. It checks each peer's header for the target version before
+and after the read and hands the engine the complete set only then; any failure (a
+wrong version, a publish racing the read, a dead peer) raises naming the version and
+the peer, and the engine keeps its last version. See docs/weightsync.md.
+
+This module is light: the factory imports :mod:`skyrl_weightsync._nixl` (and NIXL).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.config import gt, option
+from skyrl_host.errors import UserError
+
+INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it works without a GPU)"
+
+
+@attrs.frozen
+class NixlConfig:
+    """Options of ``[weight_sync]`` when ``transport = "nixl"``."""
+
+    dtype: Literal["bfloat16", "float32"] = option("bfloat16", help="dtype of the weights on the wire (and in the engine)")
+    backend: str = option("UCX", help="the NIXL backend plugin that moves the bytes")
+    timeout_s: float = option(60.0, help="how long a receiver waits for one transfer before it gives up", validator=gt(0))
+    progress_thread: bool = option(False, help="trainer ranks run NIXL's own progress thread (it spins a core; "
+                                               "off: a light poller every millisecond)")
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL Python package is importable (``nixl`` or the ``nixl_cu12`` wheel), without importing it."""
+    for name in ("nixl", "nixl_cu12"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):  # ValueError: blocked (sys.modules[name] is None)
+            pass
+    return False
+
+
+class Nixl:
+    """The transport: ``sender(rank=, world=)`` on each trainer rank, ``receiver(shard=, device=)``
+    on each engine rank; ``publish`` runs both halves in one process (``launcher = "local"``)."""
+
+    rendezvous = True  # the receivers need the senders' endpoint() bytes (after the first publish): connect(endpoints)
+
+    def __init__(self, config: NixlConfig | None = None):
+        self.config = config or NixlConfig()
+        self._local: tuple[Any, Any] | None = None
+
+    def sender(self, *, rank: int = 0, world: int = 1, **_ignored: Any) -> Any:
+        from skyrl_weightsync._nixl import NixlSender
+
+        return NixlSender(rank=rank, world=world, dtype=self.config.dtype, backend=self.config.backend,
+                          progress_thread=self.config.progress_thread)
+
+    def receiver(self, *, peers: Any = None, shard: tuple[int, int] = (0, 1), device: Any = "cpu",
+                 **_ignored: Any) -> Any:
+        from skyrl_weightsync._nixl import NixlReceiver
+
+        receiver = NixlReceiver(shard=shard, device=device, backend=self.config.backend,
+                                timeout_s=self.config.timeout_s)
+        if peers:
+            receiver.connect(peers)
+        return receiver
+
+    def publish(self, backend: Any, engine: Any, version: int) -> dict[str, float]:
+        """One process: this process's sender serves ``backend.local_weights()`` and a
+        receiver in the same process reads them (two NIXL agents, over UCX loopback)."""
+        if self._local is None:
+            self._local = (self.sender(), None)
+        sender, receiver = self._local
+        stats = dict(sender.publish(version, backend.local_weights()))
+        if receiver is None:
+            receiver = self.receiver(peers=[sender.endpoint()])
+            self._local = (sender, receiver)
+        stats.update(receiver.sync(engine, target=version))
+        return stats
+
+    def close(self) -> None:
+        if self._local is not None:
+            sender, receiver = self._local
+            if receiver is not None:
+                receiver.close()
+            sender.close()
+            self._local = None
+
+
+def create(config: NixlConfig) -> Nixl:
+    if not nixl_installed():
+        raise UserError(f"[weight_sync] transport = \"nixl\" needs NIXL, which is not installed: {INSTALL_HINT}")
+    return Nixl(config)
+
+
+def check(spec: Any) -> list[tuple[str, str]]:
+    """Job-level checks: NIXL is installed; in one process, an engine that serves the
+    trainer's own tensors is not handed weights of another dtype (they would overwrite
+    the trainer's)."""
+    key = "weight_sync.transport" if "weight_sync" in getattr(spec, "raw", {}) else "weight_sync"
+    if not nixl_installed():
+        return [(key, f"transport 'nixl' needs NIXL, which is not installed: {INSTALL_HINT}")]
+    transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
+    if transport is None or engine is None or model is None or spec.cluster.launcher != "local":
+        return []
+    model_dtype = getattr(model.config, "dtype", None)
+    engine_dtype = getattr(engine.config, "dtype", None)
+    wire = transport.config.dtype
+    served = model_dtype if engine_dtype == "auto" else engine_dtype
+    if model_dtype and served == model_dtype and wire != model_dtype:
+        return [(
+            "weight_sync.dtype" if "dtype" in spec.raw.get("weight_sync", {}) else "weight_sync",
+            f"the nixl transport ships {wire} weights, but the engine serves the trainer's own {model_dtype} tensors "
+            f"(engine.dtype = {engine_dtype!r}); set engine.dtype = \"{wire}\" so the engine keeps its own copy, "
+            f"or dtype = \"{model_dtype}\"",
+        )]
+    return []
+
+
+@hookimpl
+def skyrl_register_weight_transports(register: Any) -> None:
+    register(
+        "nixl",
+        create,
+        config=NixlConfig,
+        description="Sharded NIXL reads: every trainer rank serves its own shards, each engine rank reads only its bytes",
+        check=check,
+    )

@@ -1,0 +1,191 @@
+"""nixl across processes on CPU (DRAM over UCX): two torch-backend ranks under FSDP2 (gloo)
+each serve their own shards, and engine processes read them; plus the one-process path
+in a real RL job, and the user errors.
+
+The cross-process scenario runs once for the module (nixl_worker.py has the script of
+each process): versions 1, 2, 3 into an embedded engine, bit for bit; a tensor-parallel
+engine rank reading only its row slices; a wrong version, a publish racing the read and
+a killed trainer rank, each refused with the engine left on its last version."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="needs NIXL: pip install 'skyrl-weightsync[nixl]'")
+
+WORKER = os.path.join(os.path.dirname(__file__), "nixl_worker.py")
+
+
+def _wait_for(d: pathlib.Path, name: str, procs: dict, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not (d / name).exists():
+        for role, p in procs.items():
+            if p.poll() is not None and role != "trainer1" and not (d / f"{role}.json").exists():
+                raise AssertionError(f"{role} exited ({p.returncode}) early:\n" + (d / f"{role}.log").read_text()[-3000:])
+        for role in ("full", "tp"):
+            f = d / f"{role}.json"
+            if f.exists() and "error" in json.loads(f.read_text()):
+                raise AssertionError(f"{role} failed:\n{json.loads(f.read_text())['error']}")
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {r}\n" + (d / f"{r}.log").read_text()[-1500:] for r in procs)
+            raise AssertionError(f"waited {timeout:g} s for {name}\n{logs}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("nixl")
+    cmds = {"trainer0": ["trainer", "0"], "trainer1": ["trainer", "1"], "full": ["full"], "tp": ["tp"]}
+    procs = {}
+    try:
+        for role, args in cmds.items():
+            with open(d / f"{role}.log", "w") as log:
+                procs[role] = subprocess.Popen([sys.executable, WORKER, *args, str(d)], stdout=log,
+                                               stderr=subprocess.STDOUT)
+        _wait_for(d, "full_done3", procs, timeout=180)
+        procs["trainer1"].send_signal(signal.SIGKILL)  # a trainer rank dies
+        procs["trainer1"].wait(timeout=30)
+        (d / "killed").touch()
+        _wait_for(d, "full.json", procs, timeout=120)
+        _wait_for(d, "tp.json", procs, timeout=60)
+        (d / "stop").touch()
+        procs["trainer0"].wait(timeout=60)
+        out = {role: json.loads((d / f"{role}.json").read_text()) for role in ("full", "tp")}
+        for r in (0, 1):
+            out[f"trainer{r}"] = json.loads((d / f"kinds{r}").read_text())
+        return out
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_every_version_reaches_the_engine_bit_for_bit_from_both_ranks(scenario) -> None:
+    full, t0, t1 = scenario["full"], scenario["trainer0"], scenario["trainer1"]
+    assert full["v1_equal"] and full["v2_equal"] and full["v3_equal"]
+    # Each trainer rank served its own FSDP2 shards (DTensors), about half of the bytes each,
+    # and the engine read exactly the model's bytes (bf16, the tied head once), nothing gathered.
+    assert t0["kinds"] == t1["kinds"] == ["DTensor"]
+    assert full["v1"]["sync_bytes"] == scenario["tp"]["full_bytes"] == t0["served"] + t1["served"]
+    assert 0.3 < t0["served"] / (t0["served"] + t1["served"]) < 0.7
+    assert [full[v]["sync_version"] for v in ("v1", "v2", "v3")] == [1, 2, 3]
+    assert full["v1"]["sync_transfers"] == 2  # one batched READ per trainer rank, not one per tensor
+
+
+def test_a_tensor_parallel_engine_rank_reads_only_its_slices(scenario) -> None:
+    tp = scenario["tp"]
+    assert tp["version"] == 1 and tp["names_equal"] and tp["slices_equal"]
+    assert tp["v1"]["sync_bytes"] == tp["slice_bytes"] < tp["full_bytes"]
+
+
+def test_a_wrong_version_or_a_publish_racing_the_read_leaves_the_engine_alone(scenario) -> None:
+    full = scenario["full"]
+    rank0 = full["agents"][0]
+    assert full["mismatch"] == (f"NixlError: version 2: peer {rank0} (trainer rank 0) serves version 1; "
+                                "nothing was applied")
+    assert full["after_mismatch_v1"]
+    assert full["race"] == (f"NixlError: version 3: peer {rank0} (trainer rank 0) is publishing version 3 "
+                            "(a publish racing the read); nothing was applied")
+    assert full["after_race_v2"]
+
+
+def test_a_dead_trainer_rank_is_named_and_the_engine_keeps_its_version(scenario) -> None:
+    full = scenario["full"]
+    assert full["dead"].startswith("NixlError: version 3: reading the version headers failed: "
+                                   f"peer {full['agents'][1]} (trainer rank 1): ")
+    assert full["dead"].endswith("; nothing was applied")
+    assert full["dead_s"] < 30
+    assert full["after_dead_v3"]
+
+
+# -- one process: a real RL job ---------------------------------------------------------
+
+JOB = """
+[job]
+kind = "rl"
+seed = 3
+steps = 3
+batch_size = 8
+n_samples = 4
+max_new_tokens = 6
+checkpoint_every = 0
+save_final = false
+threads = 1
+output_dir = "{out}"
+
+[model]
+family = "qwen"
+preset = "tiny"
+
+[dataset]
+name = "reverse_digits"
+min_len = 3
+max_len = 4
+prefix = ""
+
+[engine]
+name = "embedded"
+dtype = "{engine_dtype}"
+
+[weight_sync]
+{weight_sync}
+
+[backend]
+name = "torch"
+lr = 5e-4
+"""
+
+TIMING = ("time", "_s", "per_s")
+
+
+def run_job(skyrl_cli, tmp_path: pathlib.Path, name: str, engine_dtype: str, weight_sync: str) -> list[dict]:
+    out = tmp_path / name
+    path = tmp_path / f"{name}.toml"
+    path.write_text(JOB.format(out=out, engine_dtype=engine_dtype, weight_sync=weight_sync))
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "step" in r and "event" not in r]
+
+
+def learning(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("sync") and not any(t in k for t in TIMING)} for r in rows]
+
+
+def test_rl_job_in_one_process_learns_exactly_like_inproc(skyrl_cli, tmp_path) -> None:
+    inproc = run_job(skyrl_cli, tmp_path, "inproc", "auto", 'transport = "inproc"')
+    nixl = run_job(skyrl_cli, tmp_path, "nixl", "float32", 'transport = "nixl"\ndtype = "float32"')
+    assert [r["step"] for r in nixl] == [1, 2, 3]
+    assert learning(nixl) == learning(inproc)
+    assert [r["sync_version"] for r in nixl] == [1, 2, 3]
+    assert [r["weight_version"] for r in nixl] == [0, 1, 2]
+    assert all(r["sync_bytes"] == r["sync_served_bytes"] > 0 for r in nixl)  # one rank serves all, read once
+
+
+def test_nixl_refuses_bf16_into_the_trainers_own_tensors(skyrl_cli, tmp_path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(out=tmp_path / "o", engine_dtype="auto", weight_sync='transport = "nixl"'))
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert ("weight_sync: the nixl transport ships bfloat16 weights, but the engine serves the trainer's own float32 "
+            "tensors (engine.dtype = 'auto')") in result.stderr
+
+
+def test_nixl_not_installed_is_a_user_error(skyrl_cli, tmp_path, monkeypatch) -> None:
+    for name in ("nixl", "nixl_cu12"):  # what Python does for a package that is not there
+        monkeypatch.setitem(sys.modules, name, None)
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(out=tmp_path / "o", engine_dtype="bfloat16", weight_sync='transport = "nixl"'))
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert ("weight_sync.transport: transport 'nixl' needs NIXL, which is not installed: "
+            "pip install 'skyrl-weightsync[nixl]'") in result.stderr

@@ -1,0 +1,419 @@
+"""``kind = "sft"``: supervised fine-tuning on pretokenized corpora.
+
+Each step takes documents from the ``[data]`` strategy (a plugin: ``sequential``,
+``shuffled``, ``mix``, ``curriculum``, or a third party's) until the step's token
+budget (``tokens_per_step``) is full, packs them end to end into a RolloutBatch
+(no padding; every document its own sequence, so positions restart at 0 and
+attention never crosses a document boundary), and trains the backend on the mean
+negative log-likelihood of the tokens the corpus's loss mask marks.
+
+- A document longer than ``max_seq_len`` is cut into pieces of at most
+  ``max_seq_len`` tokens that overlap by one token, so every token after the
+  document's first is predicted exactly once (``long_documents = "split"``), or
+  cut to its first ``max_seq_len`` tokens (``"truncate"``).
+- Pieces are never split across steps: a piece that does not fit the rest of the
+  budget opens the next step. The pieces of a document still waiting, the
+  strategy's position and the backend's state are in every checkpoint, so after
+  ``skyrl run --resume`` no document is repeated or skipped.
+
+The corpora are read with ``skyrl_datasets.corpus.open_corpus`` (the skyrl-datasets
+distribution): local prefixes or fsspec URLs, read lazily through a local cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import random
+import time
+from typing import Any, Literal, Mapping, Sequence
+
+import attrs
+
+from skyrl_host import hookimpl
+from skyrl_host.checkpoints import CheckpointWriter
+from skyrl_host.config import OptionError, ge, gt, locate_keys, option
+from skyrl_host.errors import Problem, UserError
+
+SLOTS = {"model": None, "backend": "torch", "data": "sequential"}
+SAMPLES_FILE = "samples.jsonl"
+
+
+def _paths(_inst: Any, _attr: Any, value: Sequence[str]) -> None:
+    if not value:
+        raise ValueError("expected at least one path, found an empty array")
+
+
+_paths.__doc__ = "at least one"
+
+
+@attrs.frozen
+class SFTConfig:
+    """The ``sft`` kind's keys of ``[job]``."""
+
+    data_paths: list[str] = option(
+        help="pretokenized corpora: path prefixes or fsspec URLs (skyrl data tokenize, or Megatron .bin/.idx)",
+        validator=_paths,
+    )
+    tokens_per_step: int = option(8192, help="token budget of one step (packed, no padding)", validator=gt(0))
+    max_seq_len: int = option(1024, help="longest sequence trained on; longer documents are split or truncated", validator=ge(2))
+    long_documents: Literal["split", "truncate"] = option(
+        "split", help="'split': pieces of max_seq_len overlapping by one token; 'truncate': keep the first max_seq_len tokens"
+    )
+    alphabet: str | None = option(
+        None, help="characters of a preset model's character-level tokenizer (a model loaded from a path brings its own)"
+    )
+    cache_dir: str | None = option(None, help="local cache of remote corpora (default: $SKYRL_CACHE_DIR/corpora)")
+    checkpoint_every: int = option(50, help="steps between checkpoints (0: only at the end)", validator=ge(0))
+    keep_checkpoints: int = option(2, help="checkpoints kept on disk", validator=gt(0))
+    save_final: bool = option(True, help="write the final model as a Hugging Face folder in <output_dir>/final")
+    record_samples: bool = option(
+        False, help="write each step's (dataset, document, first token) to <output_dir>/samples.jsonl (an audit trail)"
+    )
+    threads: int | None = option(None, help="torch threads (default: leave torch's choice)", validator=gt(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.tokens_per_step < self.max_seq_len:
+            raise OptionError(
+                "tokens_per_step", f"expected at least max_seq_len ({self.max_seq_len}), found {self.tokens_per_step}"
+            )
+
+
+class SFTLoss:
+    """The :class:`skyrl_host.interfaces.Algorithm` of SFT: the mean negative
+    log-likelihood over every loss token of the step (all micro-batches, all ranks).
+    Advantages are the loss mask; the loss ignores them."""
+
+    needs_reference = False
+    dynamic_sampling = False
+    max_refill_rounds = 0
+
+    def shape_rewards(self, batch: Any, max_new_tokens: int) -> Any:
+        import numpy as np
+
+        return np.zeros(batch.n_sequences, dtype=np.float32)
+
+    def keep(self, batch: Any, rewards: Any) -> Any:
+        import numpy as np
+
+        return np.ones(batch.n_sequences, dtype=bool)
+
+    def advantages(self, batch: Any, rewards: Any) -> Any:
+        import numpy as np
+
+        return np.asarray(batch.loss_mask, dtype=np.float32)
+
+    def loss(self, inputs: Any) -> tuple[Any, Mapping[str, Any]]:
+        # This micro-batch's share: summing the shares gives sum(-logprob) / all loss tokens of the step.
+        nll = -(inputs.logprobs * inputs.mask).sum()
+        return nll / max(float(inputs.global_tokens), 1.0), {}
+
+
+def pieces_of(length: int, max_seq_len: int, long_documents: str) -> list[tuple[int, int]]:
+    """The (start, end) token ranges a document of ``length`` tokens trains as. With
+    "split", consecutive pieces overlap by one token (a piece's first token is only
+    context), so every token but the document's first is predicted exactly once.
+    Documents of fewer than two tokens predict nothing and give no piece."""
+    if length < 2:
+        return []
+    if length <= max_seq_len or long_documents == "truncate":
+        return [(0, min(length, max_seq_len))]
+    stride = max_seq_len - 1
+    out = []
+    start = 0
+    while start + 1 < length:
+        out.append((start, min(start + max_seq_len, length)))
+        start += stride
+    return out
+
+
+def pack_documents(corpora: Sequence[Any], pieces: Sequence[Sequence[int]]) -> Any:
+    """A RolloutBatch of ``pieces`` ((dataset, document, start, end) each), end to
+    end: one sequence per piece, no prompt, the corpus's loss mask (all ones when
+    the corpus has none), zero engine logprobs."""
+    import numpy as np
+
+    from skyrl_host.rollout import RolloutBatch
+
+    lens = np.asarray([end - start for _, _, start, end in pieces], dtype=np.int64)
+    cu = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    n = int(cu[-1])
+    tokens = np.empty(n, dtype=np.int32)
+    mask = np.ones(n, dtype=np.uint8)
+    for k, (d, i, start, end) in enumerate(pieces):
+        a, b = int(cu[k]), int(cu[k + 1])
+        tokens[a:b] = corpora[d].tokens(i)[start:end]
+        m = corpora[d].mask(i)
+        if m is not None:
+            mask[a:b] = m[start:end]
+    s = len(pieces)
+    return RolloutBatch(
+        tokens=tokens,
+        cu_seqlens=cu,
+        prompt_lens=np.zeros(s, dtype=np.int32),
+        logprobs=np.zeros(n, dtype=np.float32),
+        loss_mask=mask,
+        group_ids=np.arange(s, dtype=np.int64),
+        versions=np.zeros(s, dtype=np.int64),
+        truncated=np.zeros(s, dtype=bool),
+        rewards=np.zeros(s, dtype=np.float32),
+    )
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path or "::" in path
+
+
+def check_sft_job(spec: Any) -> list[tuple[str, str]]:
+    """Job-level checks (``skyrl validate``): local corpora exist and open, and the
+    data strategy's per-dataset ``weights`` (when it has them) match the paths."""
+    problems: list[tuple[str, str]] = []
+    cfg = spec.kind_config
+    if spec.cluster.launcher != "local":
+        problems.append(("cluster.launcher", f"the sft job runs with launcher = \"local\" only, found {spec.cluster.launcher!r}"))
+    try:
+        from skyrl_datasets.corpus import open_corpus
+    except ImportError:
+        return problems + [("job.data_paths", "reading corpora needs the skyrl-datasets distribution (pip install skyrl-datasets)")]
+    for i, path in enumerate(cfg.data_paths):
+        if _is_url(path):
+            continue  # opened (and its errors reported) when the job starts, not by validate
+        try:
+            open_corpus(path).close()
+        except UserError as exc:
+            problems.append(("job.data_paths", f"[{i}] {path!r}: " + "; ".join(p.message for p in exc.problems)))
+    data = spec.plugins.get("data")
+    weights = getattr(getattr(data, "config", None), "weights", None)
+    if weights is not None and len(weights) != len(cfg.data_paths):
+        problems.append(
+            ("data.weights", f"has {len(weights)} entries, expected one per path of job.data_paths ({len(cfg.data_paths)})")
+        )
+    return problems
+
+
+class SFTDriver:
+    def __init__(self, run: Any):
+        self.run_ = run
+        self.cfg: SFTConfig = run.spec.kind_config
+        self.seed = run.spec.job.seed
+        self.corpora: list[Any] = []
+        self.samples: Any = None
+
+    # -- errors located in the job file ---------------------------------------------
+
+    def _problem(self, key: str, message: str) -> UserError:
+        path = self.run_.spec.path
+        try:
+            line = locate_keys(pathlib.Path(path).read_text(encoding="utf-8")).get(key)
+        except OSError:
+            line = None
+        return UserError(Problem(message, file=str(path), key=key, line=line))
+
+    # -- set-up ----------------------------------------------------------------
+
+    def build(self) -> None:
+        import torch
+
+        from skyrl_datasets.corpus import open_corpus
+
+        run, cfg = self.run_, self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        for i, path in enumerate(cfg.data_paths):
+            try:
+                self.corpora.append(open_corpus(path, cache_dir=cfg.cache_dir))
+            except UserError as exc:
+                raise self._problem("job.data_paths", f"[{i}] {path!r}: " + "; ".join(p.message for p in exc.problems)) from None
+        self.family = run.plugin("model").create()
+        self.loaded = self.family.load(alphabet=cfg.alphabet, seed=self.seed)
+        self.vocab_size = int(self.loaded.model.get_input_embeddings().num_embeddings)
+        for i, corpus in enumerate(self.corpora):
+            v = corpus.meta.get("vocab_size")
+            if v is not None and int(v) > self.vocab_size:
+                raise self._problem(
+                    "job.data_paths",
+                    f"[{i}] {cfg.data_paths[i]!r} was tokenized for {int(v)} ids, the model has {self.vocab_size}: "
+                    "tokenize with the model's tokenizer",
+                )
+        self.backend = run.plugin("backend").create()
+        self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False)
+        self.loss = SFTLoss()
+        self.strategy = run.plugin("data").create()
+        try:
+            self.strategy.bind([c.lengths for c in self.corpora], self.seed)
+        except ValueError as exc:
+            raise self._problem("data", f"strategy {run.plugin('data').name!r}: {exc}") from None
+        self.n_docs = [c.n_docs for c in self.corpora]
+        self.pending: list[list[int]] = []  # pieces of the last drawn document not trained yet
+        self.drawn = [0] * len(self.corpora)  # documents drawn per dataset
+        self.start_step = 1
+        if run.resume_path is not None:
+            self._load_checkpoint(run.resume_path)
+            self.start_step = run.resume_step + 1
+        if cfg.record_samples:
+            self._open_samples()
+
+    def _open_samples(self) -> None:
+        path = self.run_.output_dir / SAMPLES_FILE
+        kept = []
+        if self.run_.resuming and path.exists():  # the steps a resumed run will not train again
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < self.start_step]
+        self.samples = open(path, "w", encoding="utf-8")
+        self.samples.writelines(line + "\n" for line in kept)
+        self.samples.flush()
+
+    def close(self) -> None:
+        if self.samples is not None:
+            self.samples.close()
+            self.samples = None
+        for c in self.corpora:
+            c.close()
+        self.corpora = []
+
+    # -- one step ----------------------------------------------------------------
+
+    def take_pieces(self, step: int) -> list[list[int]]:
+        """The pieces of step ``step``: whole pieces, in the strategy's order, while
+        they fit ``tokens_per_step``."""
+        cfg = self.cfg
+        taken: list[list[int]] = []
+        used = 0
+        barren = 0  # draws in a row that gave nothing to train on
+        while True:
+            if not self.pending:
+                d, i = self.strategy.draw(step)
+                self.drawn[d] += 1
+                length = int(self.corpora[d].lengths[i])
+                self.pending = [[d, i, a, b] for a, b in pieces_of(length, cfg.max_seq_len, cfg.long_documents)]
+                barren = 0 if self.pending else barren + 1
+                if barren > sum(self.n_docs):
+                    raise self._problem("job.data_paths", "no document has two or more tokens: nothing to train on")
+                continue
+            n = self.pending[0][3] - self.pending[0][2]
+            if used + n > cfg.tokens_per_step:
+                return taken
+            taken.append(self.pending.pop(0))
+            used += n
+            if used == cfg.tokens_per_step:
+                return taken
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        pieces = self.take_pieces(step)
+        batch = pack_documents(self.corpora, pieces)
+        top = int(batch.tokens.max()) if batch.n_tokens else 0
+        if top >= self.vocab_size:
+            d, i = next((p[0], p[1]) for p in pieces if int(self.corpora[p[0]].tokens(p[1]).max()) >= self.vocab_size)
+            raise self._problem(
+                "job.data_paths",
+                f"[{d}] {self.cfg.data_paths[d]!r}: document {i} holds token id {top}, the model has {self.vocab_size} ids",
+            )
+        data_time = time.perf_counter() - t0
+        if self.samples is not None:
+            self.samples.write(json.dumps({"step": step, "docs": [[d, i, a] for d, i, a, _ in pieces]}) + "\n")
+            self.samples.flush()
+        train = self.backend.train_step(
+            batch, self.loss.advantages(batch, None), self.loss, temperature=1.0, max_new_tokens=self.cfg.max_seq_len
+        )
+        elapsed = time.perf_counter() - t0
+        skip = ("tokens_per_s", "step_time_s", "logprob_diff_mean", "logprob_diff_max")
+        metrics = {k: float(v) for k, v in train.items() if k not in skip}
+        metrics["tokens_per_s"] = batch.n_tokens / max(elapsed, 1e-9)
+        metrics["documents"] = float(len({(d, i) for d, i, _, _ in pieces}))
+        metrics["data_time_s"] = data_time
+        metrics["step_time"] = elapsed
+        for d, n in enumerate(self.n_docs):
+            metrics[f"epoch_{d}"] = self.drawn[d] / n if n else 0.0
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _driver_state(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "strategy": dict(self.strategy.state_dict()),
+            "pending": self.pending,
+            "drawn": self.drawn,
+            "data_paths": list(self.cfg.data_paths),
+        }
+
+    def _save_checkpoint(self, step: int) -> None:
+        import numpy as np
+        import torch
+
+        with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
+            torch.save(self.backend.state_dict(), folder / "backend.pt")
+            torch.save(
+                {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()},
+                folder / "rng.pt",
+            )
+            (folder / "driver.json").write_text(json.dumps(self._driver_state(step)))
+
+    def _load_checkpoint(self, folder: pathlib.Path) -> None:
+        import numpy as np
+        import torch
+
+        try:
+            state = torch.load(folder / "backend.pt", weights_only=False)
+            rng = torch.load(folder / "rng.pt", weights_only=False)
+            driver = json.loads((folder / "driver.json").read_text())
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
+        if driver.get("data_paths") != list(self.cfg.data_paths):
+            raise self._problem(
+                "job.data_paths", f"--resume: the checkpoint was trained on {driver.get('data_paths')!r}, not these paths"
+            )
+        self.backend.load_state_dict(state)
+        self.strategy.load_state_dict(driver["strategy"])
+        self.pending = [list(map(int, p)) for p in driver["pending"]]
+        self.drawn = [int(x) for x in driver["drawn"]]
+        torch.set_rng_state(rng["torch_rng"])
+        random.setstate(rng["python_rng"])
+        np.random.set_state(rng["numpy_rng"])
+
+    def _save_final(self) -> None:
+        import torch
+
+        trained = dict(self.backend.named_weights())
+        model = self.loaded.model
+        with torch.no_grad():
+            for name, param in model.state_dict().items():
+                if name in trained and trained[name].data_ptr() != param.data_ptr():
+                    param.copy_(trained[name])
+        self.family.save(self.loaded, str(self.run_.output_dir / "final"))
+
+    # -- the loop ------------------------------------------------------------------
+
+    def run(self) -> None:
+        run, cfg = self.run_, self.cfg
+        run.headline = ["loss", "tokens_per_s", "grad_norm"]
+        try:
+            self.build()
+            for step in range(self.start_step, run.total_steps + 1):
+                metrics = self.step(step)
+                if math.isnan(metrics.get("loss", 0.0)) or math.isnan(metrics.get("grad_norm", 0.0)):
+                    raise FloatingPointError(f"step {step}: the loss or the gradient norm is NaN")
+                run.report(step, metrics)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
+                    self._save_checkpoint(step)
+            self._save_checkpoint(run.total_steps)
+            if cfg.save_final:
+                self._save_final()
+        finally:
+            self.close()
+
+
+@hookimpl
+def skyrl_register_jobs(register: Any) -> None:
+    register(
+        "sft",
+        SFTDriver,
+        config=SFTConfig,
+        description="Supervised fine-tuning on pretokenized corpora: packed, masked, mixed, resumable",
+        slots=SLOTS,
+        check=check_sft_job,
+    )

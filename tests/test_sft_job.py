@@ -1,0 +1,314 @@
+"""The SFT job: packing boundaries and the loss mask (against per-document losses of
+the plain model), the loss going down on a small task, exact resume (same documents,
+same metrics), the example pair SFT -> RL, and job-file mistakes as user errors."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from skyrl_host import hookimpl
+from skyrl_host.checkpoints import latest_checkpoint
+from skyrl_host.errors import JobFailed
+from skyrl_host.jobs.sft import SFTLoss, pack_documents, pieces_of
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TIMING = ("time", "tokens_per_s", "step_time", "data_time_s")
+
+
+def _example_data_module():
+    spec = importlib.util.spec_from_file_location("sft_warmstart_data", ROOT / "examples" / "sft_warmstart_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Two reverse_digits corpora (prompt masked out): 3-5 digits and 6-8 digits."""
+    root = tmp_path_factory.mktemp("corpora")
+    build = _example_data_module().build
+    build(root / "short", documents=600, seed=11, min_len=3, max_len=5)
+    build(root / "long", documents=300, seed=12, min_len=6, max_len=8)
+    return root
+
+
+JOB = """
+[job]
+kind = "sft"
+seed = 5
+steps = {steps}
+data_paths = {paths}
+tokens_per_step = {budget}
+max_seq_len = {max_seq_len}
+alphabet = "0123456789:"
+checkpoint_every = {every}
+record_samples = true
+threads = 1
+output_dir = "{out}"
+
+[model]
+family = "qwen"
+preset = "tiny"
+
+[data]
+{data}
+
+[backend]
+name = "torch"
+lr = 3e-3
+micro_batch_tokens = 256
+"""
+
+
+def write_job(tmp_path, corpora, name="job", steps=4, every=0, budget=400, max_seq_len=64, data='strategy = "shuffled"',
+              paths=None):
+    out = tmp_path / f"{name}_out"
+    path = tmp_path / f"{name}.toml"
+    paths = paths if paths is not None else [str(corpora / "short")]
+    path.write_text(JOB.format(steps=steps, every=every, budget=budget, max_seq_len=max_seq_len, data=data,
+                               paths=json.dumps(paths), out=out))
+    return path, out
+
+
+def step_rows(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "step" in r and "event" not in r]
+
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not any(k == t or k.endswith(t) for t in TIMING)}
+
+
+# -- packing and masking, against the plain model ------------------------------------
+
+
+class Doc:
+    """A stand-in corpus of in-memory documents (the reader's tokens/mask interface)."""
+
+    def __init__(self, docs, masks):
+        self.docs, self.masks = docs, masks
+        self.lengths = np.asarray([len(d) for d in docs], dtype=np.int32)
+
+    def tokens(self, i):
+        return self.docs[i]
+
+    def mask(self, i):
+        return self.masks[i]
+
+
+def _tiny_model():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, vocab_size=24, tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg).to(torch.float64)
+
+
+def _reference(model, docs, masks):
+    """The mean NLL over mask-1 tokens (never a document's first token) and its
+    gradient norm, one document at a time through the plain model."""
+    import torch
+
+    model.zero_grad()
+    total, count = 0.0, 0
+    for ids, m in zip(docs, masks):
+        x = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]
+        lp = torch.log_softmax(model(input_ids=x).logits[0, :-1], dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+        keep = torch.as_tensor(np.asarray(m[1:], dtype=np.float64))
+        total = total - (lp * keep).sum()
+        count += int(keep.sum())
+    loss = total / count
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return float(loss.detach()), float(norm)
+
+
+def _train_once(model, corpus, pieces, pack_length, micro_batch_tokens=4096):
+    from skyrl_backends._trainer import TorchBackend
+    from skyrl_backends.torch import TorchBackendConfig
+    from skyrl_host.interfaces import LoadedModel
+
+    backend = TorchBackend(TorchBackendConfig(lr=1e-3, max_grad_norm=0.0, pack_length=pack_length,
+                                              micro_batch_tokens=micro_batch_tokens))
+    backend.start(LoadedModel(model, None, [1]), seed=0, total_steps=1, reference=False)
+    batch = pack_documents([corpus], pieces)
+    loss = SFTLoss()
+    return backend.train_step(batch, loss.advantages(batch, None), loss, temperature=1.0, max_new_tokens=64)
+
+
+def test_packed_documents_train_like_separate_documents_and_the_mask_holds() -> None:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 24, n).astype(np.uint16) for n in (9, 5, 13, 7)]
+    masks = [np.ones(len(d), np.uint8) for d in docs]
+    masks[1][:3] = 0  # a prompt
+    masks[2][-4:] = 0  # trailing tokens that do not train
+    corpus = Doc(docs, masks)
+    pieces = [[0, i, 0, len(d)] for i, d in enumerate(docs)]
+    model = _tiny_model()
+    want_loss, want_norm = _reference(copy.deepcopy(model), docs, masks)
+    # All four documents in one row of one micro-batch (positions restart per document) ...
+    packed = _train_once(copy.deepcopy(model), corpus, pieces, pack_length=4096)
+    # ... and each document in a row and a micro-batch of its own.
+    alone = _train_once(copy.deepcopy(model), corpus, pieces, pack_length=1, micro_batch_tokens=1)
+    for got in (packed, alone):
+        assert got["loss"] == pytest.approx(want_loss, rel=1e-9)
+        assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-7)
+        assert got["loss_tokens"] == sum(int(m[1:].sum()) for m in masks)
+        assert got["tokens"] == sum(len(d) for d in docs)
+    # A masked-out last token changes nothing; changing a trained token changes the loss.
+    edited = [d.copy() for d in docs]
+    edited[2][-1] = (int(edited[2][-1]) + 1) % 24
+    assert _train_once(copy.deepcopy(model), Doc(edited, masks), pieces, 4096)["loss"] == pytest.approx(want_loss, rel=1e-12)
+    edited[0][-1] = (int(edited[0][-1]) + 1) % 24
+    assert abs(_train_once(copy.deepcopy(model), Doc(edited, masks), pieces, 4096)["loss"] - want_loss) > 1e-6
+
+
+def test_long_documents_are_split_so_every_token_is_predicted_once() -> None:
+    assert pieces_of(1, 4, "split") == []
+    assert pieces_of(4, 4, "split") == [(0, 4)]
+    assert pieces_of(10, 4, "split") == [(0, 4), (3, 7), (6, 10)]
+    assert pieces_of(11, 4, "split") == [(0, 4), (3, 7), (6, 10), (9, 11)]
+    assert pieces_of(10, 4, "truncate") == [(0, 4)]
+    for n in range(2, 40):
+        predicted = [t for a, b in pieces_of(n, 5, "split") for t in range(a + 1, b)]
+        assert predicted == list(range(1, n))  # every token but the first, once, in order
+
+
+# -- the job end to end ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_job_lowers_the_loss_and_saves_a_model_rl_can_load(skyrl_cli, corpora, tmp_path) -> None:
+    import torch
+    import transformers
+
+    path, out = write_job(tmp_path, corpora, steps=30, budget=512)
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = step_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    for key in ("loss", "tokens", "loss_tokens", "tokens_per_s", "lr", "grad_norm", "epoch_0", "documents"):
+        assert key in rows[0], key
+    first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-3:]])
+    assert first > 2.0  # about log(14): the random preset guesses
+    assert last < 0.6 * first, (first, last)
+    assert all(r["tokens"] <= 512 for r in rows)
+    assert rows[-1]["epoch_0"] == pytest.approx(sum(r["documents"] for r in rows) / 600, abs=1 / 600)
+    assert (out / "plot.png").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = transformers.AutoTokenizer.from_pretrained(out / "final")
+    ids = torch.tensor([tok.encode("4071:")])
+    assert model(ids).logits.shape[-1] >= 12
+
+
+@pytest.mark.slow
+def test_resume_draws_the_same_documents_and_reports_the_same_metrics(skyrl_cli, skyrl_plugin, corpora, tmp_path) -> None:
+    paths = [str(corpora / "short"), str(corpora / "long")]
+    # Two datasets mixed, documents split into pieces that spill over step boundaries.
+    data = 'strategy = "mix"\nweights = [1, 2]'
+    kw = dict(steps=6, every=2, budget=60, max_seq_len=7, data=data, paths=paths)
+    full_path, full_out = write_job(tmp_path, corpora, "full", **kw)
+    assert skyrl_cli("run", str(full_path)).exit_code == 0
+    expected = [comparable(r) for r in step_rows(full_out)]
+    expected_docs = (full_out / "samples.jsonl").read_text()
+    assert sum(len(json.loads(line)["docs"]) for line in expected_docs.splitlines()) > 6 * 5
+
+    class Crash:
+        """Stops the job once, at step 5 (after the checkpoint of step 4)."""
+
+        armed = True
+
+        @hookimpl
+        def skyrl_step_finished(self, step):
+            if step == 5 and self.armed:
+                self.armed = False
+                raise JobFailed("the machine went away")
+
+    path, out = write_job(tmp_path, corpora, "crashed", **kw)
+    skyrl_plugin(Crash(), "crash")
+    assert skyrl_cli("run", str(path)).exit_code == 1
+    assert latest_checkpoint(out)[0] == 4
+    resumed = skyrl_cli("run", str(path), "--resume")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert "(resumed after step 4)" in resumed.stderr
+    got = [comparable(r) for r in step_rows(out)]
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert got == expected
+    assert (out / "samples.jsonl").read_text() == expected_docs
+
+
+
+# -- mistakes in the job file ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (('strategy = "shuffled"', 'strategy = "shufled"'),
+         ":20: data.strategy: unknown data strategy 'shufled' (did you mean 'shuffled'?); available: "),
+        (("/short", "/nowhere"),
+         ":6: job.data_paths: [0] '{root}/nowhere': no corpus at this prefix: expected {root}/nowhere.json"),
+        (('strategy = "shuffled"', 'strategy = "mix"\nweights = [1, 2, 3]'),
+         ":21: data.weights: has 3 entries, expected one per path of job.data_paths (1)"),
+        (("tokens_per_step = 400", "tokens_per_step = 32"),
+         ":7: job.tokens_per_step: expected at least max_seq_len (64), found 32"),
+        (('strategy = "shuffled"', 'strategy = "mix"\nweights = [1]\ntemperature = 2.0'),
+         ":22: data.temperature: give either weights or temperature, not both"),
+    ],
+    ids=["unknown-strategy", "missing-path", "weights-length", "budget-below-max-seq-len", "weights-and-temperature"],
+)
+def test_job_file_mistakes_are_user_errors(skyrl_cli, corpora, tmp_path, edit, expected) -> None:
+    path, out = write_job(tmp_path, corpora)
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1]))
+    for command in ("validate", "run"):
+        result = skyrl_cli(command, str(path))
+        assert result.exit_code == 2, result.stderr
+        assert result.stderr.startswith(f"error: {path}" + expected.format(root=corpora)), result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_sft_job_rejects_tables_it_does_not_use(skyrl_cli, corpora, tmp_path) -> None:
+    path, _ = write_job(tmp_path, corpora)
+    path.write_text(path.read_text() + '\n[dataset]\nname = "reverse_digits"\n')
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert "dataset: job kind 'sft' does not use [dataset]; it uses [model], [backend], [data]" in result.stderr
+
+
+# -- the example pair: SFT warm start, then RL from its checkpoint ---------------------
+
+
+@pytest.mark.slow
+def test_example_pair_sft_then_rl_from_its_checkpoint(skyrl_cli, tmp_path) -> None:
+    corpus = tmp_path / "reverse_digits_sft"
+    _example_data_module().build(corpus, documents=2000)
+    sft_out, rl_out, scratch_out = tmp_path / "sft", tmp_path / "rl", tmp_path / "scratch"
+    result = skyrl_cli("run", str(ROOT / "examples" / "sft_warmstart.toml"), "--set", f"job.data_paths=['{corpus}']",
+                       "--set", f"job.output_dir='{sft_out}'", "--set", "job.steps=60", "--set", "job.threads=1")
+    assert result.exit_code == 0, result.stderr
+    sft_rows = step_rows(sft_out)
+    assert sft_rows[-1]["loss"] < 0.5 * sft_rows[0]["loss"]
+
+    rl_job = ROOT / "examples" / "rl_from_sft.toml"
+    small = ["--set", "job.steps=2", "--set", "job.batch_size=16", "--set", "job.n_samples=4", "--set", "job.threads=1",
+             "--set", "job.save_final=false"]
+    result = skyrl_cli("run", str(rl_job), "--set", f"model.path='{sft_out / 'final'}'", "--set", f"job.output_dir='{rl_out}'", *small)
+    assert result.exit_code == 0, result.stderr
+    # The same RL job from the untrained preset (same tokenizer: the task's alphabet).
+    scratch = tmp_path / "scratch.toml"
+    scratch.write_text(rl_job.read_text().replace('path = "runs/sft_warmstart/final"', 'preset = "tiny"'))
+    result = skyrl_cli("run", str(scratch), "--set", f"job.output_dir='{scratch_out}'", *small)
+    assert result.exit_code == 0, result.stderr
+    warm, cold = step_rows(rl_out)[0], step_rows(scratch_out)[0]
+    assert warm["reward_mean"] > cold["reward_mean"] + 0.2, (warm["reward_mean"], cold["reward_mean"])

@@ -814,9 +814,11 @@ class TorchBackend:
         return iter(out)
 
     def save_adapters(self, path: str) -> None:
-        """Write the adapters as ``<path>/adapter_model.safetensors`` (the tensors of
-        :meth:`named_adapters`, float32) and ``<path>/adapter_config.json`` (rank, alpha,
-        targets, the adapted modules), e.g. beside the merged final model."""
+        """Write the adapters as ``<path>/lora_adapters.safetensors`` (the tensors of
+        :meth:`named_adapters`, float32) and ``<path>/lora_config.json`` (rank, alpha,
+        targets, the adapted modules), e.g. beside the merged final model. (Not PEFT's
+        ``adapter_config.json``/``adapter_model.safetensors``: transformers would take a
+        folder holding those for a PEFT adapter, and the names differ from PEFT's.)"""
         import json
         import pathlib
 
@@ -829,9 +831,9 @@ class TorchBackend:
             return
         folder = pathlib.Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        save_file(tensors, str(folder / "lora_adapters.safetensors"))
         config = dict(self.lora.config(), modules=list(self.lora.modules), dropout=self.lora.dropout)
-        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / "lora_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def state_dict(self) -> Mapping[str, Any]:
         """Model, optimizer (keyed by parameter name), scheduler and step counts, on CPU.
@@ -845,14 +847,16 @@ class TorchBackend:
         )
         if self.lora is not None:  # (ignore_frozen_params still lists a tied alias of a frozen weight)
             model_sd = {k: v for k, v in model_sd.items() if self.lora.is_adapter(k)}
-        return {
+        state = {
             "format": 1,
             "model": _clone_tree(model_sd),
             "optimizer": _clone_tree(optim_sd),
             "scheduler": _clone_tree(self.scheduler.state_dict()),
             "steps": self.steps,
-            "lora": self.adapter_config(),
         }
+        if self.lora is not None:
+            state["lora"] = self.adapter_config()  # load_state_dict checks it against its own
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` into a started backend. Under DDP/FSDP2 every

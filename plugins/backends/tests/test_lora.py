@@ -141,10 +141,10 @@ def test_save_adapters_writes_safetensors_and_config(tiny, tmp_path) -> None:
     batch = tiny.tiny_batch(0)
     be.train_step(batch, tiny.tiny_advantages(batch), tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
     be.save_adapters(str(tmp_path / "final"))
-    tensors = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    tensors = load_file(str(tmp_path / "final" / "lora_adapters.safetensors"))
     ad = dict(be.named_adapters())
     assert tensors.keys() == ad.keys() and all(torch.equal(tensors[k], ad[k]) for k in ad)
-    config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+    config = json.loads((tmp_path / "final" / "lora_config.json").read_text())
     assert config["rank"] == 4 and config["alpha"] == 16.0 and config["targets"] == TARGETS
     assert config["modules"][0] == "model.layers.0.self_attn.q_proj"
 

@@ -1,8 +1,9 @@
-"""Weight sync: the ``delta`` transport against a full safetensors write + read, through the same fsspec target.
+"""Weight sync: ``delta`` vs a full safetensors write + read; ``nixl`` (sharded) vs ``broadcast`` vs raw NIXL.
 
     python benchmarks/weight_sync.py [--size-gib 1] [--fractions 0.01 0.03 0.1] [--repeats 3]
         [--targets file s3] [--s3-full-rounds 2] [--level 1] [--threads 2] [--links 1 10 100]
-        [--compare-rev REV] [--tmp-dir DIR] [--torch-threads 2] [--seed 0] [--quick]
+        [--compare-rev REV] [--tmp-dir DIR] [--torch-threads 2] [--seed 0]
+        [--sharded-gib 0.5] [--sharded-repeats 5] [--quick]
 
 The model state. A decoder-only transformer's weights (Qwen-like names and shapes:
 hidden 2048, 16 query heads and 8 KV heads of 128, FFN 6144, vocabulary 32,768, embedding
@@ -58,10 +59,27 @@ round at the first fraction and a keyframe that is reported apart):
 - ``checks``: at 1% changed, whether ``delta`` moves <= 2% of the full bytes, encodes at
   >= 2 GB/s and decodes + applies at >= 3 GB/s.
 
-The ``nixl`` transport (sharded) does not exist yet in this project, nor a raw NIXL
-bandwidth probe: they are listed under ``not_implemented``. ``broadcast``
-(torch.distributed buckets) exists but needs a process group across processes and is
-not measured here (``not_measured``).
+The sharded section (``sharded``; ``--sharded-gib``, default 0.5, 0 skips it): three
+processes in one gloo world, on this machine's DRAM. Trainer ranks 0 and 1 hold a
+Qwen-like bf16 model of ``--sharded-gib`` GiB as FSDP2 does, each tensor a ``DTensor``
+sharded ``Shard(0)`` over the two ranks; the third process is an engine (the same
+copying ``Engine`` as above). Per round (``--sharded-repeats``, after a warm-up round;
+the order rotates), with the real transport classes:
+
+- ``nixl``: ``NixlSender.publish`` on both ranks (each copies its own shards into its
+  registered buffers), then ``NixlReceiver.sync`` in the engine process (shard (0, 1)):
+  the version headers, one batched READ per rank, the headers again (``read_s``), then
+  the engine's copy (``apply_s``); ``e2e_s`` from the start of the publishes to the end;
+- ``raw_nixl``: the baseline, one NIXL READ of one registered buffer holding the same
+  bytes, trainer rank 0 -> engine, one descriptor (NIXL and UCX as they come);
+- ``broadcast``: ``BroadcastSender.publish`` of the full weights on trainer rank 0 and
+  ``BroadcastReceiver.sync`` (64 MiB buckets over gloo), engine copy included.
+
+Reported: medians, GB/s of model bytes, ``ratio_nixl_read_vs_raw`` (median over rounds of
+raw seconds / nixl read seconds: nixl's share of the raw bandwidth; the issue expects >=
+0.7) and ``ratio_broadcast_vs_nixl_e2e``. Afterwards each path runs once more into a
+zeroed engine (or buffer) and is compared with the model (``received_equal``). One torch
+thread per process.
 
 ``--compare-rev REV`` runs the ``delta`` of another commit too (its ``_delta.py``, taken
 with ``git show``; same on-disk format), interleaved, as ``delta@REV``: the before/after of
@@ -71,8 +89,9 @@ process and the S3 server): the machine is shared, seconds move, ratios much les
 Every path's result is checked against the trainer's weights (``torch.equal`` of every
 tensor) in the warm-up round and the last round of each fraction. Progress goes to
 stderr, one JSON object to stdout. A default run takes ~3 minutes and peaks at ~7 GiB
-(``peak_rss_gib``: this process); ``--quick`` (8 MiB, one round per fraction, a few
-seconds) is the smoke test.
+(``peak_rss_gib``: this process), then ~40 s for the sharded section (its three
+processes hold ~4 GiB together); ``--targets`` with no value runs only the sharded
+section; ``--quick`` (8 MiB, one round per fraction, a few seconds) is the smoke test.
 """
 
 from __future__ import annotations
@@ -105,9 +124,6 @@ import torch
 
 from skyrl_weightsync import _delta
 
-NOT_IMPLEMENTED = ["nixl (sharded)", "raw NIXL bandwidth"]
-NOT_MEASURED = {"broadcast": "the transport exists (skyrl_weightsync._broadcast) but needs a torch.distributed "
-                             "group across processes; not in this benchmark yet"}
 T0 = time.perf_counter()
 
 
@@ -469,13 +485,205 @@ def summarize(by_path: dict[str, list[dict[str, float]]], full_bytes: int, links
     return s
 
 
+# -- sharded: nixl (2 trainer ranks -> 1 engine) vs broadcast vs raw NIXL ----------------
+
+
+def _sharded_tensor(i: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Tensor ``i`` of the model, the same in every process (bf16)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + i)
+    return (torch.randn(shape, generator=g) * 0.02).bfloat16()
+
+
+def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
+    """One of 3 processes: ranks 0 and 1 are trainer ranks holding FSDP2-style shards
+    (``DTensor``, ``Shard(0)`` over a 2-rank mesh), rank 2 the engine process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from skyrl_weightsync._broadcast import BroadcastReceiver, BroadcastSender
+    from skyrl_weightsync._nixl import NixlReceiver, NixlSender, _Poller, nixl_api
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,
+                            timeout=datetime.timedelta(seconds=600))
+    mesh = DeviceMesh("cpu", [0, 1])  # the trainer ranks (every rank takes part in making it)
+    bgroup = dist.new_group([0, 2])  # broadcast: trainer rank 0 -> the engine process
+    shapes = model_shapes(args.sharded_gib)
+    total = sum(math.prod(s) for _, s in shapes) * 2
+    nixl_agent, nixl_agent_config = nixl_api()
+    bucket = 64 << 20
+    info: dict[str, Any] = {}
+    if rank < 2:
+        full: dict[str, torch.Tensor] = {}
+        local = []
+        for i, (name, shape) in enumerate(shapes):
+            t = _sharded_tensor(i, shape, args.seed)
+            part = t.chunk(2)[rank].clone()  # torch.chunk: how Shard(0) cuts
+            local.append((name, DTensor.from_local(part, mesh, [Shard(0)], shape=t.shape, stride=t.stride(),
+                                                   run_check=False)))
+            if rank == 0:
+                full[name] = t
+        sender = NixlSender(rank=rank, world=2)
+        sender.publish(0, local)
+        info["nixl"] = sender.endpoint()
+        if rank == 0:  # raw: the same bytes as one registered buffer, read in one descriptor
+            raw = torch.empty(total, dtype=torch.uint8)
+            at = 0
+            for t in full.values():
+                n = t.numel() * 2
+                raw[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
+                at += n
+            raw_agent = nixl_agent(f"raw-src-{os.getpid()}", nixl_agent_config(enable_prog_thread=False))
+            raw_agent.register_memory(raw)
+            poller = _Poller(raw_agent)
+            poller.start()
+            info["raw"] = (raw_agent.get_agent_metadata(), raw.data_ptr(), total)
+            bsender = BroadcastSender(group=bgroup, src=0, bucket_bytes=bucket)
+    infos: list[Any] = [None] * 3
+    dist.all_gather_object(infos, info)
+    if rank == 2:
+        engine = Engine(shapes)
+        receiver = NixlReceiver(shard=(0, 1))
+        receiver.connect([infos[0]["nixl"], infos[1]["nixl"]])
+        breceiver = BroadcastReceiver(group=bgroup, src=0, bucket_bytes=bucket)
+        raw_agent = nixl_agent(f"raw-dst-{os.getpid()}", nixl_agent_config(enable_prog_thread=False))
+        dst = torch.zeros(total, dtype=torch.uint8)
+        raw_agent.register_memory(dst)
+        md, addr, _ = infos[0]["raw"]
+        peer = raw_agent.add_remote_agent(md)
+        remote = raw_agent.prep_xfer_dlist(peer, [(addr, total, 0)], "DRAM")
+        mine = raw_agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr(), total, 0)], "DRAM")
+        raw_read = raw_agent.make_prepped_xfer("READ", mine, [0], remote, [0])
+
+        def read_raw() -> None:
+            state = raw_agent.transfer(raw_read)
+            while state == "PROC":
+                state = raw_agent.check_xfer_state(raw_read)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL read: {state}")
+
+    times: dict[str, list[dict[str, float]]] = {"raw": [], "nixl": [], "broadcast": []}
+    version = 0
+    methods = ["nixl", "raw", "broadcast"]
+    for r in range(args.sharded_repeats + 1):  # round 0 warms up (connections, first touch)
+        for method in methods[r % 3:] + methods[: r % 3]:
+            version += 1
+            dist.barrier()
+            t0 = time.perf_counter()
+            if method == "nixl":
+                if rank < 2:
+                    sender.publish(version, local)
+                dist.barrier()  # every rank has published: the engine reads
+                if rank == 2:
+                    t1 = time.perf_counter()
+                    st = receiver.sync(engine, target=version)
+                    t2 = time.perf_counter()
+                    rec = {"publish_s": t1 - t0, "read_s": st["sync_seconds"] - st["sync_apply_s"],
+                           "apply_s": st["sync_apply_s"], "e2e_s": t2 - t0}
+            elif method == "raw":
+                if rank == 2:
+                    read_raw()
+                    rec = {"read_s": time.perf_counter() - t0}
+            else:
+                if rank == 0:
+                    bsender.publish(version, full.items())
+                elif rank == 2:
+                    breceiver.sync(engine)
+                    rec = {"e2e_s": time.perf_counter() - t0}
+            if rank == 2 and r > 0:
+                times[method].append(rec)
+    # Each path once more, into a zeroed engine (a zeroed buffer), compared with the model.
+    checks: dict[str, bool] = {}
+    if rank == 2:
+        want = {name: _sharded_tensor(i, shape, args.seed) for i, (name, shape) in enumerate(shapes)}
+        for p in engine.params.values():
+            p.zero_()
+    version += 1
+    dist.barrier()
+    if rank < 2:
+        sender.publish(version, local)
+    dist.barrier()
+    if rank == 2:
+        receiver.sync(engine, target=version)
+        checks["nixl"] = engine.matches(want)
+        dst.zero_()
+        read_raw()
+        checks["raw"] = torch.equal(dst, torch.cat([t.reshape(-1).view(torch.uint8) for t in want.values()]))
+        for p in engine.params.values():
+            p.zero_()
+    version += 1
+    dist.barrier()
+    if rank == 0:
+        bsender.publish(version, full.items())
+    elif rank == 2:
+        breceiver.sync(engine)
+        checks["broadcast"] = engine.matches(want)
+    dist.barrier()
+    if rank == 2:
+        print(json.dumps({"bytes": total, "tensors": len(shapes), "times": times, "checks": checks,
+                          "descriptors": receiver.descriptors,
+                          "transfers": sum(len(p.reads) for p in receiver._peers)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_sharded(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    from skyrl_weightsync.nixl import INSTALL_HINT, nixl_installed
+
+    if not nixl_installed():
+        return {"skipped": f"needs NIXL: {INSTALL_HINT}"}
+    store = os.path.join(tmp, "sharded_store")
+    cmd = [sys.executable, os.path.abspath(__file__), "--sharded-gib", str(args.sharded_gib), "--sharded-repeats",
+           str(args.sharded_repeats), "--seed", str(args.seed), "--sharded-store", store]
+    procs = [subprocess.Popen(cmd + ["--sharded-rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a sharded-section process failed: {[p.returncode for p in procs]}")
+    res = json.loads(outs[2].strip().splitlines()[-1])
+    t, total = res["times"], res["bytes"]
+
+    def m(method: str, key: str) -> float:
+        return med([x[key] for x in t[method]])
+
+    def gbs(seconds: float) -> float:
+        return round(total / seconds / 1e9, 2)
+
+    nixl = {k: round(m("nixl", k), 4) for k in ("publish_s", "read_s", "apply_s", "e2e_s")}
+    out = {
+        "bytes": total, "tensors": res["tensors"], "trainer_ranks": 2, "engine_ranks": 1,
+        "repeats": args.sharded_repeats, "torch_threads": 1,
+        "raw_nixl": {"read_s": round(m("raw", "read_s"), 4), "gb_s": gbs(m("raw", "read_s")),
+                     "what": "one NIXL READ of one registered buffer of the same bytes, trainer rank 0 -> engine"},
+        "nixl": {**nixl, "read_gb_s": gbs(m("nixl", "read_s")), "e2e_gb_s": gbs(m("nixl", "e2e_s")),
+                 "descriptors": res["descriptors"], "transfers": res["transfers"],
+                 "what": "NixlSender.publish on both trainer ranks (their shards into the registered buffers), "
+                         "then NixlReceiver.sync: headers, the batched READs from both ranks, headers again "
+                         "(read_s), the engine's copy (apply_s)"},
+        "broadcast": {"e2e_s": round(m("broadcast", "e2e_s"), 4), "gb_s": gbs(m("broadcast", "e2e_s")),
+                      "bucket_mib": 64,
+                      "what": "BroadcastSender.publish on trainer rank 0 (the full weights) + BroadcastReceiver.sync "
+                              "over gloo, engine copy included"},
+        # per round: raw seconds / nixl seconds = nixl's bandwidth / raw bandwidth
+        "ratio_nixl_read_vs_raw": round(med([r["read_s"] / n["read_s"] for n, r in zip(t["nixl"], t["raw"])]), 3),
+        "ratio_broadcast_vs_nixl_e2e": round(med([b["e2e_s"] / n["e2e_s"] for n, b in zip(t["nixl"], t["broadcast"])]),
+                                             2),
+        "received_equal": res["checks"],
+        "seconds_all": t,
+    }
+    out["checks"] = {"nixl_read_ge_70pct_of_raw": out["ratio_nixl_read_vs_raw"] >= 0.7}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-gib", type=float, default=1.0, help="the model's bf16 size (at least this)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.03, 0.1],
                     help="fraction of elements changed per step")
     ap.add_argument("--repeats", type=int, default=3, help="measured rounds per fraction, after one warm-up")
-    ap.add_argument("--targets", nargs="+", default=["file", "s3"], choices=["file", "s3"])
+    ap.add_argument("--targets", nargs="*", default=["file", "s3"], choices=["file", "s3"],
+                    help="where the delta section runs (none: only the sharded section)")
     ap.add_argument("--level", type=int, default=1, help="zstd level of the delta sender")
     ap.add_argument("--threads", type=int, default=2, help="zstd threads of the delta sender")
     ap.add_argument("--links", type=float, nargs="+", default=[1, 10, 100], help="link speeds, Gbit/s")
@@ -485,10 +693,19 @@ def main() -> None:
     ap.add_argument("--tmp-dir", default=None, help="where the file target and temp files go")
     ap.add_argument("--torch-threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sharded-gib", type=float, default=0.5,
+                    help="model size of the sharded section (nixl vs broadcast vs raw NIXL); 0: skip it")
+    ap.add_argument("--sharded-repeats", type=int, default=5, help="measured rounds of the sharded section")
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 MiB, one round per fraction")
+    ap.add_argument("--sharded-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--sharded-store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.size_gib, args.repeats = 1 / 128, 1
+        args.sharded_gib, args.sharded_repeats = min(args.sharded_gib, 1 / 128), 1
+    if args.sharded_rank is not None:
+        sharded_worker(args.sharded_rank, args.sharded_store, args)
+        return
     torch.set_num_threads(args.torch_threads)
     tmp = tempfile.mkdtemp(prefix="weight_sync_", dir=args.tmp_dir)
     try:
@@ -496,10 +713,11 @@ def main() -> None:
         if args.compare_rev:
             mods[f"delta@{args.compare_rev}"] = load_delta_rev(args.compare_rev, tmp)
         shapes = model_shapes(args.size_gib)
-        log(f"building {len(shapes)} tensors")
-        weights = build_weights(shapes, args.seed)
+        if args.targets:
+            log(f"building {len(shapes)} tensors")
+        weights = build_weights(shapes if args.targets else [], args.seed)
         full_bytes = sum(t.numel() * 2 for t in weights.values())
-        engine = Engine(shapes)
+        engine = Engine(shapes if args.targets else [])
         rng = np.random.default_rng(args.seed)
         meter = CpuMeter()
         out: dict[str, Any] = {
@@ -511,8 +729,6 @@ def main() -> None:
                 "compare_rev": args.compare_rev, "python": platform.python_version(), "torch": torch.__version__,
                 "cpus": os.cpu_count(), "date": datetime.date.today().isoformat(),
             },
-            "not_implemented": NOT_IMPLEMENTED,
-            "not_measured": NOT_MEASURED,
             "targets": {},
         }
         for target in args.targets:
@@ -535,6 +751,9 @@ def main() -> None:
                                                       args, mods, meter, rng, args.s3_full_rounds or None)
                     out["targets"]["s3"]["server"] = "moto_server on 127.0.0.1 (s3fs)"
                     meter.child = None
+        if args.sharded_gib > 0:
+            log(f"sharded: nixl vs broadcast vs raw NIXL, {args.sharded_gib:g} GiB, 3 processes")
+            out["sharded"] = run_sharded(args, tmp)
         out["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         out["wall_s"] = round(time.perf_counter() - T0, 1)
         print(json.dumps(out, indent=2))

@@ -142,7 +142,8 @@ def _placement_of(name: str, t: Any) -> tuple[tuple[int, ...], tuple[int, ...], 
     mesh, placements = t.device_mesh, tuple(t.placements)
     for p in placements:
         if p.is_partial():
-            raise NixlError(f"tensor {name!r}: a Partial DTensor (a pending reduction) cannot be served; reduce it first")
+            raise NixlError(f"tensor {name!r}: a Partial DTensor (a pending reduction) cannot be served; "
+                            "reduce it first")
         if type(p).__name__ == "_StridedShard":
             raise NixlError(f"tensor {name!r}: strided shards ({p}) are not supported; only Shard(d) and Replicate")
     local = t.to_local()
@@ -246,8 +247,9 @@ class NixlSender:
                 continue  # served by another rank, or an alias
             got_shape, got_offset, local, _ = _placement_of(name, t)
             if (name, got_shape, got_offset) != (want, shape, offset):
-                raise NixlError(f"version {version}: tensor #{n - 1} is {name!r} {got_shape} at {got_offset}, the first "
-                                f"publish had {want!r} {shape} at {offset} (the layout is fixed at the first publish)")
+                raise NixlError(f"version {version}: tensor #{n - 1} is {name!r} {got_shape} at {got_offset}, the "
+                                f"first publish had {want!r} {shape} at {offset} (the layout is fixed at the first "
+                                "publish)")
             if piece is not None:
                 self._views[piece].copy_(local)
                 served += self._views[piece].numel() * self._views[piece].element_size()

@@ -37,9 +37,11 @@ INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it wo
 class NixlConfig:
     """Options of ``[weight_sync]`` when ``transport = "nixl"``."""
 
-    dtype: Literal["bfloat16", "float32"] = option("bfloat16", help="dtype of the weights on the wire (and in the engine)")
+    dtype: Literal["bfloat16", "float32"] = option("bfloat16",
+                                                   help="dtype of the weights on the wire (and in the engine)")
     backend: str = option("UCX", help="the NIXL backend plugin that moves the bytes")
-    timeout_s: float = option(60.0, help="how long a receiver waits for one transfer before it gives up", validator=gt(0))
+    timeout_s: float = option(60.0, help="how long a receiver waits for one transfer before it gives up",
+                              validator=gt(0))
     progress_thread: bool = option(False, help="trainer ranks run NIXL's own progress thread (it spins a core; "
                                                "off: a light poller every millisecond)")
 
@@ -139,6 +141,6 @@ def skyrl_register_weight_transports(register: Any) -> None:
         "nixl",
         create,
         config=NixlConfig,
-        description="Sharded NIXL reads: every trainer rank serves its own shards, each engine rank reads only its bytes",
+        description="Sharded NIXL reads: each trainer rank serves its own shards, each engine rank reads its bytes",
         check=check,
     )

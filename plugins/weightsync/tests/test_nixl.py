@@ -29,7 +29,8 @@ def _wait_for(d: pathlib.Path, name: str, procs: dict, timeout: float) -> None:
     while not (d / name).exists():
         for role, p in procs.items():
             if p.poll() is not None and role != "trainer1" and not (d / f"{role}.json").exists():
-                raise AssertionError(f"{role} exited ({p.returncode}) early:\n" + (d / f"{role}.log").read_text()[-3000:])
+                log = (d / f"{role}.log").read_text()[-3000:]
+                raise AssertionError(f"{role} exited ({p.returncode}) early:\n{log}")
         for role in ("full", "tp"):
             f = d / f"{role}.json"
             if f.exists() and "error" in json.loads(f.read_text()):

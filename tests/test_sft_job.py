@@ -262,8 +262,11 @@ def test_resume_draws_the_same_documents_and_reports_the_same_metrics(skyrl_cli,
          ":7: job.tokens_per_step: expected at least max_seq_len (64), found 32"),
         (('strategy = "shuffled"', 'strategy = "mix"\nweights = [1]\ntemperature = 2.0'),
          ":22: data.temperature: give either weights or temperature, not both"),
+        (('alphabet = "0123456789:"', ""),
+         ":17: model.preset: a preset model builds a character-level tokenizer: set job.alphabet to the characters"),
     ],
-    ids=["unknown-strategy", "missing-path", "weights-length", "budget-below-max-seq-len", "weights-and-temperature"],
+    ids=["unknown-strategy", "missing-path", "weights-length", "budget-below-max-seq-len", "weights-and-temperature",
+         "preset-without-alphabet"],
 )
 def test_job_file_mistakes_are_user_errors(skyrl_cli, corpora, tmp_path, edit, expected) -> None:
     path, out = write_job(tmp_path, corpora)
@@ -312,3 +315,20 @@ def test_example_pair_sft_then_rl_from_its_checkpoint(skyrl_cli, tmp_path) -> No
     assert result.exit_code == 0, result.stderr
     warm, cold = step_rows(rl_out)[0], step_rows(scratch_out)[0]
     assert warm["reward_mean"] > cold["reward_mean"] + 0.2, (warm["reward_mean"], cold["reward_mean"])
+
+
+@pytest.mark.slow
+def test_a_corpus_at_an_fsspec_url_trains_like_the_local_one(skyrl_cli, corpora, tmp_path) -> None:
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    for f in corpora.glob("short.*"):
+        memory.pipe(f"/sft-test/{f.name}", f.read_bytes())
+    runs = {}
+    for name, data_path in (("local", str(corpora / "short")), ("remote", "memory://sft-test/short")):
+        path, out = write_job(tmp_path, corpora, name, steps=3, paths=[data_path])
+        result = skyrl_cli("run", str(path), "--set", f"job.cache_dir='{tmp_path / 'cache'}'", "--set", "job.save_final=false")
+        assert result.exit_code == 0, result.stderr
+        runs[name] = [comparable(r) for r in step_rows(out)]
+    assert runs["remote"] == runs["local"]
+    assert any((tmp_path / "cache").rglob("tokens.blocks"))  # read lazily through the local cache

@@ -65,6 +65,9 @@ class SFTConfig:
         None, help="characters of a preset model's character-level tokenizer (a model loaded from a path brings its own)"
     )
     cache_dir: str | None = option(None, help="local cache of remote corpora (default: $SKYRL_CACHE_DIR/corpora)")
+    storage_options: dict[str, Any] = option(
+        factory=dict, help="fsspec options for remote data_paths, e.g. {anon = true} or {client_kwargs = {endpoint_url = \"...\"}}"
+    )
     checkpoint_every: int = option(50, help="steps between checkpoints (0: only at the end)", validator=ge(0))
     keep_checkpoints: int = option(2, help="checkpoints kept on disk", validator=gt(0))
     save_final: bool = option(True, help="write the final model as a Hugging Face folder in <output_dir>/final")
@@ -167,12 +170,22 @@ def _is_url(path: str) -> bool:
 
 
 def check_sft_job(spec: Any) -> list[tuple[str, str]]:
-    """Job-level checks (``skyrl validate``): local corpora exist and open, and the
-    data strategy's per-dataset ``weights`` (when it has them) match the paths."""
+    """Job-level checks (``skyrl validate``): one process, a preset model has its
+    alphabet, local corpora exist and open, and the data strategy's per-dataset
+    ``weights`` (when it has them) match the paths."""
     problems: list[tuple[str, str]] = []
     cfg = spec.kind_config
     if spec.cluster.launcher != "local":
         problems.append(("cluster.launcher", f"the sft job runs with launcher = \"local\" only, found {spec.cluster.launcher!r}"))
+    parallel = getattr(spec.plugins["backend"].config, "data_parallel", "none")
+    if parallel != "none":
+        problems.append(("backend.data_parallel", f"the sft job runs in one process: data_parallel = {parallel!r} is not supported yet"))
+    if getattr(spec.plugins["model"].config, "preset", None) is not None and cfg.alphabet is None:
+        problems.append((
+            "model.preset",
+            "a preset model builds a character-level tokenizer: set job.alphabet to the characters the corpus was "
+            "tokenized with, or load a model with path",
+        ))
     try:
         from skyrl_datasets.corpus import open_corpus
     except ImportError:
@@ -225,7 +238,7 @@ class SFTDriver:
         random.seed(self.seed)
         for i, path in enumerate(cfg.data_paths):
             try:
-                self.corpora.append(open_corpus(path, cache_dir=cfg.cache_dir))
+                self.corpora.append(open_corpus(path, storage_options=cfg.storage_options or None, cache_dir=cfg.cache_dir))
             except UserError as exc:
                 raise self._problem("job.data_paths", f"[{i}] {path!r}: " + "; ".join(p.message for p in exc.problems)) from None
         self.family = run.plugin("model").create()

@@ -4,6 +4,7 @@
                                                serves its own shards (backend.local_weights())
     python nixl_worker.py full DIR             an embedded engine (bf16) reading whole tensors
     python nixl_worker.py tp DIR               a tensor-parallel engine rank, shard (1, 2)
+    python nixl_worker.py spinner DIR          publishes new versions back to back (plain tensors)
 
 The trainers publish version 1, then 2 (weights moved), then 3, rank 0 pausing half way
 through its copy until the full receiver has tried to read; each writes what the engine
@@ -108,6 +109,29 @@ def trainer(rank: int, d: str) -> None:
     os._exit(0)
 
 
+def spinner(d: str) -> None:
+    """Publishes version after version, as fast as it can with a pause of a few
+    milliseconds; version v is every element equal to v."""
+    from skyrl_weightsync.nixl import Nixl, NixlConfig
+
+    sender = Nixl(NixlConfig(dtype="float32")).sender()
+    tensors = [(f"t{i}", torch.zeros(1 << 20)) for i in range(4)]
+    version = 1
+    for _, t in tensors:
+        t.fill_(version)
+    sender.publish(version, tensors)
+    touch(d, "spin_ep", sender.endpoint())
+    while not os.path.exists(os.path.join(d, "spin_stop")):
+        time.sleep(0.005)
+        version += 1
+        for _, t in tensors:
+            t.fill_(version)
+        sender.publish(version, tensors)
+    touch(d, "spin_last", str(version).encode())
+    sender.close()
+    os._exit(0)
+
+
 # -- receivers --------------------------------------------------------------------------
 
 
@@ -200,6 +224,9 @@ def main() -> None:
     role = sys.argv[1]
     if role == "trainer":
         trainer(int(sys.argv[2]), sys.argv[3])
+        return
+    if role == "spinner":
+        spinner(sys.argv[2])
         return
     d = sys.argv[2]
     try:

@@ -108,6 +108,114 @@ def test_a_dead_trainer_rank_is_named_and_the_engine_keeps_its_version(scenario)
     assert full["after_dead_v3"]
 
 
+def test_a_publisher_racing_every_read_never_tears_a_version(tmp_path) -> None:
+    """A trainer publishing back to back while the engine reads: each sync either applies
+    one whole version or refuses; never a mix of two."""
+    import torch
+
+    from skyrl_weightsync._nixl import NixlError, NixlReceiver
+
+    with open(tmp_path / "spinner.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, WORKER, "spinner", str(tmp_path)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "spin_ep").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "spinner.log").read_text()
+            time.sleep(0.02)
+
+        class Checking:
+            weight_version = 0
+            applied: list[tuple[int, bool]] = []
+
+            def update_weights(self, named, version):
+                whole = all(bool((t == version).all()) for _, t in named)
+                self.applied.append((version, whole))
+                self.weight_version = version
+
+        engine = Checking()
+        receiver = NixlReceiver()
+        receiver.connect([(tmp_path / "spin_ep").read_bytes()])
+        refused = []
+        for _ in range(60):
+            try:
+                receiver.sync(engine)
+            except NixlError as exc:
+                refused.append(str(exc))
+            time.sleep(0.002)
+        (tmp_path / "spin_stop").touch()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert engine.applied and all(whole for _, whole in engine.applied), engine.applied
+    versions = [v for v, _ in engine.applied]
+    assert versions == sorted(versions) and versions[-1] > 1  # it kept up with the publisher
+    assert all("(a publish racing the read); nothing was applied" in r for r in refused), refused
+    assert len(engine.applied) + len(refused) == 60
+
+
+def test_byte_runs_of_any_box(tmp_path) -> None:
+    """The receiver's box arithmetic: what it reads from a served shard (any dims) into its
+    slice equals numpy slicing, for row, column and 3-D boxes."""
+    import numpy as np
+
+    from skyrl_weightsync._nixl import _merge, _runs
+
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((6, 10, 4)).astype(np.float32)
+    cases = [  # (served box lo, shape), (needed box lo, shape)
+        (((0, 0, 0), (3, 10, 4)), ((2, 0, 0), (3, 10, 4))),  # rows (Shard(0)) into a row slice
+        (((0, 5, 0), (6, 5, 4)), ((3, 0, 0), (3, 10, 4))),  # Shard(1) into a row slice: one run per row
+        (((1, 2, 1), (4, 7, 2)), ((0, 0, 0), (6, 10, 4))),  # an inner box into the whole tensor
+    ]
+    for (slo, sshape), (dlo, dshape) in cases:
+        src = full[tuple(slice(a, a + n) for a, n in zip(slo, sshape))].copy().reshape(-1).view(np.uint8)
+        dst = np.zeros(int(np.prod(dshape)) * 4, dtype=np.uint8)
+        lo = [max(a, b) for a, b in zip(slo, dlo)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(slo, sshape, dlo, dshape)]
+        for s, d, n in _merge(_runs(lo, hi, slo, sshape, dlo, dshape, 4)):
+            dst[d : d + n] = src[s : s + n]
+        got = dst.view(np.float32).reshape(dshape)
+        box = tuple(slice(a - b, c - b) for a, b, c in zip(lo, dlo, hi))
+        want = full[tuple(slice(a, c) for a, c in zip(lo, hi))]
+        assert np.array_equal(got[box], want)
+        untouched = np.ones(dshape, dtype=bool)
+        untouched[box] = False
+        assert not got[untouched].any()  # nothing outside the intersection was written
+
+
+def test_a_receiver_reconnects_to_a_restarted_trainer() -> None:
+    """Two agents in this process (UCX loopback): a restarted trainer (new agent, new
+    buffers) is reached by calling connect again with its endpoint."""
+    import torch
+
+    from skyrl_weightsync._nixl import NixlError, NixlReceiver, NixlSender
+
+    class Recording:
+        weight_version = 0
+
+        def update_weights(self, named, version):
+            self.weights, self.weight_version = {k: v.clone() for k, v in named}, version
+
+    w = {"a.weight": torch.randn(8, 4), "a.bias": torch.randn(8)}
+    first = NixlSender(dtype="float32")
+    first.publish(1, w.items())
+    engine, receiver = Recording(), NixlReceiver()
+    receiver.connect([first.endpoint()])
+    receiver.sync(engine, target=1)
+    first.close()
+    again = NixlSender(dtype="float32")
+    again.publish(2, [(k, v + 1) for k, v in w.items()])
+    with pytest.raises(NixlError, match="version 2: peer skyrl-nixl-trainer0-.* serves version 1"):
+        receiver.sync(engine, target=2)  # still connected to the first: its buffers say version 1
+    receiver.connect([again.endpoint()])
+    assert receiver.sync(engine, target=2)["sync_version"] == 2
+    assert all(torch.equal(engine.weights[k], w[k] + 1) for k in w)
+    receiver.close()
+    again.close()
+
+
 # -- one process: a real RL job ---------------------------------------------------------
 
 JOB = """

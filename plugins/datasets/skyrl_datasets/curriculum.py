@@ -21,7 +21,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.config import OptionError, ge, gt, option
-from skyrl_datasets._order import Concatenation, Permutation, check_state, epoch_key, sizes_of
+from skyrl_datasets._order import BlockCache, Concatenation, Permutation, check_state, epoch_key, sizes_of
 
 STREAM = 0xC0C  # its own permutation stream, so the order differs from shuffled's
 
@@ -52,6 +52,7 @@ class Curriculum:
         self._lengths: Sequence[Any] = ()
         self._docs: Concatenation | None = None
         self._perm: Permutation | None = None
+        self._cache = BlockCache(self._fill)
         self.end_max_len = 0
         self.seed = 0
         self.epoch = 0
@@ -71,6 +72,18 @@ class Curriculum:
         assert self._docs is not None
         self.epoch, self.position = epoch, position
         self._perm = Permutation(self._docs.total, epoch_key(self.seed, STREAM, epoch))
+        self._cache = BlockCache(self._fill)
+
+    def _fill(self, epoch: int, start: int, stop: int) -> tuple[list[int], list[int], list[int]]:
+        import numpy as np
+
+        assert self._docs is not None and self._perm is not None
+        datasets, docs = self._docs.locate_many(self._perm.block(start, stop))
+        lengths = np.zeros(len(docs), dtype=np.int64)
+        for d in np.unique(datasets):
+            where = datasets == d
+            lengths[where] = np.asarray(self._lengths[int(d)])[docs[where]]
+        return datasets.tolist(), docs.tolist(), lengths.tolist()
 
     def max_len(self, step: int) -> int:
         """The length limit of ``step`` (counting from 1)."""
@@ -83,13 +96,13 @@ class Curriculum:
             raise RuntimeError("draw() before bind()")
         limit = self.max_len(step)
         for _ in range(self._docs.total):
-            d, i = self._docs.locate(self._perm(self.position))
+            (datasets, docs, lengths), j = self._cache.get(self.epoch, self.position, self._docs.total)
             if self.position + 1 == self._docs.total:
                 self._start_epoch(self.epoch + 1, 0)
             else:
                 self.position += 1
-            if int(self._lengths[d][i]) <= limit:
-                return d, i
+            if lengths[j] <= limit:
+                return datasets[j], docs[j]
         raise ValueError(f"no document of at most {limit} tokens (step {step}): raise start_max_len")
 
     def state_dict(self) -> Mapping[str, Any]:

@@ -18,7 +18,6 @@ position): O(datasets), not O(documents).
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from typing import Any, Mapping, Sequence
@@ -27,9 +26,10 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.config import OptionError, ge, gt, option
-from skyrl_datasets._order import Permutation, check_state, epoch_key, sizes_of, uniform
+from skyrl_datasets._order import BlockCache, Permutation, check_state, epoch_key, sizes_of, uniforms
 
 CHOICE_STREAM = 0x313  # the hash stream that picks datasets (the datasets' own streams are 0, 1, ...)
+ENDLESS = 1 << 62  # the draws never end
 
 
 def _weights(_inst: Any, _attr: Any, value: Sequence[float] | None) -> None:
@@ -84,6 +84,8 @@ class Mix:
         self._cumulative: list[float] = []
         self._sizes: list[int] = []
         self._perms: list[Permutation | None] = []
+        self._choices = BlockCache(self._fill_choices)
+        self._docs: list[BlockCache] = []
         self.seed = 0
         self.draws = 0
         self.streams: list[list[int]] = []  # per dataset: [epoch, position]
@@ -108,28 +110,44 @@ class Mix:
         self.draws = 0
         self.streams = [[0, 0] for _ in sizes]
         self._perms = [self._permutation(d) for d in range(len(sizes))]
+        self._choices = BlockCache(self._fill_choices)
+        self._docs = [BlockCache(self._fill_docs(d)) for d in range(len(sizes))]
 
     def _permutation(self, d: int) -> Permutation | None:
         if not self.config.shuffle or self._sizes[d] == 0:
             return None
         return Permutation(self._sizes[d], epoch_key(self.seed, d, self.streams[d][0]))
 
-    def _pick_dataset(self, k: int) -> int:
-        u = uniform(self.seed, CHOICE_STREAM, k)
-        d = bisect.bisect_right(self._cumulative, u * self._cumulative[-1])
-        d = min(d, len(self._sizes) - 1)
-        while self.probabilities[d] == 0.0:  # only reachable through rounding at an edge
-            d = (d - 1) % len(self._sizes)
-        return d
+    def _fill_choices(self, _key: Any, start: int, stop: int) -> list[int]:
+        """The datasets of draws ``start..stop-1``: inverse CDF of a hash of (seed, draw)."""
+        import numpy as np
+
+        u = uniforms((self.seed, CHOICE_STREAM), start, stop)
+        cumulative = np.asarray(self._cumulative)
+        d = np.minimum(np.searchsorted(cumulative, u * cumulative[-1], side="right"), len(self._sizes) - 1)
+        out = d.tolist()
+        for k, x in enumerate(out):
+            while self.probabilities[x] == 0.0:  # only reachable through rounding at an edge
+                x = (x - 1) % len(self._sizes)
+            out[k] = x
+        return out
+
+    def _fill_docs(self, d: int) -> Any:
+        def fill(_epoch: int, start: int, stop: int) -> list[int]:
+            perm = self._perms[d]
+            return perm.block(start, stop).tolist() if perm is not None else list(range(start, stop))
+
+        return fill
 
     def draw(self, step: int) -> tuple[int, int]:
         if not self._sizes:
             raise RuntimeError("draw() before bind()")
-        d = self._pick_dataset(self.draws)
+        choices, j = self._choices.get(0, self.draws, ENDLESS)
+        d = choices[j]
         self.draws += 1
         epoch, position = self.streams[d]
-        perm = self._perms[d]
-        doc = perm(position) if perm is not None else position
+        docs, i = self._docs[d].get(epoch, position, self._sizes[d])
+        doc = docs[i]
         if position + 1 == self._sizes[d]:
             self.streams[d] = [epoch + 1, 0]
             self._perms[d] = self._permutation(d)
@@ -147,6 +165,7 @@ class Mix:
         self.draws = int(state["draws"])
         self.streams = [[int(e), int(p)] for e, p in state["streams"]]
         self._perms = [self._permutation(d) for d in range(len(self._sizes))]
+        self._docs = [BlockCache(self._fill_docs(d)) for d in range(len(self._sizes))]
 
 
 @hookimpl

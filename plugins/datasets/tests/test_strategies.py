@@ -55,6 +55,22 @@ def test_permutation_is_a_bijection(n) -> None:
         assert [perm(i) for i in range(n)] != [Permutation(n, key=12346)(i) for i in range(n)]
 
 
+def test_block_evaluation_equals_one_index_at_a_time() -> None:
+    from skyrl_datasets._order import Concatenation, uniform, uniforms
+
+    for n in (1, 5, 1000, 70_001):
+        perm = Permutation(n, key=99)
+        stop = min(n, 3000)
+        assert perm.block(0, stop).tolist() == [perm(i) for i in range(stop)]
+        assert perm.block(n - 7 if n > 7 else 0, n).tolist() == [perm(i) for i in range(max(0, n - 7), n)]
+    assert uniforms((3, 4), 10, 500).tolist() == [uniform(3, 4, k) for k in range(10, 500)]
+    docs = Concatenation([3, 0, 0, 7, 5, 0])
+    g = np.arange(15)
+    d, i = docs.locate_many(g)
+    assert list(zip(d.tolist(), i.tolist())) == [docs.locate(x) for x in range(15)]
+    assert all(docs.sizes[x] > 0 for x in d.tolist())
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_same_seed_same_draws_and_another_seed_others(name) -> None:
     a, b = bound(name), bound(name)

@@ -65,6 +65,9 @@ class LoadedModel:
     # The family's ``lora_targets``: names (last module-path component) of the nn.Linear
     # modules LoRA adapts by default, e.g. ("q_proj", "k_proj", ...); empty if it names none.
     lora_targets: Sequence[str] = ()
+    # The family's ``precision_keep``: module-path components a quantized precision keeps
+    # in high precision (output head, embeddings, routers; norms always stay).
+    precision_keep: Sequence[str] = ()
 
 
 @attrs.frozen
@@ -290,10 +293,35 @@ class ReplayStrategy(Protocol):
 
 @runtime_checkable
 class Precision(Protocol):
-    """How the backend computes and what the sender ships (``[precision] name``);
-    completed by the precision issue."""
+    """How the backend computes and what the engine serves (``[precision] name``).
 
-    def prepare_model(self, model: Any) -> Any: ...
+    A quantized precision fake-quantizes the chosen layers in the trainer's forward
+    (straight-through gradients, master weights kept in high precision) and ships the
+    engine exactly the quantized weights that forward used: each as its payload under
+    its own name plus its scales under ``f"{name}@{format}"`` (the format tag), so
+    every transport carries them as ordinary named tensors."""
+
+    name: str
+    quantizes: bool  # False for a precision that changes nothing (bf16)
+
+    def prepare_model(self, model: Any, *, keep: Sequence[str] = (), train: bool = True, source: Any = None) -> Any:
+        """Install the precision on ``model`` in place (``train=True``: the backend's
+        policy; ``False``: an engine's own copy, whose chosen weights become their
+        quantized values). ``keep``: module-path components that stay in high precision
+        (the family's ``precision_keep``). Returns the names of the quantized weights."""
+        ...
+
+    def invalidate(self) -> None:
+        """The weights changed (an optimizer step, a loaded checkpoint)."""
+        ...
+
+    def pack(self, named_tensors: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """What the sender ships: quantized weights as payload + scales, the rest as given."""
+        ...
+
+    def unpack(self, named_tensors: Iterable[tuple[str, Any]], dtype: Any) -> Iterable[tuple[str, Any]]:
+        """The engine's side: payload + scales back to the weights the trainer computed with."""
+        ...
 
 
 @runtime_checkable

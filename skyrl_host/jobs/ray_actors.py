@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from skyrl_host.errors import UserError
+from skyrl_host.jobs.rl import precision_kwargs
 
 
 def ray_get(refs: Any) -> Any:
@@ -103,7 +104,8 @@ class EngineWorker:
         self.loaded = self.family.load(alphabet=alphabet, seed=seed)
         self.sampler = choices["sampler"].create()
         self.engine = choices["engine"].create()
-        self.engine.start(self.loaded)
+        precision = choices["precision"].create()
+        self.engine.start(self.loaded, **precision_kwargs(self.engine.start, precision, "engine"))
         self.transport = choices["weight_sync"].create()
         self.receiver: Any = None
         self.group: Any = None
@@ -180,9 +182,11 @@ class BackendWorker:
             dist.init_process_group(_dist_backend(), init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.seed)  # as the one-process driver does before starting the backend
         replay = [c.create() for c in self.choices["replay"]]
+        extra: dict[str, Any] = {"replay": replay} if replay else {}
+        extra.update(precision_kwargs(self.backend.start, self.choices["precision"].create(), "backend"))
         try:
             self.backend.start(self.loaded, seed=self.seed, total_steps=total_steps,
-                               reference=bool(self.algorithm.needs_reference), **({"replay": replay} if replay else {}))
+                               reference=bool(self.algorithm.needs_reference), **extra)
         except ValueError as exc:
             if not replay:
                 raise
@@ -207,7 +211,8 @@ class BackendWorker:
             return self.sender.publish(version, self.backend)
         if getattr(self.transport, "rendezvous", False):
             return self.sender.publish(version, self.backend.local_weights())
-        weights = self.backend.named_weights()
+        serving = getattr(self.backend, "serving_weights", None)  # quantized payloads + scales, with a precision
+        weights = serving() if callable(serving) else self.backend.named_weights()
         if self.sender is None:
             for _ in weights:  # take part in the gather; rank 0 publishes
                 pass

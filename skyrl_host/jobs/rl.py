@@ -34,7 +34,22 @@ SLOTS = {
     "backend": "torch",
     "weight_sync": "inproc",
     "replay": (),
+    "precision": "bf16",
 }
+
+
+def precision_kwargs(start: Any, precision: Any, what: str) -> dict[str, Any]:
+    """``{"precision": precision}`` for a ``start`` method that takes one; nothing for one
+    that does not, unless the precision quantizes (then a user error: the job asks for
+    something the plugin cannot do)."""
+    import inspect
+
+    if "precision" in inspect.signature(start).parameters:
+        return {"precision": precision}
+    if getattr(precision, "quantizes", False):
+        raise UserError(f"[precision] name = {precision.name!r}: the {what} plugin takes no precision (it cannot "
+                        "compute or serve quantized weights)")
+    return {}
 
 
 @attrs.frozen
@@ -87,7 +102,9 @@ class RLDriver:
         else:
             self.backend = run.plugin("backend").create()
             self.replay = [choice.create() for choice in run.plugin("replay")]
+            precision = run.plugin("precision").create()
             extra = {"replay": self.replay} if self.replay else {}
+            extra.update(precision_kwargs(self.backend.start, precision, "backend"))
             try:
                 self.backend.start(
                     self.loaded, seed=self.seed, total_steps=run.total_steps,
@@ -98,7 +115,7 @@ class RLDriver:
                     raise
                 raise UserError(f"[replay] strategies: {exc}") from None
             self.engine = run.plugin("engine").create()
-            self.engine.start(self.loaded)
+            self.engine.start(self.loaded, **precision_kwargs(self.engine.start, precision, "engine"))
         self.start_step = 1
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
@@ -112,7 +129,8 @@ class RLDriver:
 
         run, cluster = self.run_, self.run_.spec.cluster
         self._own_ray = ray_actors.start_ray(cluster)
-        plugins = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync", "algorithm", "backend", "replay")}
+        plugins = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync", "algorithm", "backend", "replay",
+                                             "precision")}
         ranks, replicas = cluster.trainer_ranks, cluster.engine_replicas
         backends = ray_actors.start_actors(
             ray_actors.BackendWorker,

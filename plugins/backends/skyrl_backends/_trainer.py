@@ -316,12 +316,16 @@ class TorchBackend:
         self.rank, self.world = 0, 1
         self.device = torch.device("cpu")
         self.lora: Any = None  # LoraAdapters when lora_rank > 0
+        self.precision: Any = None  # a Precision (start(precision=...)), fake-quantizing the forward
 
     # -- set-up ----------------------------------------------------------------
 
-    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = ()) -> None:
+    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = (),
+              precision: Any = None) -> None:
         """Take the model to train. ``replay``: :class:`skyrl_host.interfaces.ReplayStrategy`
-        objects, bound to the policy model here and active in every policy forward."""
+        objects, bound to the policy model here and active in every policy forward.
+        ``precision``: a :class:`skyrl_host.interfaces.Precision` that fake-quantizes the
+        model's chosen layers in every forward (the reference policy's too)."""
         cfg = self.config
         model = loaded.model
         self._one_sequence_per_row = has_recurrent_layers(getattr(model, "config", None))
@@ -342,6 +346,9 @@ class TorchBackend:
         model = model.to(self.device)
         if cfg.lora_rank > 0:
             model = self._attach_lora(model, loaded, seed)
+        self.precision = precision
+        if precision is not None:
+            precision.prepare_model(model, keep=tuple(getattr(loaded, "precision_keep", ()) or ()), train=True)
         if self._dp and cfg.data_parallel == "fsdp2":
             # FSDP2 shards each rank's own copy: make them equal first (DDP does this itself).
             with torch.no_grad():
@@ -681,6 +688,8 @@ class TorchBackend:
             grad_norms.append(norm.detach().double())
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
+            if self.precision is not None:
+                self.precision.invalidate()  # the next forward quantizes the new weights
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients until the next step
         self.steps += 1
@@ -753,6 +762,14 @@ class TorchBackend:
                         lp = self._logprobs(self._ref_lm, mb, temperature)[0]
                         out[mb.batch_idx] = lp.float().cpu().numpy()
         return out
+
+    def serving_weights(self) -> Iterator[tuple[str, Any]]:
+        """What the engine must serve: :meth:`named_weights`, with every weight the
+        precision quantizes as its payload plus its scales (``precision.pack``), so the
+        engine computes with exactly the numbers the trainer's forward used. Without a
+        precision, the same as :meth:`named_weights`."""
+        weights = self.named_weights()
+        return weights if self.precision is None else self.precision.pack(weights)
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The model's state as (name, tensor) pairs, with Hugging Face names.
@@ -887,3 +904,5 @@ class TorchBackend:
         set_optimizer_state_dict(self.module, self.optimizer, _copy_containers(state.get("optimizer", {})), options=options)
         self.scheduler.load_state_dict(meta[0]["scheduler"])
         self.steps = int(meta[0]["steps"])
+        if self.precision is not None:
+            self.precision.invalidate()

@@ -95,6 +95,7 @@ class EmbeddedEngine:
     def __init__(self, config: Any):
         self.config = config
         self.adapters = EngineAdapters()  # LoRA adapters (update_adapter) and the served version
+        self.precision: Any = None  # start(precision=...): weights arrive quantized
         self.model: torch.nn.Module | None = None
         self.shares_weights = False
         self.stop_token_ids: list[int] = []
@@ -104,7 +105,11 @@ class EmbeddedEngine:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def start(self, loaded: LoadedModel) -> None:
+    def start(self, loaded: LoadedModel, precision: Any = None) -> None:
+        """Build the engine's model from ``loaded``. ``precision`` (a
+        :class:`skyrl_host.interfaces.Precision`): serve its quantized weights, which
+        arrive as payload + scales (``update_weights`` dequantizes them), and compute the
+        activations as the trainer does."""
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
         source = loaded.model
@@ -116,6 +121,10 @@ class EmbeddedEngine:
             self.model.eval()
         self.dtype = dtype
         self.device = first.device
+        self.precision = precision
+        if precision is not None:  # (an engine serving the trainer's own tensors shares its fake-quantized forward)
+            precision.prepare_model(self.model, keep=tuple(getattr(loaded, "precision_keep", ()) or ()), train=False,
+                                    source=source)
         self.adapters.bind(self.model, dtype, self.device)
         self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
         self._stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
@@ -170,6 +179,8 @@ class EmbeddedEngine:
         self._require_started()
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         covered: set[int] = set()
+        if self.precision is not None:  # quantized payloads + scales -> the weights the trainer computed with
+            named_tensors = self.precision.unpack(named_tensors, self.dtype)
         for name, tensor in named_tensors:
             target = self._params.get(name)
             if target is None:

@@ -129,6 +129,9 @@ class GlmFamily(_hf.HFFamily):
     name = "glm"
     model_types = MODEL_TYPES
     lora_targets = LORA_TARGETS
+    # GLM-5's sparse-attention indexer scores keys with a ReLU whose ties decide the
+    # selection: it stays in high precision.
+    precision_keep = _hf.PRECISION_KEEP + ("indexer",)
 
     def load_folder(self, path: str) -> tuple[Any, Any]:
         model_type = _hf.read_model_type(path)

@@ -153,6 +153,8 @@ def load_folder(
     return model.eval(), tokenizer
 
 
+PRECISION_KEEP = ("lm_head", "embed_tokens", "gate", "router", "shared_expert_gate")
+
 ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every new tensor
 
 
@@ -261,6 +263,9 @@ class HFFamily(abc.ABC):
 
     name: str = ""
     model_types: Sequence[str] = ()
+    # Module-path components a quantized precision keeps in high precision (norms always
+    # stay): the output head, the embeddings and the MoE routers.
+    precision_keep: Sequence[str] = PRECISION_KEEP
 
     def __init__(self, config: Any):
         self.config = config
@@ -275,7 +280,7 @@ class HFFamily(abc.ABC):
             model, tokenizer = self.build_preset(alphabet, seed)
         return LoadedModel(
             model, tokenizer, stop_token_ids(model, tokenizer), family=self.name, routers=tuple(self.routers(model)),
-            lora_targets=tuple(getattr(self, "lora_targets", ()) or ()),
+            lora_targets=tuple(getattr(self, "lora_targets", ()) or ()), precision_keep=tuple(self.precision_keep),
         )
 
     def load_tokenizer(self, *, alphabet: str | None) -> Any:

@@ -57,7 +57,9 @@ class BroadcastSender:
         tensors, layout = [], []
         for name, t in named_tensors:
             t = t.detach()
-            if t.is_floating_point():
+            # Weights in a master dtype go in the wire dtype; a precision's quantized
+            # payloads and scales (``<weight>@<format>``) as they are.
+            if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and "@" not in name:
                 t = t.to(_WIRE[self.dtype])
             tensors.append(_as_bytes(t))
             layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape)))

@@ -53,6 +53,8 @@ import numpy as np
 import xxhash
 import zstandard
 
+from skyrl_weightsync import weights_to_serve
+
 FORMAT = 1
 LATEST = "LATEST"
 SPARSE_MAX_FRACTION = 0.2  # changed 16-bit words above this fraction: store the dense XOR
@@ -211,15 +213,17 @@ def _xor_sparse(buf: np.ndarray, raw: np.ndarray) -> None:
         words[pos] ^= values[a:a + _PIECE]
 
 
-def _to_bytes(tensor: Any, dtype: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
+def _to_bytes(tensor: Any, dtype: str, name: str = "") -> tuple[np.ndarray, str, tuple[int, ...]]:
     """A tensor's bytes in the wire dtype, contiguous: a view of the tensor's own memory
     when it is already a contiguous CPU tensor of that dtype (no copy: read it before
-    the tensor changes), else of a converted copy."""
+    the tensor changes), else of a converted copy. Only weights in a master dtype are
+    converted: a precision's quantized payloads (e4m3, packed int4) and scales (named
+    ``<weight>@<format>``) travel as they are."""
     import torch
 
     wire = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     t = tensor.detach()
-    if t.is_floating_point():
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and "@" not in name:
         t = t.to(wire)
         name = dtype
     else:
@@ -390,7 +394,7 @@ class DeltaSender:
                     raise ValueError(f"tensor {name!r} given twice")
                 seen.add(name)
                 e0 = time.perf_counter()
-                src, dtype, shape = _to_bytes(tensor, self.dtype)
+                src, dtype, shape = _to_bytes(tensor, self.dtype, name)
                 entry: dict[str, Any] = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": int(src.size),
                                          "result_xxh3": _checksum(src)}
                 if keyframe:
@@ -713,7 +717,7 @@ class Delta:
             )
         if self._sender is None:
             self._sender, self._receiver = self.sender(), self.receiver()
-        stats = self._sender.publish(version, backend.named_weights())
+        stats = self._sender.publish(version, weights_to_serve(backend))
         stats.update(self._receiver.sync(engine, version))
         return stats
 

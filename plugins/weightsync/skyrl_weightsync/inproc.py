@@ -9,6 +9,10 @@ With a LoRA backend (``adapter_config()`` not None) and an engine that takes ada
 (``update_adapter``), only the adapters are handed over: the engine copies them and
 keeps serving its frozen base (merged weights would otherwise be written into a base
 the engine may share with the trainer).
+With a quantized ``[precision]`` an engine with its own copy gets what the backend
+serves (``serving_weights``: quantized payloads + scales, which the engine
+dequantizes); an engine sharing the trainer's tensors shares its fake-quantized
+forward too.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from typing import Any, Mapping
 
 from skyrl_host import hookimpl
+from skyrl_weightsync import weights_to_serve
 
 
 class Inproc:
@@ -30,8 +35,10 @@ class Inproc:
             # A LoRA backend: the engine serves the frozen base (possibly the very same tensors)
             # plus a copy of the adapters; merged weights must never be written into a shared base.
             engine.update_adapter(backend.named_adapters(), adapter, version)
-        else:
-            engine.update_weights(backend.named_weights(), version)
+        elif getattr(engine, "shares_weights", False):
+            engine.update_weights(backend.named_weights(), version)  # the same tensors: nothing moves
+        else:  # with a quantized precision: the payloads and scales the trainer's forward used
+            engine.update_weights(weights_to_serve(backend), version)
         stats = getattr(engine, "last_update", {}) or {}
         return {
             "sync_seconds": time.perf_counter() - start,

@@ -30,7 +30,12 @@
 
 Opening costs O(1) in the corpus size: the header is read, every other file is
 memory-mapped, nothing is loaded. ``Corpus.tokens(i)`` and ``Corpus.mask(i)`` are
-zero-copy, read-only views of the mapped files.
+zero-copy, read-only views of the mapped files. Pages a process touches in a mapping count
+in its RSS (shared, reclaimable page cache, but counted); so that random reads over a huge
+corpus do not grow the RSS towards the corpus's size, the mappings are released from the
+process's page tables (``madvise(MADV_DONTNEED)``: the page cache keeps them, a later read
+maps them again) whenever the process's file-backed RSS has grown by ``max_resident_bytes``
+(128 MiB; checked every 32 reads from ``/proc/self/statm``).
 
 **Remote corpora** (any fsspec URL: ``s3://``, ``gs://``, ``memory://``, ...; ``file://`` and
 plain paths are read in place) are read through a local cache: opening downloads the
@@ -54,6 +59,7 @@ import operator
 import os
 import pathlib
 import struct
+import weakref
 import zlib
 from typing import Any, BinaryIO
 
@@ -74,6 +80,40 @@ MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 TOKEN_DTYPES = ("uint16", "int32")
 DEFAULT_BLOCK_SIZE = 1 << 20
+# Pages of the mapped files that a process has touched count in its RSS (as shared, clean,
+# reclaimable page cache). Reading documents at random touches a whole corpus in time (and a
+# fault on a cached file maps far more than the page read: fault-around, large folios), so
+# every CHECK_EVERY reads the process's file-backed resident memory is read from
+# /proc/self/statm, and when it has grown by more than max_resident_bytes the open corpora's
+# mappings are dropped from the process's page tables (madvise MADV_DONTNEED: the pages stay
+# in the page cache, a later read maps them again). The RSS stays flat whatever the size.
+DEFAULT_RESIDENT_BYTES = 128 << 20
+CHECK_EVERY = 32
+_OPEN_CORPORA: "weakref.WeakSet[Corpus]" = weakref.WeakSet()
+_RESIDENT_BASELINE: list[int] = []  # file-backed resident bytes after the last release
+
+
+def _shared_resident_bytes() -> int | None:
+    """This process's resident file-backed (shared) memory, from /proc/self/statm; None off Linux."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return int(fields[2]) * mmap.PAGESIZE
+
+
+def _limit_resident(limit: int) -> None:
+    shared = _shared_resident_bytes()
+    if shared is None:
+        return
+    if not _RESIDENT_BASELINE:
+        _RESIDENT_BASELINE.append(shared)
+    if shared - _RESIDENT_BASELINE[0] > limit:
+        for corpus in list(_OPEN_CORPORA):
+            corpus.release_pages()
+        # what is still resident is not the corpora's (libraries, other mappings)
+        _RESIDENT_BASELINE[0] = _shared_resident_bytes() or 0
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -159,6 +199,13 @@ class _LazyRemoteFile:
 # -- the reader --------------------------------------------------------------------------
 
 
+def _mmap_of(arr: np.ndarray | None) -> mmap.mmap | None:
+    base: Any = arr
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return base
+
+
 class Corpus:
     """A pretokenized corpus: ``n_docs`` documents of token ids, each with an optional loss mask.
 
@@ -180,7 +227,14 @@ class Corpus:
         start_scale: int = 1,
         remote: dict[str, _LazyRemoteFile] | None = None,
         location: str = "",
+        files: dict[str, str] | None = None,
     ):
+        self._files = files or {}  # local paths of the tokens and mask files, for read_into
+        self._fds: dict[str, int] = {}
+        self._maps = [m for m in {id(m): m for m in map(_mmap_of, (tokens, mask, starts, lengths)) if m is not None}.values()]
+        self.max_resident_bytes: int | None = DEFAULT_RESIDENT_BYTES
+        self._reads = 0
+        _OPEN_CORPORA.add(self)
         self._tokens = tokens
         self._starts = starts  # int64; document i starts at element starts[i] // start_scale
         self._scale = start_scale
@@ -206,9 +260,10 @@ class Corpus:
     def tokens(self, i: int) -> np.ndarray:
         """Document ``i``'s token ids: a read-only, zero-copy view of the mapped tokens file."""
         a, b = self._span(i)
+        isz = self._tokens.dtype.itemsize
         if self._remote:
-            isz = self._tokens.dtype.itemsize
             self._remote["tokens"].ensure(a * isz, b * isz)
+        self._touch()
         return self._tokens[a:b]
 
     def mask(self, i: int) -> np.ndarray | None:
@@ -218,10 +273,67 @@ class Corpus:
         a, b = self._span(i)
         if "mask" in self._remote:
             self._remote["mask"].ensure(a, b)
+        self._touch()
         return self._mask[a:b]
+
+    def read_into(self, i: int, tokens_out: np.ndarray, mask_out: np.ndarray | None = None) -> int:
+        """Copy document ``i``'s ids into ``tokens_out[:n]`` (and its mask into ``mask_out[:n]``,
+        ones when the corpus has none) with ``pread``; returns ``n``. No page of the corpus is
+        mapped into the process (its RSS does not grow), at the cost of one copy. ``tokens_out``
+        must be a C-contiguous array of the corpus's token dtype (``meta["dtype"]``), ``mask_out``
+        of ``uint8``."""
+        a, b = self._span(i)
+        n = b - a
+        isz = self._tokens.dtype.itemsize
+        if tokens_out.dtype != self._tokens.dtype:
+            raise TypeError(f"tokens_out has dtype {tokens_out.dtype}, the corpus's tokens are {self._tokens.dtype}")
+        if self._remote:
+            self._remote["tokens"].ensure(a * isz, b * isz)
+        self._pread("tokens", tokens_out[:n], a * isz)
+        if mask_out is not None:
+            if self._mask is None:
+                mask_out[:n] = 1
+            else:
+                if "mask" in self._remote:
+                    self._remote["mask"].ensure(a, b)
+                self._pread("mask", mask_out[:n], a)
+        return n
+
+    def _pread(self, part: str, out: np.ndarray, offset: int) -> None:
+        fd = self._fds.get(part)
+        if fd is None:
+            fd = self._fds[part] = os.open(self._files[part], os.O_RDONLY)
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise ValueError("the output array is read-only")
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"short read of {self._files[part]!r} at byte {offset + done}")
+            done += got
+
+    def _touch(self) -> None:
+        self._reads += 1
+        if self._reads >= CHECK_EVERY and self.max_resident_bytes is not None:
+            self._reads = 0
+            _limit_resident(self.max_resident_bytes)
+
+    def release_pages(self) -> None:
+        """Drop the mapped files' pages from this process's page tables (its RSS); views stay
+        valid and map their pages again when read. Done when the process's file-backed RSS
+        grew by ``max_resident_bytes`` (None: never)."""
+        for m in self._maps:
+            if hasattr(m, "madvise") and not m.closed:
+                m.madvise(mmap.MADV_DONTNEED)
 
     def __len__(self) -> int:
         return self.n_docs
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The token dtype (``uint16`` or ``int32`` for ours; Megatron's may be others)."""
+        return self._tokens.dtype
 
     @property
     def has_mask(self) -> bool:
@@ -239,6 +351,10 @@ class Corpus:
     # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
+        _OPEN_CORPORA.discard(self)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
         for f in self._remote.values():
             f.close()
         self._remote = {}
@@ -306,6 +422,7 @@ def _our_corpus(header: dict[str, Any], tokens: str, index: str, mask: str | Non
         mask=_map(mask, np.dtype(np.uint8)) if mask else None,
         meta=meta,
         location=where,
+        files={"tokens": tokens, **({"mask": mask} if mask else {})},
         **kw,
     )
 
@@ -351,7 +468,15 @@ def _megatron_corpus(idx: str, bin_: str, where: str, **kw: Any) -> Corpus:
         "has_mask": False,
     }
     return Corpus(
-        tokens=tokens, starts=pointers, lengths=lengths, mask=None, meta=meta, start_scale=dtype.itemsize, location=where, **kw
+        tokens=tokens,
+        starts=pointers,
+        lengths=lengths,
+        mask=None,
+        meta=meta,
+        start_scale=dtype.itemsize,
+        location=where,
+        files={"tokens": bin_},
+        **kw,
     )
 
 
@@ -361,15 +486,24 @@ def open_corpus(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | os.PathLike | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    max_resident_bytes: int | None = DEFAULT_RESIDENT_BYTES,
 ) -> Corpus:
     """Open the corpus at ``prefix_or_url`` (a path prefix or an fsspec URL; any of its files'
     names works too), in our format or Megatron's, whichever is there.
 
     A remote corpus is read through a local cache (see the module docstring):
     ``storage_options`` go to fsspec, ``cache_dir`` holds the cached parts, ``block_size``
-    is the unit of lazy fetches. Missing or inconsistent files raise :class:`UserError`.
+    is the unit of lazy fetches. ``max_resident_bytes``: how much may be read between two
+    :meth:`Corpus.release_pages` (None: never release). Missing or inconsistent files raise
+    :class:`UserError`.
     """
-    prefix = strip_suffix(str(prefix_or_url))
+    corpus = _open(str(prefix_or_url), storage_options, cache_dir, block_size)
+    corpus.max_resident_bytes = max_resident_bytes
+    return corpus
+
+
+def _open(prefix_or_url: str, storage_options: dict[str, Any] | None, cache_dir: Any, block_size: int) -> Corpus:
+    prefix = strip_suffix(prefix_or_url)
     if "://" in prefix or "::" in prefix:
         import fsspec
         from fsspec.implementations.local import LocalFileSystem

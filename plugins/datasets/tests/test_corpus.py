@@ -159,6 +159,60 @@ def test_open_is_constant_time(tmp_path) -> None:
     assert c.tokens(19_999).shape[0] == lens[-1]
 
 
+def read_all(c) -> tuple[list[list[int]], list[list[int]]]:
+    """Every document through read_into (pread into caller buffers)."""
+    longest = int(np.max(c.lengths)) if c.n_docs else 0
+    tok, mask = np.empty(longest + 3, c.dtype), np.empty(longest + 3, np.uint8)
+    ids, masks = [], []
+    for i in range(c.n_docs):
+        n = c.read_into(i, tok, mask)
+        ids.append(tok[:n].tolist())
+        masks.append(mask[:n].tolist())
+    return ids, masks
+
+
+def test_read_into_copies_what_the_views_show(tmp_path) -> None:
+    docs, masks = random_docs(300, 60_000, max_len=200)
+    write(tmp_path / "c", docs, masks, vocab=60_000)
+    c = open_corpus(str(tmp_path / "c"))
+    assert read_all(c) == ([d.tolist() for d in docs], [m.tolist() for m in masks])
+    with pytest.raises(TypeError, match="dtype"):
+        c.read_into(0, np.empty(500, np.int32))
+    write(tmp_path / "nomask", docs[:5], vocab=60_000)
+    assert read_all(open_corpus(str(tmp_path / "nomask")))[1] == [[1] * d.shape[0] for d in docs[:5]]
+
+
+def rss_file_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) / 1024
+    pytest.skip("no RssFile in /proc/self/status (not Linux)")
+
+
+@pytest.mark.parametrize("limit", [4 << 20, None])
+def test_reading_everything_keeps_the_rss_flat(tmp_path, limit) -> None:
+    # 48 MiB of tokens and 24 MiB of mask, read whole: the mapped pages this process holds
+    # stay near the limit when it is set, and grow to the corpus's size when it is not.
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 4000, 12_000)
+    n = int(lens.sum())
+    with CorpusWriter(tmp_path / "c", vocab_size=60_000) as w:
+        w.add_batch(rng.integers(0, 60_000, n, dtype=np.uint16), lens, rng.integers(0, 2, n, dtype=np.uint8))
+    size_mib = n * 3 / 2**20
+    c = open_corpus(str(tmp_path / "c"), max_resident_bytes=limit)
+    before = rss_file_mib()
+    total = 0
+    for i in range(c.n_docs):
+        total += int(c.tokens(i)[-1]) + int(c.mask(i)[0])
+    grown = rss_file_mib() - before
+    if limit is None:
+        assert grown > 0.8 * size_mib
+    else:
+        assert grown < 16, f"{grown:.1f} MiB mapped after reading {size_mib:.0f} MiB"
+    assert c.tokens(5).tolist() == c.tokens(5).tolist()  # views stay readable after a release
+
+
 # -- Megatron's indexed dataset, written by megatron-core's own builder ----------------------
 
 
@@ -227,6 +281,7 @@ def test_reads_megatron_core_indexed_dataset(megatron_dir, dtype) -> None:
     # the same as megatron's own reader, sequence by sequence
     reads = json.loads((megatron_dir / "reads.json").read_text())[dtype]
     assert reads == [c.tokens(i).tolist() for i in range(c.n_docs)]
+    assert read_all(c)[0] == reads
 
 
 def test_megatron_reader_needs_neither_megatron_nor_torch(megatron_dir) -> None:
@@ -277,6 +332,10 @@ def test_memory_url_reads_lazily_through_the_cache(tmp_path) -> None:
         # a second open (another process, or the next run) reuses the cached blocks
         with open_corpus(url, cache_dir=tmp_path / "cache", block_size=4096) as c2:
             assert c2.tokens(1500).tolist() == docs[1500].tolist() and c2.fetched_bytes == 0
+            tok, mask = np.empty(400, c2.dtype), np.empty(400, np.uint8)
+            n = c2.read_into(700, tok, mask)  # not fetched yet: read_into fetches it too
+            assert tok[:n].tolist() == docs[700].tolist() and mask[:n].tolist() == masks[700].tolist()
+            assert c2.fetched_bytes > 0
             for i in range(c2.n_docs):
                 assert c2.tokens(i).tolist() == docs[i].tolist() and c2.mask(i).tolist() == masks[i].tolist()
         cached = next((tmp_path / "cache").iterdir())

@@ -202,3 +202,28 @@ def test_sequences_split_between_ranks_by_tokens() -> None:
     assert sorted(sum((p.tolist() for p in parts), [])) == list(range(7)) and [len(p) for p in parts] == [2, 3, 2]
     assert [p.tolist() for p in split_sequences(np.array([100]), 2)] == [[], [0]]  # a rank may get nothing
     assert replica_seed(123, 0) == 123 and len({replica_seed(123, i) for i in range(8)}) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "sync", "backend_extra"), [
+    ("fp8", 'transport = "broadcast"', ""),
+    ("int4", 'transport = "lora"', "lora_rank = 4\n"),
+], ids=["fp8-broadcast", "int4-lora"])
+def test_quantized_jobs_in_actors_learn_like_one_process(ray_session, skyrl_cli, tmp_path, precision, sync,
+                                                          backend_extra) -> None:
+    """The engine actor builds its own model and serves the quantized weights the backend
+    actor ships (fp8 payloads + scales through broadcast; for LoRA on a frozen int4 base,
+    the adapters as one object): every learning metric equals the one-process run's."""
+    def job(name: str, launcher: str, weight_sync: str) -> list[dict]:
+        text = JOB.format(out=tmp_path / name, launcher=launcher, engine_dtype="bfloat16", weight_sync=weight_sync)
+        text += backend_extra + f'\n[precision]\nname = "{precision}"\n'
+        (tmp_path / f"{name}.toml").write_text(text)
+        result = skyrl_cli("run", str(tmp_path / f"{name}.toml"))
+        assert result.exit_code == 0, result.stderr
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "step" in r and "event" not in r]
+
+    local = job("local", "local", 'transport = "inproc"')
+    actors = job("ray", "ray", sync)
+    assert learning(actors) == learning(local)
+    assert max(r["logprob_diff_max"] for r in actors) < 0.1

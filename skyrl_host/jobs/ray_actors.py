@@ -207,6 +207,9 @@ class BackendWorker:
         collective). Transports that carry their payload return (stats, payload)."""
         if getattr(self.transport, "carries_payload", False):
             if self.sender is None:
+                if callable(getattr(self.backend, "named_adapters", None)):
+                    for _ in self.backend.named_adapters():  # take part in the gather (FSDP2); rank 0 publishes
+                        pass
                 return {}, None
             return self.sender.publish(version, self.backend)
         if getattr(self.transport, "rendezvous", False):
@@ -245,7 +248,10 @@ class BackendWorker:
         import torch
 
         trained = dict(self.backend.named_weights())  # a collective with several ranks
+        lora = callable(getattr(self.backend, "adapter_config", None)) and self.backend.adapter_config() is not None
         if self.rank != 0:
+            if lora:
+                self.backend.save_adapters(path)  # a collective under FSDP2; rank 0 writes
             return
         # With several ranks the model this actor holds is sharded or wrapped: save a fresh copy.
         loaded = self.loaded if self.world == 1 else self.family.load(alphabet=self.alphabet, seed=self.seed)
@@ -254,6 +260,8 @@ class BackendWorker:
                 if name in trained and trained[name].data_ptr() != param.data_ptr():
                     param.copy_(trained[name])
         self.family.save(loaded, path)
+        if lora:  # the adapters beside the merged model
+            self.backend.save_adapters(path)
 
     def close(self) -> None:
         import torch.distributed as dist

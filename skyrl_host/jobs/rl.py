@@ -324,6 +324,9 @@ class RLDriver:
                 if name in trained and trained[name].data_ptr() != param.data_ptr():
                     param.copy_(trained[name])
         self.family.save(self.loaded, str(self.run_.output_dir / "final"))
+        adapter = getattr(self.backend, "adapter_config", None)
+        if callable(adapter) and adapter() is not None:  # LoRA: the adapters beside the merged model
+            self.backend.save_adapters(str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------
 

@@ -502,7 +502,7 @@ def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     from skyrl_weightsync._broadcast import BroadcastReceiver, BroadcastSender
-    from skyrl_weightsync._nixl import NixlReceiver, NixlSender, _Poller, nixl_api
+    from skyrl_weightsync._nixl import NixlReceiver, NixlSender, _Poller, make_agent
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,
@@ -511,7 +511,6 @@ def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
     bgroup = dist.new_group([0, 2])  # broadcast: trainer rank 0 -> the engine process
     shapes = model_shapes(args.sharded_gib)
     total = sum(math.prod(s) for _, s in shapes) * 2
-    nixl_agent, nixl_agent_config = nixl_api()
     bucket = 64 << 20
     info: dict[str, Any] = {}
     if rank < 2:
@@ -534,7 +533,7 @@ def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
                 n = t.numel() * 2
                 raw[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
                 at += n
-            raw_agent = nixl_agent(f"raw-src-{os.getpid()}", nixl_agent_config(enable_prog_thread=False))
+            raw_agent = make_agent(f"raw-src-{os.getpid()}", polled=True)
             raw_agent.register_memory(raw)
             poller = _Poller(raw_agent)
             poller.start()
@@ -547,7 +546,7 @@ def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
         receiver = NixlReceiver(shard=(0, 1))
         receiver.connect([infos[0]["nixl"], infos[1]["nixl"]])
         breceiver = BroadcastReceiver(group=bgroup, src=0, bucket_bytes=bucket)
-        raw_agent = nixl_agent(f"raw-dst-{os.getpid()}", nixl_agent_config(enable_prog_thread=False))
+        raw_agent = make_agent(f"raw-dst-{os.getpid()}")
         dst = torch.zeros(total, dtype=torch.uint8)
         raw_agent.register_memory(dst)
         md, addr, _ = infos[0]["raw"]

@@ -34,6 +34,7 @@ the peer (agent name and trainer rank) or the tensor.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -58,20 +60,20 @@ class NixlError(RuntimeError):
     """A sync or publish that failed; the engine keeps its last version."""
 
 
-def nixl_api() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)`` from ``nixl`` or, failing that, the ``nixl_cu12`` wheel."""
+def nixl_api() -> Any:
+    """NIXL's Python API module: ``nixl._api`` or, failing that, ``nixl_cu12._api`` (the wheel's name)."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+        from nixl import _api  # type: ignore[import-not-found]
     except ImportError:
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+            from nixl_cu12 import _api  # type: ignore[import-not-found]
         except ImportError:
             from skyrl_host.errors import UserError
             from skyrl_weightsync.nixl import INSTALL_HINT
 
             raise UserError(f"the nixl transport needs NIXL, which is not installed: {INSTALL_HINT}") from None
     _quiet(logging.getLogger("nixl"))
-    return nixl_agent, nixl_agent_config
+    return _api
 
 
 def _quiet(logger: logging.Logger) -> None:
@@ -84,13 +86,20 @@ def _quiet(logger: logging.Logger) -> None:
             h.setStream(sys.stderr)
 
 
-def _agent(role: str, backend: str, progress_thread: bool = False) -> tuple[Any, str]:
-    nixl_agent, nixl_agent_config = nixl_api()
-    name = f"skyrl-nixl-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]))
+def make_agent(name: str, backend: str = "UCX", *, progress_thread: bool = False, polled: bool = False) -> Any:
+    """A NIXL agent with one backend; ``polled``: a :class:`_Poller` thread will call it too
+    (then NIXL locks its state on every call)."""
+    api = nixl_api()
+    sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if polled else None
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend],
+                                                       sync_mode=sync))
     if backend not in agent.backends:
         raise NixlError(f"NIXL backend {backend!r} is not available here (NIXL has: {agent.get_plugin_list()})")
-    return agent, name
+    return agent
+
+
+def _agent_name(role: str) -> str:
+    return f"skyrl-nixl-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class _Poller(threading.Thread):
@@ -102,6 +111,7 @@ class _Poller(threading.Thread):
     def __init__(self, agent: Any, interval: float = 1e-3):
         super().__init__(name=f"nixl-progress-{agent.name}", daemon=True)
         self.agent, self.interval, self.stopped = agent, interval, threading.Event()
+        _POLLERS.add(self)
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
@@ -109,6 +119,22 @@ class _Poller(threading.Thread):
                 self.agent.get_new_notifs()  # progresses the backend's workers
             except Exception:  # noqa: BLE001 - an agent being torn down
                 return
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join()
+
+
+_POLLERS: "weakref.WeakSet[_Poller]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_pollers() -> None:
+    # Before the interpreter finalizes: a daemon thread still inside NIXL then would be
+    # unwound through C++ frames, and the process aborts ("terminate called ...").
+    for poller in list(_POLLERS):
+        poller.stop()
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -169,7 +195,8 @@ class NixlSender:
         if dtype not in _WIRE:
             raise ValueError(f"dtype must be one of {sorted(_WIRE)}, not {dtype!r}")
         self.rank, self.world, self.dtype = int(rank), int(world), dtype
-        self.agent, self.agent_name = _agent(f"trainer{self.rank}", backend, progress_thread)
+        self.agent_name = _agent_name(f"trainer{self.rank}")
+        self.agent = make_agent(self.agent_name, backend, progress_thread=progress_thread, polled=not progress_thread)
         self._poller = None if progress_thread else _Poller(self.agent)
         if self._poller is not None:
             self._poller.start()
@@ -278,8 +305,7 @@ class NixlSender:
 
     def close(self) -> None:
         if self._poller is not None:
-            self._poller.stopped.set()
-            self._poller.join()
+            self._poller.stop()
             self._poller = None
         for reg in self._registered:
             try:
@@ -374,7 +400,8 @@ class NixlReceiver:
         self.shard = (k, n)
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
-        self.agent, self.agent_name = _agent(f"engine{k}of{n}", backend)
+        self.agent_name = _agent_name(f"engine{k}of{n}")
+        self.agent = make_agent(self.agent_name, backend)  # no thread: sync() drives its transfers itself
         self.version: int | None = None
         self._peers: list[_Peer] = []
         self._named: list[tuple[str, torch.Tensor]] = []

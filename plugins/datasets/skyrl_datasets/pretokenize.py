@@ -483,6 +483,8 @@ def tokenize(
                 if problems:
                     pool.terminate()
                     break
+    if not problems and stats["documents"] == 0 and not done:
+        problems.append("the inputs hold no records (" + ", ".join(opts.inputs) + ")")
     if problems:
         # Fixing the input changes its fingerprint, so these parts could never be resumed.
         shutil.rmtree(parts, ignore_errors=True)

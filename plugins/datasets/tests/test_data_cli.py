@@ -248,6 +248,10 @@ def test_user_errors_exit_2_with_one_message(tmp_path, skyrl_cli, tiny_tokenizer
     err = user_error(skyrl_cli("data", "tokenize", str(good), "--tokenizer", tok, "--out", str(tmp_path / "done"), "--resume"))
     assert "already complete" in err
 
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    err = user_error(skyrl_cli("data", "tokenize", str(tmp_path / "empty.jsonl"), "--tokenizer", tok, "--out", str(tmp_path / "e")))
+    assert "the inputs hold no records" in err and not (tmp_path / "e.json").exists()
+
     err = user_error(skyrl_cli("data", "info", str(tmp_path / "nowhere")))
     assert "no corpus at this prefix" in err
 

@@ -201,7 +201,7 @@ class NixlSender:
         if self._poller is not None:
             self._poller.start()
         self.version: int | None = None
-        # Per input position: (name, global shape, global offset, wire dtype, piece index or None, alias of)
+        # Per input position: (name, global shape, global offset, wire dtype, piece index; None: not served here)
         self._plan: list[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype, int | None]] | None = None
         self._views: list[torch.Tensor] = []  # per piece: its place in a registered buffer (wire dtype, local shape)
         self._buffers: list[torch.Tensor] = []

@@ -33,6 +33,14 @@ def model(seed: int):
     return transformers.Qwen3ForCausalLM(cfg).eval()
 
 
+def placed() -> dict:
+    """Tensors for the placements FSDP2 does not make here: a column shard, a replicated
+    vector, uneven row shards (5 rows over 2 ranks: 3 + 2)."""
+    g = torch.Generator().manual_seed(7)
+    return {"col": torch.randn(6, 10, generator=g), "rep": torch.randn(5, generator=g),
+            "uneven": torch.randn(5, 3, generator=g)}
+
+
 def wait(d: str, *names: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(os.path.join(d, n)) for n in names):
@@ -79,6 +87,17 @@ def trainer(rank: int, d: str) -> None:
     kinds = sorted({type(v).__name__ for _, v in local})
     stats = sender.publish(1, local)
     touch(d, f"ep{rank}", sender.endpoint())
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = placed()
+    extra = Nixl(NixlConfig(dtype="float32")).sender(rank=rank, world=2)
+    extra.publish(1, [("col", distribute_tensor(full["col"], mesh, [Shard(1)])),
+                      ("rep", distribute_tensor(full["rep"], mesh, [Replicate()])),
+                      ("uneven", distribute_tensor(full["uneven"], mesh, [Shard(0)]))])
+    touch(d, f"xep{rank}", extra.endpoint())
     expected(1)
     touch(d, f"kinds{rank}", json.dumps({"kinds": kinds, "served": stats["sync_served_bytes"]}).encode())
 
@@ -215,6 +234,21 @@ def tp(d: str) -> dict:
         "slice_bytes": sum(t.numel() * 2 for k, t in slices.items() if k != "lm_head.weight"),
         "full_bytes": sum(t.numel() * 2 for k, t in want.items() if k != "lm_head.weight"),
     }
+    # Column shards, a replicated vector, uneven rows: whole, and a row slice of each.
+    wait(d, "xep0", "xep1")
+    eps = [open(os.path.join(d, f"xep{r}"), "rb").read() for r in (0, 1)]
+    full = placed()
+    for shard in ((0, 1), (1, 2)):
+        engine = Recording()
+        receiver = Nixl(NixlConfig()).receiver(shard=shard)
+        receiver.connect(eps)
+        stats = receiver.sync(engine, target=1)
+        want = {k: torch.tensor_split(v, shard[1])[shard[0]] if v.dim() >= 2 else v for k, v in full.items()}
+        out[f"placed{shard[1]}"] = {
+            "equal": all(torch.equal(engine.weights[k], want[k]) for k in want) and len(engine.weights) == len(want),
+            "bytes": stats["sync_bytes"], "want_bytes": sum(t.numel() * 4 for t in want.values()),
+            "transfers": stats["sync_transfers"]}
+        receiver.close()
     touch(d, "tp_done1")
     return out
 

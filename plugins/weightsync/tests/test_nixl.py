@@ -88,6 +88,16 @@ def test_a_tensor_parallel_engine_rank_reads_only_its_slices(scenario) -> None:
     assert tp["v1"]["sync_bytes"] == tp["slice_bytes"] < tp["full_bytes"]
 
 
+def test_column_shards_replicated_and_uneven_placements(scenario) -> None:
+    """DTensors placed Shard(1), Replicate and Shard(0) over 5 rows, read whole and as a
+    row slice: the right values, and each byte read once (the replicated one from one rank)."""
+    for key in ("placed1", "placed2"):
+        got = scenario["tp"][key]
+        assert got["equal"], key
+        assert got["bytes"] == got["want_bytes"], key
+        assert got["transfers"] == 2, key  # both ranks hold a part: one batched READ each
+
+
 def test_a_wrong_version_or_a_publish_racing_the_read_leaves_the_engine_alone(scenario) -> None:
     full = scenario["full"]
     rank0 = full["agents"][0]

@@ -175,7 +175,9 @@ def full(d: str) -> dict:
 
     engine = Embedded(EmbeddedConfig(dtype="bfloat16"))
     engine.start(LoadedModel(model=model(1), tokenizer=None, stop_token_ids=[1]))
-    receiver = Nixl(NixlConfig()).receiver()  # shard (0, 1): whole tensors
+    # shard (0, 1): whole tensors; a dead peer is reported at once here (UCX sees the
+    # connection close), the timeout bounds it where it is not
+    receiver = Nixl(NixlConfig(timeout_s=10)).receiver()
     wait(d, "ep0", "ep1", "v1.pt")
     eps = [open(os.path.join(d, f"ep{r}"), "rb").read() for r in (0, 1)]
     receiver.connect(eps)

@@ -227,3 +227,21 @@ def test_quantized_jobs_in_actors_learn_like_one_process(ray_session, skyrl_cli,
     actors = job("ray", "ray", sync)
     assert learning(actors) == learning(local)
     assert max(r["logprob_diff_max"] for r in actors) < 0.1
+
+
+@pytest.mark.slow
+def test_nixl_engines_read_every_fsdp2_ranks_shards(ray_session, skyrl_cli, tmp_path) -> None:
+    """nixl under Ray: each of two FSDP2 backend actors serves its own shards; each of two
+    engine replicas reads its part from both and serves exactly the trainer's weights."""
+    pytest.importorskip("nixl_cu12", reason="NIXL (nixl-cu12) comes with the test requirements")
+    out = tmp_path / "nixl"
+    text = JOB.format(out=out, launcher="ray", engine_dtype="float32", weight_sync='transport = "nixl"\ndtype = "float32"')
+    text = text.replace('[cluster]\nlauncher = "ray"\n', RANKS.format(replicas=2)) + 'data_parallel = "fsdp2"\n'
+    (tmp_path / "nixl.toml").write_text(text)
+    result = skyrl_cli("run", str(tmp_path / "nixl.toml"))
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step" in r and "event" not in r]
+    assert [r["weight_version"] for r in rows] == [0.0, 1.0, 2.0]
+    assert max(r["logprob_diff_max"] for r in rows) < 1e-4  # both replicas serve the trainer's weights
+    assert all(r["kept_groups"] == 8 and r["sequences"] == 32 for r in rows)

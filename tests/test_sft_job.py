@@ -332,3 +332,20 @@ def test_a_corpus_at_an_fsspec_url_trains_like_the_local_one(skyrl_cli, corpora,
         runs[name] = [comparable(r) for r in step_rows(out)]
     assert runs["remote"] == runs["local"]
     assert any((tmp_path / "cache").rglob("tokens.blocks"))  # read lazily through the local cache
+
+
+@pytest.mark.slow
+def test_sft_with_a_quantized_precision_trains_through_the_fake_quantized_forward(skyrl_cli, corpora, tmp_path) -> None:
+    """``[precision] name = "int4"`` in an SFT job: the forward computes with int4
+    weights (straight-through to the float32 masters) and the loss still falls; the
+    first step's loss differs from the bf16 run's (the quantized forward is in use)."""
+    losses = {}
+    for name in ("bf16", "int4"):
+        path, out = write_job(tmp_path, corpora, name=name, steps=15, budget=512)
+        path.write_text(path.read_text() + f'\n[precision]\nname = "{name}"\n')
+        result = skyrl_cli("run", str(path))
+        assert result.exit_code == 0, result.stderr
+        losses[name] = [r["loss"] for r in step_rows(out)]
+    assert losses["int4"][0] != losses["bf16"][0]
+    assert abs(losses["int4"][0] - losses["bf16"][0]) < 0.2 * losses["bf16"][0]
+    assert np.mean(losses["int4"][-3:]) < 0.8 * losses["int4"][0], losses["int4"]

@@ -36,7 +36,7 @@ from skyrl_host.checkpoints import CheckpointWriter
 from skyrl_host.config import OptionError, ge, gt, locate_keys, option
 from skyrl_host.errors import Problem, UserError
 
-SLOTS = {"model": None, "backend": "torch", "data": "sequential"}
+SLOTS = {"model": None, "backend": "torch", "data": "sequential", "precision": "bf16"}
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -253,7 +253,11 @@ class SFTDriver:
                     "tokenize with the model's tokenizer",
                 )
         self.backend = run.plugin("backend").create()
-        self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False)
+        from skyrl_host.jobs.rl import precision_kwargs
+
+        precision = run.plugin("precision").create()
+        self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False,
+                           **precision_kwargs(self.backend.start, precision, "backend"))
         self.loss = SFTLoss()
         self.strategy = run.plugin("data").create()
         try:

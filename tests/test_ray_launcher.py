@@ -205,27 +205,36 @@ def test_sequences_split_between_ranks_by_tokens() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("precision", "sync", "backend_extra"), [
-    ("fp8", 'transport = "broadcast"', ""),
-    ("int4", 'transport = "lora"', "lora_rank = 4\n"),
-], ids=["fp8-broadcast", "int4-lora"])
+@pytest.mark.parametrize(("precision", "sync", "backend_extra", "ranks"), [
+    ("fp8", 'transport = "broadcast"', "", 1),
+    ("int4", 'transport = "lora"', "lora_rank = 4\n", 1),
+    ("mxfp8", 'transport = "nixl"', 'data_parallel = "ddp"\n', 2),
+], ids=["fp8-broadcast", "int4-lora", "mxfp8-nixl-ddp"])
 def test_quantized_jobs_in_actors_learn_like_one_process(ray_session, skyrl_cli, tmp_path, precision, sync,
-                                                          backend_extra) -> None:
+                                                          backend_extra, ranks) -> None:
     """The engine actor builds its own model and serves the quantized weights the backend
-    actor ships (fp8 payloads + scales through broadcast; for LoRA on a frozen int4 base,
-    the adapters as one object): every learning metric equals the one-process run's."""
-    def job(name: str, launcher: str, weight_sync: str) -> list[dict]:
+    actors ship (fp8 payloads + scales through broadcast; for LoRA on a frozen int4 base,
+    the adapters as one object; mxfp8 from rank 0 of two DDP ranks through NIXL): every
+    learning metric equals the one-process run's (to float32 reduction order with two
+    ranks)."""
+    def job(name: str, launcher: str, weight_sync: str, cluster: str = "") -> list[dict]:
         text = JOB.format(out=tmp_path / name, launcher=launcher, engine_dtype="bfloat16", weight_sync=weight_sync)
-        text += backend_extra + f'\n[precision]\nname = "{precision}"\n'
+        text = text.replace(f'launcher = "{launcher}"\n', f'launcher = "{launcher}"\n{cluster}')
+        extra = backend_extra if launcher == "ray" else backend_extra.replace('data_parallel = "ddp"\n', "")
+        text += extra + f'\n[precision]\nname = "{precision}"\n'
         (tmp_path / f"{name}.toml").write_text(text)
         result = skyrl_cli("run", str(tmp_path / f"{name}.toml"))
         assert result.exit_code == 0, result.stderr
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return [r for r in rows if "step" in r and "event" not in r]
 
-    local = job("local", "local", 'transport = "inproc"')
-    actors = job("ray", "ray", sync)
-    assert learning(actors) == learning(local)
+    cluster = f"trainer_ranks = {ranks}\ncpus_per_actor = 0.5\n" if ranks > 1 else ""
+    local = job("local", "local", 'transport = "inproc"', "")
+    actors = job("ray", "ray", sync, cluster)
+    if ranks == 1:
+        assert learning(actors) == learning(local)
+    else:
+        metrics_close(actors, local, rel=1e-4)
     assert max(r["logprob_diff_max"] for r in actors) < 0.1
 
 

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from skyrl_host.errors import UserError
-from skyrl_host.jobs.rl import precision_kwargs
+from skyrl_host.jobs.common import precision_kwargs, save_trained_model
 
 
 def ray_get(refs: Any) -> Any:
@@ -212,8 +212,14 @@ class BackendWorker:
                         pass
                 return {}, None
             return self.sender.publish(version, self.backend)
-        if getattr(self.transport, "rendezvous", False):
-            return self.sender.publish(version, self.backend.local_weights())
+        if getattr(self.transport, "rendezvous", False):  # every rank serves what it holds
+            local = list(self.backend.local_weights())
+            if not any(hasattr(t, "placements") for _, t in local):
+                # Whole tensors on every rank (DDP, or one rank): rank 0 serves them, as the
+                # engine will use them (quantized payloads + scales with a precision).
+                serving = getattr(self.backend, "serving_weights", None)
+                local = (list(serving()) if callable(serving) else local) if self.rank == 0 else []
+            return self.sender.publish(version, local)
         serving = getattr(self.backend, "serving_weights", None)  # quantized payloads + scales, with a precision
         weights = serving() if callable(serving) else self.backend.named_weights()
         if self.sender is None:
@@ -245,8 +251,6 @@ class BackendWorker:
         self.backend.load_state_dict(state if self.rank == 0 else {})
 
     def save_final(self, path: str) -> None:
-        import torch
-
         trained = dict(self.backend.named_weights())  # a collective with several ranks
         lora = callable(getattr(self.backend, "adapter_config", None)) and self.backend.adapter_config() is not None
         if self.rank != 0:
@@ -255,13 +259,7 @@ class BackendWorker:
             return
         # With several ranks the model this actor holds is sharded or wrapped: save a fresh copy.
         loaded = self.loaded if self.world == 1 else self.family.load(alphabet=self.alphabet, seed=self.seed)
-        with torch.no_grad():
-            for name, param in loaded.model.state_dict().items():
-                if name in trained and trained[name].data_ptr() != param.data_ptr():
-                    param.copy_(trained[name])
-        self.family.save(loaded, path)
-        if lora:  # the adapters beside the merged model
-            self.backend.save_adapters(path)
+        save_trained_model(self.backend, self.family, loaded, path, trained=trained)
 
     def close(self) -> None:
         import torch.distributed as dist

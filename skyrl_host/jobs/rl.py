@@ -24,6 +24,7 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter
 from skyrl_host.config import ge, gt, option
 from skyrl_host.errors import UserError
+from skyrl_host.jobs.common import precision_kwargs, restore_rng, save_rng, save_trained_model
 
 SLOTS = {
     "model": None,
@@ -36,20 +37,6 @@ SLOTS = {
     "replay": (),
     "precision": "bf16",
 }
-
-
-def precision_kwargs(start: Any, precision: Any, what: str) -> dict[str, Any]:
-    """``{"precision": precision}`` for a ``start`` method that takes one; nothing for one
-    that does not, unless the precision quantizes (then a user error: the job asks for
-    something the plugin cannot do)."""
-    import inspect
-
-    if "precision" in inspect.signature(start).parameters:
-        return {"precision": precision}
-    if getattr(precision, "quantizes", False):
-        raise UserError(f"[precision] name = {precision.name!r}: the {what} plugin takes no precision (it cannot "
-                        "compute or serve quantized weights)")
-    return {}
 
 
 @attrs.frozen
@@ -281,23 +268,14 @@ class RLDriver:
     # -- checkpoints ----------------------------------------------------------------
 
     def _save_checkpoint(self, step: int) -> None:
-        import numpy as np
         import torch
 
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
             torch.save(self.backend.state_dict(), folder / "backend.pt")
-            torch.save(
-                {
-                    "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(),
-                },
-                folder / "rng.pt",
-            )
+            save_rng(folder / "rng.pt")
             (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:
-        import numpy as np
         import torch
 
         try:
@@ -306,27 +284,13 @@ class RLDriver:
         except (OSError, RuntimeError) as exc:
             raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
         self.backend.load_state_dict(state)
-        torch.set_rng_state(rng["torch_rng"])
-        random.setstate(rng["python_rng"])
-        np.random.set_state(rng["numpy_rng"])
+        restore_rng(rng)
 
     def _save_final(self) -> None:
-        import torch
-
         if self.ray_sync is not None:
             self.backend.save_final(str(self.run_.output_dir / "final"))
-            return
-
-        trained = dict(self.backend.named_weights())
-        model = self.loaded.model
-        with torch.no_grad():
-            for name, param in model.state_dict().items():
-                if name in trained and trained[name].data_ptr() != param.data_ptr():
-                    param.copy_(trained[name])
-        self.family.save(self.loaded, str(self.run_.output_dir / "final"))
-        adapter = getattr(self.backend, "adapter_config", None)
-        if callable(adapter) and adapter() is not None:  # LoRA: the adapters beside the merged model
-            self.backend.save_adapters(str(self.run_.output_dir / "final"))
+        else:
+            save_trained_model(self.backend, self.family, self.loaded, str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------
 

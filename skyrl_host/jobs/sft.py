@@ -35,6 +35,7 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter
 from skyrl_host.config import OptionError, ge, gt, locate_keys, option
 from skyrl_host.errors import Problem, UserError
+from skyrl_host.jobs.common import precision_kwargs, restore_rng, save_rng, save_trained_model
 
 SLOTS = {"model": None, "backend": "torch", "data": "sequential", "precision": "bf16"}
 SAMPLES_FILE = "samples.jsonl"
@@ -253,8 +254,6 @@ class SFTDriver:
                     "tokenize with the model's tokenizer",
                 )
         self.backend = run.plugin("backend").create()
-        from skyrl_host.jobs.rl import precision_kwargs
-
         precision = run.plugin("precision").create()
         self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False,
                            **precision_kwargs(self.backend.start, precision, "backend"))
@@ -359,19 +358,14 @@ class SFTDriver:
         }
 
     def _save_checkpoint(self, step: int) -> None:
-        import numpy as np
         import torch
 
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
             torch.save(self.backend.state_dict(), folder / "backend.pt")
-            torch.save(
-                {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()},
-                folder / "rng.pt",
-            )
+            save_rng(folder / "rng.pt")
             (folder / "driver.json").write_text(json.dumps(self._driver_state(step)))
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:
-        import numpy as np
         import torch
 
         try:
@@ -388,20 +382,10 @@ class SFTDriver:
         self.strategy.load_state_dict(driver["strategy"])
         self.pending = [list(map(int, p)) for p in driver["pending"]]
         self.drawn = [int(x) for x in driver["drawn"]]
-        torch.set_rng_state(rng["torch_rng"])
-        random.setstate(rng["python_rng"])
-        np.random.set_state(rng["numpy_rng"])
+        restore_rng(rng)
 
     def _save_final(self) -> None:
-        import torch
-
-        trained = dict(self.backend.named_weights())
-        model = self.loaded.model
-        with torch.no_grad():
-            for name, param in model.state_dict().items():
-                if name in trained and trained[name].data_ptr() != param.data_ptr():
-                    param.copy_(trained[name])
-        self.family.save(self.loaded, str(self.run_.output_dir / "final"))
+        save_trained_model(self.backend, self.family, self.loaded, str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------
 

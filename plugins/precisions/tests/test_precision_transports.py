@@ -104,14 +104,20 @@ def learning(path) -> list[dict]:
     return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows if "step" in r and "event" not in r]
 
 
-def test_an_fp8_job_with_delta_learns_exactly_like_inproc(skyrl_cli, tmp_path) -> None:
+@pytest.mark.parametrize("transport", ["delta", "nixl"])
+def test_an_fp8_job_learns_exactly_like_inproc(skyrl_cli, tmp_path, transport: str) -> None:
+    """The quantized payloads and scales through ``delta`` (files) or ``nixl`` (NIXL
+    reads, one process): every learning metric equals the ``inproc`` run's."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL (nixl-cu12) comes with the test requirements")
+    syncs = {"delta": f'transport = "delta"\nuri = "file://{tmp_path}/w"', "nixl": 'transport = "nixl"'}
     out = {}
-    for case, sync in (("inproc", 'transport = "inproc"'), ("delta", f'transport = "delta"\nuri = "file://{tmp_path}/w"')):
+    for case, sync in (("inproc", 'transport = "inproc"'), (transport, syncs[transport])):
         (tmp_path / f"{case}.toml").write_text(JOB.format(out=tmp_path / case, sync=sync))
         result = skyrl_cli("run", str(tmp_path / f"{case}.toml"))
         assert result.exit_code == 0, result.stderr
         out[case] = learning(tmp_path / case / "metrics.jsonl")
-    assert len(out["inproc"]) == 3 and out["delta"] == out["inproc"]
+    assert len(out["inproc"]) == 3 and out[transport] == out["inproc"]
 
 
 def test_validate_refuses_what_cannot_serve_the_quantized_numbers(skyrl_cli, tmp_path) -> None:
@@ -121,3 +127,9 @@ def test_validate_refuses_what_cannot_serve_the_quantized_numbers(skyrl_cli, tmp
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert "precision 'fp8' with LoRA (backend.lora_rank = 4)" in result.stderr
+    text = JOB.format(out=tmp_path / "o", sync='transport = "nixl"').replace('launcher', 'launcher')
+    path.write_text(text.replace("[model]", '[cluster]\nlauncher = "ray"\ntrainer_ranks = 2\n\n[model]')
+                    + 'data_parallel = "fsdp2"\n')
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2
+    assert "transport 'nixl' serves each FSDP2 rank's shards of the master weights; precision 'fp8'" in result.stderr

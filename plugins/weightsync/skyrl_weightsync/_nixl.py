@@ -219,7 +219,10 @@ class NixlSender:
         piece_src: list[tuple[torch.device, int, torch.dtype, tuple[int, ...]]] = []
         for name, t in items:
             shape, offset, local, serve = _placement_of(name, t)
-            dtype = wire if local.is_floating_point() else local.dtype
+            # Weights in a master dtype go in the wire dtype; a precision's quantized payloads
+            # and scales (``<weight>@<format>``) as they are.
+            master = local.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+            dtype = wire if master and "@" not in name else local.dtype
             tensors.append({"name": name, "dtype": _dtype_name(dtype), "shape": shape})
             key = _storage_key(local) + (shape, offset)
             if key in seen:  # a second name for the same tensor (tied weights): served once

@@ -29,6 +29,7 @@ import attrs
 from skyrl_host import hookimpl
 from skyrl_host.config import gt, option
 from skyrl_host.errors import UserError
+from skyrl_weightsync import weights_to_serve
 
 INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it works without a GPU)"
 
@@ -84,12 +85,13 @@ class Nixl:
         return receiver
 
     def publish(self, backend: Any, engine: Any, version: int) -> dict[str, float]:
-        """One process: this process's sender serves ``backend.local_weights()`` and a
+        """One process: this process's sender serves what the engine is to serve
+        (``serving_weights()``: the whole tensors, quantized with a precision) and a
         receiver in the same process reads them (two NIXL agents, over UCX loopback)."""
         if self._local is None:
             self._local = (self.sender(), None)
         sender, receiver = self._local
-        stats = dict(sender.publish(version, backend.local_weights()))
+        stats = dict(sender.publish(version, weights_to_serve(backend)))
         if receiver is None:
             receiver = self.receiver(peers=[sender.endpoint()])
             self._local = (sender, receiver)

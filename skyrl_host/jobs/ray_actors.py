@@ -214,11 +214,12 @@ class BackendWorker:
             return self.sender.publish(version, self.backend)
         if getattr(self.transport, "rendezvous", False):  # every rank serves what it holds
             local = list(self.backend.local_weights())
+            serving = getattr(self.backend, "serving_weights", None)  # quantized, with a precision
             if not any(hasattr(t, "placements") for _, t in local):
-                # Whole tensors on every rank (DDP, or one rank): rank 0 serves them, as the
-                # engine will use them (quantized payloads + scales with a precision).
-                serving = getattr(self.backend, "serving_weights", None)
+                # Whole tensors on every rank (DDP, or one rank): rank 0 serves them.
                 local = (list(serving()) if callable(serving) else local) if self.rank == 0 else []
+            elif callable(serving):  # FSDP2: each rank its own shards (quantized by itself)
+                local = list(serving(local=True))
             return self.sender.publish(version, local)
         serving = getattr(self.backend, "serving_weights", None)  # quantized payloads + scales, with a precision
         weights = serving() if callable(serving) else self.backend.named_weights()

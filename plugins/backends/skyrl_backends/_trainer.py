@@ -763,12 +763,13 @@ class TorchBackend:
                         out[mb.batch_idx] = lp.float().cpu().numpy()
         return out
 
-    def serving_weights(self) -> Iterator[tuple[str, Any]]:
-        """What the engine must serve: :meth:`named_weights`, with every weight the
-        precision quantizes as its payload plus its scales (``precision.pack``), so the
-        engine computes with exactly the numbers the trainer's forward used. Without a
-        precision, the same as :meth:`named_weights`."""
-        weights = self.named_weights()
+    def serving_weights(self, local: bool = False) -> Iterator[tuple[str, Any]]:
+        """What the engine must serve: :meth:`named_weights` (``local``: this rank's
+        :meth:`local_weights`), with every weight the precision quantizes as its payload
+        plus its scales (``precision.pack``; a rank's shard quantized by itself, as a
+        shard of the whole payload), so the engine computes with exactly the numbers the
+        trainer's forward used. Without a precision, the weights as they are."""
+        weights = self.local_weights() if local else self.named_weights()
         return weights if self.precision is None else self.precision.pack(weights)
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:

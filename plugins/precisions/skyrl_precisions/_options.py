@@ -36,9 +36,4 @@ def check(spec: Any) -> list[tuple[str, str]]:
         problems.append(("weight_sync.transport", f"precision {name!r} with LoRA (backend.lora_rank = {rank}) serves the "
                          "quantized base plus the adapters; transport {!r} would ship merged weights, quantized anew: "
                          "use transport = \"lora\" (or \"inproc\" in one process)".format(transport.name)))
-    parallel = getattr(getattr(backend, "config", None), "data_parallel", "none")
-    if transport is not None and transport.name == "nixl" and parallel == "fsdp2":
-        problems.append(("weight_sync.transport", f"transport 'nixl' serves each FSDP2 rank's shards of the master "
-                         f"weights; precision {name!r} needs whole quantized blocks: use data_parallel = \"ddp\", or "
-                         "transport \"delta\" or \"broadcast\""))
     return problems

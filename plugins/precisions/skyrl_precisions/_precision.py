@@ -7,8 +7,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from skyrl_host.errors import UserError
 from skyrl_precisions import _fakequant
-from skyrl_precisions._formats import FORMATS
+from skyrl_precisions._formats import FORMATS, FP8_BLOCK, INT4_GROUP, MX_BLOCK
 
 PAYLOAD_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # never a model's own weight dtype
 SEP = "@"  # a weight's scales travel as f"{name}@{format}" beside its payload (under its own name)
@@ -42,6 +43,52 @@ def unpack_named(named_tensors: Iterable[tuple[str, Any]], dtype: Any) -> Iterat
     for name, payload in payloads.items():
         fmt, scale = scales[name]
         yield name, FORMATS[fmt].unpack(torch.as_tensor(payload), torch.as_tensor(scale), dtype)
+
+
+def wire_shapes(fmt: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of the payload and of the scales ``fmt.pack`` gives for a weight of ``shape``."""
+    lead, cols = tuple(shape[:-1]), shape[-1]
+    if fmt.name == "fp8":
+        rows = shape[-2]
+        return tuple(shape), tuple(shape[:-2]) + (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if fmt.name == "mxfp8":
+        return tuple(shape), lead + (cols // MX_BLOCK,)
+    return lead + (cols // 2,), lead + (cols // INT4_GROUP,)
+
+
+def sharded_pack(fmt: Any, name: str, t: Any) -> Iterator[tuple[str, Any]]:
+    """Pack one rank's shard of a weight (a ``DTensor``) as its shards of the whole
+    payload and scales (``DTensor``s on the same mesh and placements), so a sharded
+    transport serves them like any sharded tensor. Exact where the format's blocks never
+    straddle two shards: a shard along a leading dimension (stacked experts, or the rows
+    of mxfp8 / int4, whose blocks run along a row); fp8's 128x128 blocks need each shard
+    of the rows to start on a multiple of 128. Anything else is a user error naming the
+    weight."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(t.shape)
+    for p in t.placements:
+        if isinstance(p, Shard) and p.dim >= len(shape) - (2 if fmt.name == "fp8" else 1):
+            blocks = "128x128 blocks" if fmt.name == "fp8" else "blocks along the last dimension"
+            if not (fmt.name == "fp8" and p.dim == len(shape) - 2):
+                raise UserError(f"[precision] {fmt.name}: weight {name!r} is sharded on dimension {p.dim}, which cuts "
+                                f"{fmt.name}'s {blocks}: a sharded transport cannot serve it quantized")
+            _, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+            local_rows = t.to_local().shape[p.dim]
+            if offset[p.dim] % FP8_BLOCK or (local_rows % FP8_BLOCK and offset[p.dim] + local_rows != shape[p.dim]):
+                raise UserError(f"[precision] fp8: weight {name!r} is sharded at row {offset[p.dim]} ({local_rows} rows "
+                                f"on this rank): fp8's 128-row blocks would straddle two shards; use mxfp8 or int4, "
+                                "data_parallel = \"ddp\", or transport \"delta\" or \"broadcast\"")
+    payload, scale = fmt.pack(t.to_local())
+    payload_shape, scale_shape = wire_shapes(fmt, shape)
+
+    def wrap(local: Any, global_shape: tuple[int, ...]) -> Any:
+        stride = tuple(int(x) for x in torch.empty(global_shape, device="meta").stride())
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=global_shape, stride=stride)
+
+    yield name, wrap(payload, payload_shape)
+    yield f"{name}{SEP}{fmt.name}", wrap(scale, scale_shape)
 
 
 class Precision:
@@ -106,12 +153,14 @@ class Precision:
             return
         chosen = set(self.quantized)
         for name, t in named_tensors:
-            if name in chosen:
+            if name not in chosen:
+                yield name, t
+            elif hasattr(t, "placements"):  # a DTensor: this rank's shard, quantized here
+                yield from sharded_pack(self.format, name, t.detach())
+            else:
                 payload, scale = self.format.pack(t.detach())
                 yield name, payload
                 yield f"{name}{SEP}{self.format.name}", scale
-            else:
-                yield name, t
 
     def unpack(self, named_tensors: Iterable[tuple[str, Any]], dtype: Any) -> Iterator[tuple[str, Any]]:
         return unpack_named(named_tensors, dtype)

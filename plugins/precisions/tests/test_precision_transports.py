@@ -127,9 +127,51 @@ def test_validate_refuses_what_cannot_serve_the_quantized_numbers(skyrl_cli, tmp
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert "precision 'fp8' with LoRA (backend.lora_rank = 4)" in result.stderr
-    text = JOB.format(out=tmp_path / "o", sync='transport = "nixl"').replace('launcher', 'launcher')
-    path.write_text(text.replace("[model]", '[cluster]\nlauncher = "ray"\ntrainer_ranks = 2\n\n[model]')
-                    + 'data_parallel = "fsdp2"\n')
-    result = skyrl_cli("validate", str(path))
-    assert result.exit_code == 2
-    assert "transport 'nixl' serves each FSDP2 rank's shards of the master weights; precision 'fp8'" in result.stderr
+
+
+
+SHARDED = r"""
+import sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from skyrl_host.errors import UserError
+from skyrl_precisions._formats import FORMATS
+from skyrl_precisions._precision import sharded_pack
+
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)  # rank 1 of 2, no peers needed
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+for name, shape in (("fp8", (256, 64)), ("mxfp8", (64, 96)), ("int4", (64, 96)), ("fp8", (4, 64, 64))):
+    fmt = FORMATS[name]
+    full = torch.randn(*shape) * 0.02
+    shard = DTensor.from_local(full.chunk(2)[1], mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    (_, payload), (_, scale) = sharded_pack(fmt, "w", shard)
+    want_payload, want_scale = fmt.pack(full)
+    assert tuple(payload.shape) == tuple(want_payload.shape) and tuple(scale.shape) == tuple(want_scale.shape)
+    # This rank's pieces are exactly its rows of the whole payload and scales.
+    assert torch.equal(payload.to_local().view(torch.uint8), want_payload.chunk(2)[1].view(torch.uint8)), name
+    assert torch.equal(scale.to_local().float(), want_scale.chunk(2)[1].float()), name
+try:
+    full = torch.randn(64, 64)
+    list(sharded_pack(FORMATS["fp8"], "w", DTensor.from_local(full.chunk(2)[1], mesh, [Shard(0)], run_check=False,
+                                                              shape=full.shape, stride=full.stride())))
+except UserError as exc:
+    print("refused:", exc)
+print("ok")
+"""
+
+
+def test_a_ranks_shard_is_quantized_as_its_rows_of_the_whole_payload() -> None:
+    """FSDP2 ranks quantize their own shards (``sharded_pack``) into exactly their rows of
+    the whole payload and scales, so ``nixl`` serves quantized weights without a gather;
+    fp8 blocks that would straddle two shards are refused by name. (Rank 1 of 2 on
+    torch's fake process group, in a process of its own.)"""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: error: [precision] fp8: weight 'w' is sharded at row 32 (32 rows on this rank): fp8's 128-row blocks" \
+        in result.stdout
+    assert result.stdout.strip().endswith("ok")

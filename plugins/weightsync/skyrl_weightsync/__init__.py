@@ -3,6 +3,8 @@
 Each feature is one module here with its own ``skyrl`` entry point.
 """
 
+from __future__ import annotations
+
 from typing import Any, Iterable
 
 
@@ -12,3 +14,24 @@ def weights_to_serve(backend: Any) -> Iterable[tuple[str, Any]]:
     has them, else its ``named_weights()``."""
     serving = getattr(backend, "serving_weights", None)
     return serving() if callable(serving) else backend.named_weights()
+
+
+def wire_dtype_problem(spec: Any, transport_name: str, hint: str = "") -> list[tuple[str, str]]:
+    """A one-process job whose engine serves the trainer's own tensors (the model's dtype)
+    must not be handed weights in another wire dtype: they would overwrite the trainer's.
+    The (key, message) pair naming it, or nothing."""
+    transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
+    if transport is None or engine is None or model is None or spec.cluster.launcher != "local":
+        return []
+    model_dtype = getattr(model.config, "dtype", None)
+    engine_dtype = getattr(engine.config, "dtype", None)
+    wire = transport.config.dtype
+    served = model_dtype if engine_dtype == "auto" else engine_dtype
+    if model_dtype and served == model_dtype and wire != model_dtype:
+        return [(
+            "weight_sync.dtype" if "dtype" in spec.raw.get("weight_sync", {}) else "weight_sync",
+            f"the {transport_name} transport ships {wire} weights, but the engine serves the trainer's own "
+            f"{model_dtype} tensors (engine.dtype = {engine_dtype!r}); set engine.dtype = \"{wire}\" so the engine "
+            f"keeps its own copy{hint}",
+        )]
+    return []

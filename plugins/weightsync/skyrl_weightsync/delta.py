@@ -26,6 +26,7 @@ from typing import Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
+from skyrl_weightsync import wire_dtype_problem
 from skyrl_host.config import ge, in_interval, option
 
 
@@ -65,25 +66,11 @@ class DeltaConfig:
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level check: an engine that serves the trainer's own tensors (same dtype) must
     not be handed weights of another dtype: that would overwrite the trainer's."""
-    transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
-    if transport is None or engine is None or model is None:
-        return []
-    if spec.cluster.launcher != "local" and transport.config.uri.startswith("memory://"):
+    transport = spec.plugins.get("weight_sync")
+    if transport is not None and spec.cluster.launcher != "local" and transport.config.uri.startswith("memory://"):
         return [("weight_sync.uri", "a memory:// URL lives in one process, but the engine runs in another "
                  f"([cluster] launcher = {spec.cluster.launcher!r}): use a file://, s3:// or gs:// URL")]
-    if spec.cluster.launcher != "local":
-        return []  # the engine has its own copy in its own process
-    model_dtype = getattr(model.config, "dtype", None)
-    engine_dtype = getattr(engine.config, "dtype", None)
-    wire = transport.config.dtype
-    served = model_dtype if engine_dtype == "auto" else engine_dtype
-    if model_dtype and served == model_dtype and wire != model_dtype:
-        return [(
-            "weight_sync.dtype" if "dtype" in spec.raw.get("weight_sync", {}) else "weight_sync",
-            f"the delta transport ships {wire} weights, but the engine serves the trainer's own {model_dtype} tensors "
-            f"(engine.dtype = {engine_dtype!r}); set engine.dtype = \"{wire}\" so the engine keeps its own copy",
-        )]
-    return []
+    return wire_dtype_problem(spec, "delta")
 
 
 def create(config: DeltaConfig) -> Any:

@@ -29,7 +29,7 @@ import attrs
 from skyrl_host import hookimpl
 from skyrl_host.config import gt, option
 from skyrl_host.errors import UserError
-from skyrl_weightsync import weights_to_serve
+from skyrl_weightsync import weights_to_serve, wire_dtype_problem
 
 INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it works without a GPU)"
 
@@ -120,21 +120,12 @@ def check(spec: Any) -> list[tuple[str, str]]:
     key = "weight_sync.transport" if "weight_sync" in getattr(spec, "raw", {}) else "weight_sync"
     if not nixl_installed():
         return [(key, f"transport 'nixl' needs NIXL, which is not installed: {INSTALL_HINT}")]
-    transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
-    if transport is None or engine is None or model is None or spec.cluster.launcher != "local":
-        return []
-    model_dtype = getattr(model.config, "dtype", None)
-    engine_dtype = getattr(engine.config, "dtype", None)
-    wire = transport.config.dtype
-    served = model_dtype if engine_dtype == "auto" else engine_dtype
-    if model_dtype and served == model_dtype and wire != model_dtype:
-        return [(
-            "weight_sync.dtype" if "dtype" in spec.raw.get("weight_sync", {}) else "weight_sync",
-            f"the nixl transport ships {wire} weights, but the engine serves the trainer's own {model_dtype} tensors "
-            f"(engine.dtype = {engine_dtype!r}); set engine.dtype = \"{wire}\" so the engine keeps its own copy, "
-            f"or dtype = \"{model_dtype}\"",
-        )]
-    return []
+    return wire_dtype_problem(spec, "nixl", f", or dtype = \"{_model_dtype(spec)}\"")
+
+
+def _model_dtype(spec: Any) -> Any:
+    model = spec.plugins.get("model")
+    return getattr(getattr(model, "config", None), "dtype", None)
 
 
 @hookimpl

@@ -148,3 +148,31 @@ def test_lora_on_a_frozen_int4_base_serves_the_quantized_base(host) -> None:
     assert all(torch.equal(v, base[k]) for k, v in loaded.model.state_dict().items())  # the base never written
     adapters = dict(backend.named_adapters())
     assert any(float(t.abs().max()) > 0 for n, t in adapters.items() if n.endswith("lora_B"))  # the adapters trained
+
+
+@pytest.mark.slow
+def test_a_short_rl_run_per_precision_follows_the_bf16_run(tmp_path) -> None:
+    """The quickstart for 100 steps per precision (benchmarks/precision.py runs 300 and
+    plots them): every quantized run learns as the bf16 run does."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    skyrl = str(pathlib.Path(sys.executable).parent / "skyrl")
+    curves = {}
+    for name in ("bf16", "fp8", "mxfp8", "int4"):
+        out = tmp_path / name
+        result = subprocess.run(
+            [skyrl, "run", str(root / "examples" / "quickstart.toml"), "--set", "job.steps=100",
+             "--set", "job.checkpoint_every=0", "--set", "job.save_final=false", "--set", f'job.output_dir="{out}"',
+             "--set", f'precision={{name="{name}"}}'],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        curves[name] = [r["reward_mean"] for r in rows if "step" in r and "event" not in r]
+    late = {name: float(np.mean(c[-20:])) for name, c in curves.items()}
+    for name, c in curves.items():
+        assert late[name] > 3 * float(np.mean(c[:5])), (name, late[name])  # it learned
+        assert abs(late[name] - late["bf16"]) < 0.3 * late["bf16"], late  # as bf16 did

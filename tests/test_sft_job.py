@@ -349,3 +349,35 @@ def test_sft_with_a_quantized_precision_trains_through_the_fake_quantized_forwar
     assert losses["int4"][0] != losses["bf16"][0]
     assert abs(losses["int4"][0] - losses["bf16"][0]) < 0.2 * losses["bf16"][0]
     assert np.mean(losses["int4"][-3:]) < 0.8 * losses["int4"][0], losses["int4"]
+
+
+@pytest.mark.slow
+def test_sft_on_two_ddp_ranks_in_ray_actors_trains_like_one_process(corpora, tmp_path, tmp_path_factory) -> None:
+    """``[cluster] launcher = "ray"`` with two backend ranks (DDP across two actors): the
+    driver reads and packs the documents, each rank trains on its share of the step's
+    sequences, and the step is the one-process step (float32 reduction order); the final
+    model is gathered and saved; the actors are gone afterwards."""
+    import os
+    import subprocess
+    import sys
+
+    ray = pytest.importorskip("ray")
+    rows = {}
+    for name, extra in (("local", ""), ("ray", 'data_parallel = "ddp"\n')):
+        path, out = write_job(tmp_path, corpora, name=name, steps=5, budget=256)
+        text = path.read_text() + extra
+        if name == "ray":
+            text = text.replace("[model]", '[cluster]\nlauncher = "ray"\ntrainer_ranks = 2\ncpus_per_actor = 0.5\n\n[model]')
+        path.write_text(text)
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(tmp_path_factory.mktemp("ray")))
+        result = subprocess.run([str(pathlib.Path(sys.executable).parent / "skyrl"), "run", str(path)],
+                                capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name] = [comparable(r) for r in step_rows(out)]
+    assert len(rows["ray"]) == 5
+    for a, b in zip(rows["ray"], rows["local"]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert (tmp_path / "ray_out" / "final" / "config.json").is_file()
+    assert not ray.is_initialized()

@@ -150,7 +150,9 @@ class BackendWorker:
     """One backend rank's actor (wrapped with ``ray.remote`` by :func:`start_actors`)."""
 
     def __init__(self, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None,
-                 rank: int, world: int):
+                 rank: int, world: int, algorithm: Any = None):
+        """``algorithm``: the loss to train with, when the job kind has no ``[algorithm]``
+        (``sft`` passes its own); a job without ``[weight_sync]`` publishes nothing."""
         import torch
 
         if threads:
@@ -159,9 +161,9 @@ class BackendWorker:
         self.rank, self.world = rank, world
         self.family = choices["model"].create()
         self.loaded = self.family.load(alphabet=alphabet, seed=seed)
-        self.algorithm = choices["algorithm"].create()
+        self.algorithm = algorithm if algorithm is not None else choices["algorithm"].create()
         self.backend = choices["backend"].create()
-        self.transport = choices["weight_sync"].create()
+        self.transport = choices["weight_sync"].create() if "weight_sync" in choices else None
         self.sender: Any = None
         self.group: Any = None
 
@@ -170,6 +172,9 @@ class BackendWorker:
 
     def address(self) -> str:
         return _address()
+
+    def vocab_size(self) -> int:
+        return int(self.loaded.model.get_input_embeddings().num_embeddings)
 
     def start(self, total_steps: int, dp_address: str | None) -> None:
         """Join the ranks' data-parallel group (when there are several), then start the backend."""
@@ -181,7 +186,7 @@ class BackendWorker:
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
             dist.init_process_group(_dist_backend(), init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.seed)  # as the one-process driver does before starting the backend
-        replay = [c.create() for c in self.choices["replay"]]
+        replay = [c.create() for c in self.choices.get("replay", ())]
         extra: dict[str, Any] = {"replay": replay} if replay else {}
         extra.update(precision_kwargs(self.backend.start, self.choices["precision"].create(), "backend"))
         try:
@@ -402,6 +407,38 @@ class RaySync:
 
     def close(self) -> None:
         ray_get([a.close.remote() for a in self.backends + self.engines])
+
+
+def start_backend_ranks(run: Any, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None,
+                        algorithm: Any = None) -> list[Any]:
+    """``[cluster] trainer_ranks`` backend actors in one placement group, joined in one
+    data-parallel group (when there are several) and started: ready to train."""
+    cluster = run.spec.cluster
+    ranks = cluster.trainer_ranks
+    backends = start_actors(
+        BackendWorker, [(choices, alphabet, seed, threads, rank, ranks, algorithm) for rank in range(ranks)],
+        cpus=cluster.cpus_per_actor,
+    )
+    dp_address = ray_get(backends[0].address.remote()) if ranks > 1 else None
+    ray_get([b.start.remote(run.total_steps, dp_address) for b in backends])
+    return backends
+
+
+def shutdown(own_ray: bool | None, sync: Any = None) -> None:
+    """Stop what a driver started through this module (also after a failed start):
+    the transport's groups, the actors and their placement groups, and Ray itself when
+    the driver started it (``own_ray``; None: nothing was started)."""
+    if own_ray is None:
+        return
+    import ray
+
+    try:
+        if sync is not None:
+            sync.close()
+    finally:
+        stop_actors()
+        if own_ray:
+            ray.shutdown()
 
 
 def start_ray(cluster: Any) -> bool:

@@ -118,14 +118,8 @@ class RLDriver:
         self._own_ray = ray_actors.start_ray(cluster)
         plugins = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync", "algorithm", "backend", "replay",
                                              "precision")}
-        ranks, replicas = cluster.trainer_ranks, cluster.engine_replicas
-        backends = ray_actors.start_actors(
-            ray_actors.BackendWorker,
-            [(plugins, alphabet, self.seed, self.cfg.threads, rank, ranks) for rank in range(ranks)],
-            cpus=cluster.cpus_per_actor,
-        )
-        dp_address = ray_actors.ray_get(backends[0].address.remote()) if ranks > 1 else None
-        ray_actors.ray_get([b.start.remote(run.total_steps, dp_address) for b in backends])
+        backends = ray_actors.start_backend_ranks(run, plugins, alphabet, self.seed, self.cfg.threads)
+        replicas = cluster.engine_replicas
         engines = ray_actors.start_actors(
             ray_actors.EngineWorker, [(plugins, alphabet, self.seed, self.cfg.threads)] * replicas,
             cpus=cluster.cpus_per_actor,
@@ -144,17 +138,11 @@ class RLDriver:
         own_ray = getattr(self, "_own_ray", None)
         if own_ray is None:
             return
-        import ray
-
         from skyrl_host.jobs import ray_actors
 
         try:
-            if self.ray_sync is not None:
-                self.ray_sync.close()
+            ray_actors.shutdown(own_ray, self.ray_sync)
         finally:
-            ray_actors.stop_actors()
-            if own_ray:
-                ray.shutdown()
             self.ray_sync = None
             self._own_ray = None
 

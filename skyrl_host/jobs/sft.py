@@ -176,11 +176,10 @@ def check_sft_job(spec: Any) -> list[tuple[str, str]]:
     ``weights`` (when it has them) match the paths."""
     problems: list[tuple[str, str]] = []
     cfg = spec.kind_config
-    if spec.cluster.launcher != "local":
-        problems.append(("cluster.launcher", f"the sft job runs with launcher = \"local\" only, found {spec.cluster.launcher!r}"))
     parallel = getattr(spec.plugins["backend"].config, "data_parallel", "none")
-    if parallel != "none":
-        problems.append(("backend.data_parallel", f"the sft job runs in one process: data_parallel = {parallel!r} is not supported yet"))
+    if parallel != "none" and spec.cluster.launcher != "ray":
+        problems.append(("backend.data_parallel", f"data_parallel = {parallel!r} trains across backend ranks: set "
+                         "[cluster] launcher = \"ray\" and trainer_ranks"))
     if getattr(spec.plugins["model"].config, "preset", None) is not None and cfg.alphabet is None:
         problems.append((
             "model.preset",
@@ -243,8 +242,18 @@ class SFTDriver:
             except UserError as exc:
                 raise self._problem("job.data_paths", f"[{i}] {path!r}: " + "; ".join(p.message for p in exc.problems)) from None
         self.family = run.plugin("model").create()
-        self.loaded = self.family.load(alphabet=cfg.alphabet, seed=self.seed)
-        self.vocab_size = int(self.loaded.model.get_input_embeddings().num_embeddings)
+        self.loss = SFTLoss()
+        if run.spec.cluster.launcher == "ray":  # the backend's ranks in Ray actors, each with its model
+            from skyrl_host.jobs import ray_actors
+
+            self._own_ray = ray_actors.start_ray(run.spec.cluster)
+            choices = {t: run.plugin(t) for t in ("model", "backend", "precision")}
+            actors = ray_actors.start_backend_ranks(run, choices, cfg.alphabet, self.seed, cfg.threads, self.loss)
+            self.backend = ray_actors.RemoteBackend(actors)
+            self.vocab_size = int(ray_actors.ray_get(actors[0].vocab_size.remote()))
+        else:
+            self.loaded = self.family.load(alphabet=cfg.alphabet, seed=self.seed)
+            self.vocab_size = int(self.loaded.model.get_input_embeddings().num_embeddings)
         for i, corpus in enumerate(self.corpora):
             v = corpus.meta.get("vocab_size")
             if v is not None and int(v) > self.vocab_size:
@@ -253,11 +262,11 @@ class SFTDriver:
                     f"[{i}] {cfg.data_paths[i]!r} was tokenized for {int(v)} ids, the model has {self.vocab_size}: "
                     "tokenize with the model's tokenizer",
                 )
-        self.backend = run.plugin("backend").create()
-        precision = run.plugin("precision").create()
-        self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False,
-                           **precision_kwargs(self.backend.start, precision, "backend"))
-        self.loss = SFTLoss()
+        if run.spec.cluster.launcher != "ray":
+            self.backend = run.plugin("backend").create()
+            precision = run.plugin("precision").create()
+            self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False,
+                               **precision_kwargs(self.backend.start, precision, "backend"))
         self.strategy = run.plugin("data").create()
         try:
             self.strategy.bind([c.lengths for c in self.corpora], self.seed)
@@ -283,6 +292,12 @@ class SFTDriver:
         self.samples.flush()
 
     def close(self) -> None:
+        own_ray = getattr(self, "_own_ray", None)
+        if own_ray is not None:
+            from skyrl_host.jobs import ray_actors
+
+            self._own_ray = None
+            ray_actors.shutdown(own_ray)
         if self.samples is not None:
             self.samples.close()
             self.samples = None
@@ -385,7 +400,11 @@ class SFTDriver:
         restore_rng(rng)
 
     def _save_final(self) -> None:
-        save_trained_model(self.backend, self.family, self.loaded, str(self.run_.output_dir / "final"))
+        path = str(self.run_.output_dir / "final")
+        if self.run_.spec.cluster.launcher == "ray":
+            self.backend.save_final(path)  # gathered from the ranks, saved by rank 0
+        else:
+            save_trained_model(self.backend, self.family, self.loaded, path)
 
     # -- the loop ------------------------------------------------------------------
 

@@ -106,22 +106,20 @@ import os
 import platform
 import resource
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import types
-import urllib.request
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import fsspec
 import numpy as np
 import safetensors.torch
 import torch
 
+from skyrl_host.s3server import local_s3_server
 from skyrl_weightsync import _delta
 
 T0 = time.perf_counter()
@@ -282,36 +280,6 @@ def load_delta_rev(rev: str, tmp: str) -> types.ModuleType:
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
-
-
-@contextlib.contextmanager
-def moto_server() -> Iterator[tuple[str, int]]:
-    """moto's S3 server on a free port of 127.0.0.1: (endpoint URL, pid)."""
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on {url}") from None
-                time.sleep(0.1)
-        yield url, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- the two paths -------------------------------------------------------------------
@@ -741,7 +709,7 @@ def main() -> None:
                 except ImportError as exc:
                     out["targets"]["s3"] = {"skipped": f"needs moto[server] and s3fs ({exc})"}
                     continue
-                with moto_server() as (url, pid):
+                with local_s3_server() as (url, pid):
                     meter.child = pid
                     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url}}
                     fs = s3fs.S3FileSystem(**options)

@@ -8,12 +8,9 @@ import json
 import os
 import pathlib
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -233,7 +230,7 @@ def megatron_dir(tmp_path_factory) -> pathlib.Path:
     import importlib.util
 
     if importlib.util.find_spec("megatron") is None:
-        pytest.skip("megatron-core is not installed (pip install -e 'plugins/datasets[test]')")
+        pytest.fail("megatron-core is not installed: pip install -e 'plugins/datasets[test]' (in the test requirements)")
     folder = tmp_path_factory.mktemp("megatron")
     for dtype, docs in MEGATRON_DOCS.items():
         np.save(folder / f"{dtype}.npy", np.array(docs, dtype=object), allow_pickle=True)
@@ -367,40 +364,10 @@ def test_memory_url_megatron_and_missing(megatron_dir, tmp_path) -> None:
         fs.rm(root, recursive=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    pytest.importorskip("s3fs")
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if not os.path.exists(exe):
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto_server did not start on {url}")
-            time.sleep(0.1)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-
-
-def test_s3_corpus_fetches_only_the_blocks_it_reads(tmp_path, s3_server) -> None:
+def test_s3_corpus_fetches_only_the_blocks_it_reads(tmp_path, skyrl_s3_server) -> None:
     import s3fs
 
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_server}}
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": skyrl_s3_server}}
     fs = s3fs.S3FileSystem(**options)
     bucket = f"corpus-{os.getpid()}"
     fs.mkdir(bucket)

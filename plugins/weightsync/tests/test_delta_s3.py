@@ -4,54 +4,19 @@ reached through s3fs exactly as a bucket on AWS would be."""
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 import torch
 
 from skyrl_weightsync._delta import DeltaError, DeltaReceiver, DeltaSender
 
-pytest.importorskip("s3fs")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto_server did not start on {url}")
-            time.sleep(0.1)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-
 
 @pytest.fixture
-def bucket(s3_server):
+def bucket(skyrl_s3_server):
     import s3fs
 
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_server}}
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": skyrl_s3_server}}
     fs = s3fs.S3FileSystem(**options)
     name = f"run-{os.getpid()}-{time.monotonic_ns()}"
     fs.mkdir(name)

@@ -1,0 +1,54 @@
+"""A local S3 API for tests and benchmarks: moto's server (``pip install "moto[server]"``)
+on a free port of 127.0.0.1, so fsspec/s3fs code runs against a real S3 protocol with
+no network. The pytest fixture ``skyrl_s3_server`` (skyrl_host.testing) wraps it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Iterator
+
+
+def moto_server_path() -> str | None:
+    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    return exe if os.path.exists(exe) else None
+
+
+@contextlib.contextmanager
+def local_s3_server(timeout_s: float = 30.0) -> Iterator[tuple[str, int]]:
+    """Start moto's S3 server; yields (endpoint URL, pid); stops it on exit. Credentials
+    are any (e.g. key = secret = "testing")."""
+    exe = moto_server_path()
+    if exe is None:
+        raise RuntimeError("moto_server is not installed (pip install 'moto[server]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start on {url}") from None
+                time.sleep(0.1)
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

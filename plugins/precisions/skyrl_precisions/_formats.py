@@ -21,6 +21,7 @@ stacked experts ``[experts, out, in]``); leading dimensions are independent matr
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -152,9 +153,10 @@ def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
 # -- the formats, by name --------------------------------------------------------------------
 
 
-class Format:
+class Format(abc.ABC):
     """One quantized format: what the sender ships for a weight and what the trainer
-    computes with (the fake-quantized weight and activations)."""
+    computes with (the fake-quantized weight and activations). Subclasses implement
+    ``pack`` and ``unpack``."""
 
     name = ""
     scale_dtype: torch.dtype = torch.float32
@@ -162,12 +164,13 @@ class Format:
     def supports(self, w: torch.Tensor) -> bool:
         return w.ndim >= 2
 
+    @abc.abstractmethod
     def pack(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(payload, scale): the wire form of weight ``w``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def unpack(self, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
+        """The weight ``pack`` encoded, in ``dtype``."""
 
     def fake_weight(self, w: torch.Tensor) -> torch.Tensor:
         """The value the trainer computes with (no gradient): ``unpack(pack(w))`` in ``w``'s dtype."""

@@ -57,3 +57,28 @@ def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, traine
     adapter = getattr(backend, "adapter_config", None)
     if callable(adapter) and adapter() is not None:  # LoRA: the adapters beside the merged model
         backend.save_adapters(path)
+
+
+def run_steps(driver: Any) -> None:
+    """The loop every driver runs: ``build()``, then each step from ``start_step``
+    (reported; a NaN ``loss*`` or ``grad*`` metric stops the job), a checkpoint every
+    ``checkpoint_every`` steps and at the end, the final model when ``save_final``;
+    ``close()`` whatever happens."""
+    import math
+
+    run, cfg = driver.run_, driver.cfg
+    try:
+        driver.build()
+        for step in range(driver.start_step, run.total_steps + 1):
+            metrics = driver.step(step)
+            bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v) and k.startswith(("loss", "grad"))]
+            if bad:
+                raise FloatingPointError(f"step {step}: {bad[0]} is NaN")
+            run.report(step, metrics)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
+                driver._save_checkpoint(step)
+        driver._save_checkpoint(run.total_steps)
+        if cfg.save_final:
+            driver._save_final()
+    finally:
+        driver.close()

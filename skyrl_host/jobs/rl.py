@@ -12,7 +12,6 @@ resumed from a checkpoint reproduces the uninterrupted run's metrics exactly.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import random
 import time
@@ -24,7 +23,7 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter
 from skyrl_host.config import ge, gt, option
 from skyrl_host.errors import UserError
-from skyrl_host.jobs.common import precision_kwargs, restore_rng, save_rng, save_trained_model
+from skyrl_host.jobs.common import precision_kwargs, restore_rng, run_steps, save_rng, save_trained_model
 
 SLOTS = {
     "model": None,
@@ -283,24 +282,9 @@ class RLDriver:
     # -- the loop ------------------------------------------------------------------
 
     def run(self) -> None:
-        run, cfg = self.run_, self.cfg
-        run.headline = ["reward_mean", "accuracy", "entropy"]
+        self.run_.headline = ["reward_mean", "accuracy", "entropy"]
         self.ray_sync = None
-        try:
-            self.build()
-            for step in range(self.start_step, run.total_steps + 1):
-                metrics = self.step(step)
-                bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v) and k.startswith(("loss", "grad"))]
-                if bad:
-                    raise FloatingPointError(f"step {step}: {bad[0]} is NaN")
-                run.report(step, metrics)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
-                    self._save_checkpoint(step)
-            self._save_checkpoint(run.total_steps)
-            if cfg.save_final:
-                self._save_final()
-        finally:
-            self.close()
+        run_steps(self)
 
 
 @hookimpl

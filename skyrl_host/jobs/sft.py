@@ -23,7 +23,6 @@ distribution): local prefixes or fsspec URLs, read lazily through a local cache.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import random
 import time
@@ -35,7 +34,7 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter
 from skyrl_host.config import OptionError, ge, gt, locate_keys, option
 from skyrl_host.errors import Problem, UserError
-from skyrl_host.jobs.common import precision_kwargs, restore_rng, save_rng, save_trained_model
+from skyrl_host.jobs.common import precision_kwargs, restore_rng, run_steps, save_rng, save_trained_model
 
 SLOTS = {"model": None, "backend": "torch", "data": "sequential", "precision": "bf16"}
 SAMPLES_FILE = "samples.jsonl"
@@ -409,22 +408,8 @@ class SFTDriver:
     # -- the loop ------------------------------------------------------------------
 
     def run(self) -> None:
-        run, cfg = self.run_, self.cfg
-        run.headline = ["loss", "tokens_per_s", "grad_norm"]
-        try:
-            self.build()
-            for step in range(self.start_step, run.total_steps + 1):
-                metrics = self.step(step)
-                if math.isnan(metrics.get("loss", 0.0)) or math.isnan(metrics.get("grad_norm", 0.0)):
-                    raise FloatingPointError(f"step {step}: the loss or the gradient norm is NaN")
-                run.report(step, metrics)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
-                    self._save_checkpoint(step)
-            self._save_checkpoint(run.total_steps)
-            if cfg.save_final:
-                self._save_final()
-        finally:
-            self.close()
+        self.run_.headline = ["loss", "tokens_per_s", "grad_norm"]
+        run_steps(self)
 
 
 @hookimpl

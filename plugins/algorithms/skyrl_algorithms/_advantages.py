@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from skyrl_algorithms._kl import kl_estimate
+
 
 def _groups(group_ids: Any) -> tuple[np.ndarray, np.ndarray]:
     """(index of each sequence's group, size of each group)."""
@@ -90,18 +92,6 @@ def overlong_penalty(response_lens: Any, max_new_tokens: int, buffer: int, facto
     lens = np.asarray(response_lens, dtype=np.float64)
     penalty = -np.clip(lens - start, 0, L) / L * factor
     return penalty.astype(np.float32)
-
-
-def kl_estimate(logp: np.ndarray, ref: np.ndarray, estimator: str) -> np.ndarray:
-    """The per-token KL estimate of the sampling policy against the reference."""
-    d = logp - ref
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return np.exp(-d) + d - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
 def kl_reward_penalty(

@@ -21,21 +21,10 @@ from typing import Any
 
 import torch
 
+from skyrl_algorithms._kl import kl_estimate
+
 LOG_RATIO_LIMIT = 20.0  # log-ratios are clamped to [-20, 20] before exp (inf-safe)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimates, with d = logp - ref:
-    k1 = d; k2 = d^2 / 2; k3 = exp(-d) + d - 1 (= exp(ref - logp) - (ref - logp) - 1)."""
-    d = logp - ref
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    if estimator == "k3":
-        return torch.exp(-d) + d - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
 def _per_seq_sum(values: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int) -> torch.Tensor:

@@ -192,14 +192,55 @@ def _flatten(spec: Any) -> dict[str, str]:
     return out
 
 
+def _one_line(message: str) -> str:
+    """``message`` on one line, in the house style: a lower-case start, no final period."""
+    text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    if text[:1].isupper() and text[1:2].islower():
+        text = text[0].lower() + text[1:]
+    return text[:-1] if text.endswith(".") and not text.endswith("..") else text
+
+
+def _command_path(cli: click.Group, argv: Sequence[str]) -> str:
+    """``skyrl models show`` for ``["models", "show", "X"]``: the (sub)commands that
+    ``argv`` names, for the usage errors click raises before a context exists."""
+    path, command = ["skyrl"], cli
+    for arg in argv:
+        if not isinstance(command, click.Group) or arg.startswith("-"):
+            break
+        sub = command.commands.get(arg)
+        if sub is None:
+            break
+        path.append(arg)
+        command = sub
+    return " ".join(path)
+
+
+def usage_error_line(exc: click.UsageError, cli: click.Group | None = None, argv: Sequence[str] = ()) -> str:
+    """click's usage error (``Usage: ...``, ``Try ... --help``, ``Error: ...``, three
+    lines) as the host's one line: ``error: COMMAND: message (see 'COMMAND --help')``.
+
+    The hint is left out where the message already points at a command."""
+    message = _one_line(exc.format_message())
+    if exc.ctx is not None:
+        path = exc.ctx.command_path
+    elif cli is not None:
+        path = _command_path(cli, argv)
+    else:
+        return f"error: {message}"
+    hint = "" if "'skyrl " in message else f" (see '{path} --help')"
+    return f"error: {path}: {message}{hint}"
+
+
 def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> int:
     """Console entry point: user errors print one message and exit with code 2.
 
     ``host`` defaults to a new host with the installed plugins loaded."""
+    args = list(argv) if argv is not None else sys.argv[1:]
+    cli: click.Group | None = None
     try:
         host = build_host() if host is None else host
         cli = make_cli(host)
-        rc = cli.main(args=list(argv) if argv is not None else None, prog_name="skyrl", standalone_mode=False)
+        rc = cli.main(args=args, prog_name="skyrl", standalone_mode=False)
     except UserError as exc:
         click.echo(exc.render(), err=True)
         return USER_ERROR_EXIT_CODE
@@ -209,8 +250,11 @@ def main(argv: Sequence[str] | None = None, host: PluginHost | None = None) -> i
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except click.UsageError as exc:  # a bad option or argument, of a host or a plugin command
+        click.echo(usage_error_line(exc, cli, args), err=True)
+        return USER_ERROR_EXIT_CODE
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"error: {_one_line(exc.format_message())}", err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

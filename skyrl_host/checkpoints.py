@@ -4,16 +4,27 @@ A checkpoint is written into a temporary folder and renamed into place only when
 complete (a rename is atomic), so a run killed mid-write leaves either the old
 set of checkpoints or the new one, never a torn checkpoint that resume would
 trust. Old checkpoints beyond ``keep`` are removed after a new one lands.
+
+Every checkpoint carries ``job.json``, the record of the job that wrote it (a copy of
+the run's ``<output_dir>/job.json``), so ``skyrl run --resume`` can tell a checkpoint
+of another job (another model family or size, another backend) from one of this
+job before any state is loaded (:func:`resume_mismatches`); :func:`load_backend_state`
+turns a state the backend refuses into a user error naming the checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shutil
-from typing import Iterator
+from typing import Any, Iterator, Mapping
+
+from skyrl_host.errors import UserError
 
 CHECKPOINTS = "checkpoints"
+JOB_RECORD = "job.json"  # in the output folder (the run's job) and in each checkpoint (the job that wrote it)
+BACKEND_STATE = "backend.pt"
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -60,6 +71,9 @@ class CheckpointWriter:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        record = self.root.parent / JOB_RECORD
+        if record.is_file() and not (self.tmp / JOB_RECORD).exists():
+            shutil.copyfile(record, self.tmp / JOB_RECORD)  # which job wrote this checkpoint
         if self.final.exists():
             shutil.rmtree(self.final)
         self.tmp.rename(self.final)
@@ -71,3 +85,95 @@ def stale_temporaries(output_dir: pathlib.Path) -> Iterator[pathlib.Path]:
     root = checkpoint_root(output_dir)
     if root.is_dir():
         yield from (p for p in root.iterdir() if p.name.endswith(".tmp"))
+
+
+# -- does a checkpoint belong to the job resuming from it? --------------------------
+
+
+def read_job_record(path: pathlib.Path) -> dict[str, Any] | None:
+    """The job record (``describe_spec``'s JSON) at ``path``; None when there is no file.
+    A file that is not a job record is a user error naming it."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"--resume: {path} is not a skyrl job record: {exc}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), dict) or not isinstance(record.get("plugins"), dict):
+        raise UserError(f"--resume: {path} is not a skyrl job record (no 'kind' and 'plugins' tables)")
+    return record
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value, default=str)
+
+
+def _entry(record: Mapping[str, Any], table: str) -> Mapping[str, Any] | None:
+    entries = record.get("plugins", {}).get(table) or []
+    return entries[0] if entries and isinstance(entries[0], Mapping) else None
+
+
+def resume_mismatches(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(job key, what differs)`` for each part of the job that a checkpoint's state
+    depends on and that differs between the job that wrote it (``recorded``) and the
+    job resuming from it (``current``), both as ``runner.describe_spec`` writes them.
+
+    Compared: the job kind, the model family and every key of its config (its
+    architecture and weights), and the backend (whose state format the checkpoint
+    holds). Everything else (steps, learning rate, engine, data...) may change on resume."""
+    from skyrl_host.config import SLOTS
+
+    out: list[tuple[str, str]] = []
+    was, now = recorded.get("kind", {}).get("name"), current.get("kind", {}).get("name")
+    if was != now:
+        return [("job.kind", f"it was written by a {was!r} job, this is a {now!r} job")]
+    for table in ("model", "backend"):
+        old, new = _entry(recorded, table), _entry(current, table)
+        if old is None or new is None:
+            continue
+        selector = SLOTS[table].selector
+        if old.get("name") != new.get("name"):
+            out.append((f"{table}.{selector}",
+                        f"it was written with {table}.{selector} = {_shown(old.get('name'))}, this job has "
+                        f"{_shown(new.get('name'))}"))
+            continue
+        if table != "model":
+            continue
+        old_cfg, new_cfg = old.get("config") or {}, new.get("config") or {}
+        for key in sorted(set(old_cfg) | set(new_cfg)):
+            if old_cfg.get(key) != new_cfg.get(key):
+                out.append((f"{table}.{key}",
+                            f"it was written with {table}.{key} = {_shown(old_cfg.get(key))}, this job has "
+                            f"{_shown(new_cfg.get(key))}"))
+    return out
+
+
+def _first_lines(text: str, limit: int = 300) -> str:
+    """An exception's message on one line, cut to ``limit`` characters."""
+    one = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    return one if len(one) <= limit else one[: limit - 3].rstrip() + "..."
+
+
+def load_backend_state(folder: pathlib.Path, backend: Any, state: Any = None) -> None:
+    """``backend.load_state_dict`` of the checkpoint in ``folder`` (its ``backend.pt``
+    unless ``state`` is given, already read from it). A state the backend refuses
+    (missing or unexpected keys, shape mismatches, another format) is a user error
+    naming the checkpoint folder."""
+    if state is None:
+        import pickle
+
+        import torch
+
+        try:
+            state = torch.load(folder / BACKEND_STATE, weights_only=False)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # missing or not torch's
+            raise UserError(f"--resume: cannot read checkpoint {folder}: {_first_lines(str(exc))}") from None
+    if not isinstance(state, Mapping):
+        raise UserError(f"--resume: checkpoint {folder} holds no backend state ({BACKEND_STATE} holds a {type(state).__name__})")
+    try:
+        backend.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        what = _first_lines(str(exc) if not isinstance(exc, KeyError) else f"missing key {exc}")
+        raise UserError(
+            f"--resume: checkpoint {folder} does not fit this job's backend (was it written by another job?): {what}"
+        ) from None

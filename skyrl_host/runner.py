@@ -12,12 +12,12 @@ from typing import Any, Mapping
 import attrs
 import cattrs
 
-from skyrl_host.checkpoints import latest_checkpoint
+from skyrl_host.checkpoints import JOB_RECORD, latest_checkpoint, read_job_record, resume_mismatches
 from skyrl_host.config import JobSpec, PluginChoice
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.plugins import PluginHost
 
-RUN_RECORD = "job.json"
+RUN_RECORD = JOB_RECORD
 
 
 @attrs.define
@@ -95,7 +95,7 @@ def prepare_output_dir(spec: JobSpec, overwrite: bool, resume: bool = False) -> 
     if resume:
         if not (out / RUN_RECORD).exists():
             raise UserError(Problem(f"--resume: {str(out)!r} holds no run to resume", **where))
-        previous = json.loads((out / RUN_RECORD).read_text())
+        previous = read_job_record(out / RUN_RECORD) or {}
         if previous.get("kind", {}).get("name") != spec.kind.name:
             raise UserError(
                 Problem(f"--resume: {str(out)!r} holds a {previous.get('kind', {}).get('name')!r} run, not {spec.kind.name!r}", **where)
@@ -118,6 +118,49 @@ def prepare_output_dir(spec: JobSpec, overwrite: bool, resume: bool = False) -> 
     return out
 
 
+def _line_of(spec: JobSpec, key: str) -> int | None:
+    """The line of ``key`` in the job file, when the file gave it its value (not --set)."""
+    import tomllib
+
+    from skyrl_host.config import locate_keys
+
+    try:
+        text = spec.path.read_text()
+        data: Any = tomllib.loads(text)
+    except (OSError, ValueError):
+        return None
+    raw: Any = spec.raw
+    for part in key.split("."):
+        if not (isinstance(data, Mapping) and isinstance(raw, Mapping) and part in data and part in raw):
+            return None
+        data, raw = data[part], raw[part]
+    return locate_keys(text).get(key) if data == raw else None
+
+
+def check_resume(spec: JobSpec, out: pathlib.Path, current: Mapping[str, Any]) -> None:
+    """A user error unless the checkpoint ``--resume`` continues from (else the run in
+    ``out``) was written by this job: same kind, model (family and config) and backend.
+
+    The checkpoint's own ``job.json`` is compared when it has one (a checkpoint copied
+    from another run is caught too); the output folder's record otherwise."""
+    found = latest_checkpoint(out)
+    recorded, source = None, None
+    if found is not None:
+        recorded, source = read_job_record(found[1] / JOB_RECORD), f"checkpoint {str(found[1])!r}"
+    if recorded is None:
+        recorded = read_job_record(out / RUN_RECORD)
+        source = f"checkpoint {str(found[1])!r}" if found is not None else f"the run in {str(out)!r}"
+    if recorded is None:
+        return
+    problems = [
+        Problem(f"--resume: {source} belongs to another job: {what}", file=str(spec.path), key=key,
+                line=_line_of(spec, key))
+        for key, what in resume_mismatches(recorded, current)
+    ]
+    if problems:
+        raise UserError(problems)
+
+
 def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume: bool = False) -> Run:
     """Run ``spec``'s driver between ``skyrl_job_started`` and ``skyrl_job_finished``.
 
@@ -126,7 +169,10 @@ def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume:
     if overwrite and resume:
         raise UserError("--overwrite and --resume exclude each other")
     out = prepare_output_dir(spec, overwrite, resume)
-    record = json.dumps(describe_spec(spec), indent=2, default=str)
+    described = describe_spec(spec)
+    if resume:  # before the record is replaced: the job that wrote the run and its checkpoints
+        check_resume(spec, out, json.loads(json.dumps(described, default=str)))
+    record = json.dumps(described, indent=2, default=str)
     tmp = out / (RUN_RECORD + ".tmp")
     tmp.write_text(record + "\n")
     tmp.replace(out / RUN_RECORD)

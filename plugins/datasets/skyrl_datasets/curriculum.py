@@ -10,7 +10,9 @@ in the next epoch, when the limit may admit it).
 
 Each draw reads lengths until it finds a short enough document: cheap while most
 documents fit, slower when the limit admits few of them. The checkpointed
-position is two numbers.
+position is two numbers. A ``start_max_len`` below the shortest document (step 1
+could draw nothing) is refused when the strategy is bound to the datasets, as an
+:class:`~skyrl_host.config.OptionError` at ``start_max_len`` (a user error).
 """
 
 from __future__ import annotations
@@ -62,7 +64,18 @@ class Curriculum:
         self._docs = Concatenation(sizes_of(lengths))
         self._lengths = lengths
         cfg = self.config
-        # One pass over the length arrays when no end is given.
+        import numpy as np
+
+        # A pass over the length arrays for the shortest document, another for the
+        # longest when no end is given.
+        shortest = min(int(np.asarray(x).min()) for x in lengths if len(x))
+        if shortest > cfg.start_max_len:
+            # Step 1 could draw nothing: a job-file problem, located at the key by the driver.
+            raise OptionError(
+                "start_max_len",
+                f"no document of at most {cfg.start_max_len} tokens: the shortest of the datasets has {shortest}; "
+                f"raise start_max_len to at least {shortest}",
+            )
         self.end_max_len = cfg.end_max_len or max(int(x.max()) if len(x) else 0 for x in lengths)
         self.end_max_len = max(self.end_max_len, cfg.start_max_len)
         self.seed = seed + cfg.seed_offset
@@ -103,7 +116,7 @@ class Curriculum:
                 self.position += 1
             if lengths[j] <= limit:
                 return datasets[j], docs[j]
-        raise ValueError(f"no document of at most {limit} tokens (step {step}): raise start_max_len")
+        raise ValueError(f"no document of at most {limit} tokens (step {step}): raise start_max_len")  # bind() checks
 
     def state_dict(self) -> Mapping[str, Any]:
         return {"epoch": self.epoch, "position": self.position}

@@ -8,7 +8,7 @@ tensors (a stand-in engine whose ``update_weights`` copies into them, as the emb
 engine does). Per round, interleaved:
 
 - ``bucketed``: ``BroadcastSender.publish`` / ``BroadcastReceiver.sync``
-  (``skyrl_weightsync._broadcast``): a header, then the bytes end to end in one reused
+  (``skyrl_weightsync.broadcast``): a header, then the bytes end to end in one reused
   flat bucket of ``--bucket-mib``;
 - ``per_tensor``: the baseline, one ``dist.broadcast`` per tensor straight into the
   receiver's tensor (the simplest correct code).
@@ -47,7 +47,7 @@ def worker(rank: int, store: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from skyrl_weightsync._broadcast import BroadcastReceiver, BroadcastSender
+    from skyrl_weightsync.broadcast import BroadcastReceiver, BroadcastSender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,

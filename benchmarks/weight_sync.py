@@ -81,9 +81,10 @@ raw seconds / nixl read seconds: nixl's share of the raw bandwidth; the issue ex
 zeroed engine (or buffer) and is compared with the model (``received_equal``). One torch
 thread per process.
 
-``--compare-rev REV`` runs the ``delta`` of another commit too (its ``_delta.py``, taken
-with ``git show``; same on-disk format), interleaved, as ``delta@REV``: the before/after of
-a change to ``_delta.py`` in one run (one more sender and receiver: ~3 more GiB at 1 GiB).
+``--compare-rev REV`` runs the ``delta`` of another commit too (its ``skyrl_weightsync/_delta/``
+package, or ``_delta.py`` at commits before that was split, taken with ``git show``; same
+on-disk format), interleaved, as ``delta@REV``: the before/after of a change to the delta
+implementation in one run (one more sender and receiver: ~3 more GiB at 1 GiB).
 ``other_cores`` is how many cores other processes took meanwhile (/proc/stat minus this
 process and the S3 server): the machine is shared, seconds move, ratios much less.
 Every path's result is checked against the trainer's weights (``torch.equal`` of every
@@ -104,6 +105,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -120,7 +122,7 @@ import safetensors.torch
 import torch
 
 from skyrl_host.s3server import local_s3_server
-from skyrl_weightsync import _delta
+from skyrl_weightsync import delta
 
 T0 = time.perf_counter()
 
@@ -269,16 +271,42 @@ def med(xs: list[float]) -> float:
 
 
 def load_delta_rev(rev: str, tmp: str) -> types.ModuleType:
-    """``_delta.py`` as of commit ``rev``, imported under another name."""
+    """The delta implementation as of commit ``rev``, imported under another name: a module
+    with its ``DeltaSender``, ``DeltaReceiver`` and ``version_dir``. From the ``_delta/``
+    package (its modules import each other relatively, so the copy is a package of its
+    own), or from ``_delta.py`` at commits before the package."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = subprocess.run(["git", "-C", root, "show", f"{rev}:plugins/weightsync/skyrl_weightsync/_delta.py"],
-                         check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tmp, f"_delta_{rev.replace('/', '_')}.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"_delta_{rev}", path)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    where = "plugins/weightsync/skyrl_weightsync/_delta"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], check=True, capture_output=True, text=True).stdout
+
+    name = "_delta_" + re.sub(r"\W", "_", rev)
+    kind = subprocess.run(["git", "-C", root, "cat-file", "-t", f"{rev}:{where}"], capture_output=True,
+                          text=True).stdout.strip()
+    if kind != "tree":  # one file
+        path = os.path.join(tmp, f"{name}.py")
+        with open(path, "w") as f:
+            f.write(git("show", f"{rev}:{where}.py"))
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        return mod
+    pkg = os.path.join(tmp, name)
+    os.makedirs(pkg)
+    for file in git("ls-tree", "--name-only", f"{rev}:{where}").split():
+        if file.endswith(".py"):
+            with open(os.path.join(pkg, file), "w") as f:
+                f.write(git("show", f"{rev}:{where}/{file}"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(pkg, "__init__.py"),
+                                                  submodule_search_locations=[pkg])
+    package = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = package  # its modules' relative imports find it here
+    spec.loader.exec_module(package)  # type: ignore[union-attr]
+    mod = types.ModuleType(f"{name}.face")
+    mod.DeltaSender = importlib.import_module(f"{name}.sender").DeltaSender  # type: ignore[attr-defined]
+    mod.DeltaReceiver = importlib.import_module(f"{name}.receiver").DeltaReceiver  # type: ignore[attr-defined]
+    mod.version_dir = importlib.import_module(f"{name}.store").version_dir  # type: ignore[attr-defined]
     return mod
 
 
@@ -469,8 +497,8 @@ def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from skyrl_weightsync._broadcast import BroadcastReceiver, BroadcastSender
-    from skyrl_weightsync._nixl import NixlReceiver, NixlSender, _Poller, make_agent
+    from skyrl_weightsync.broadcast import BroadcastReceiver, BroadcastSender
+    from skyrl_weightsync.nixl import NixlReceiver, NixlSender, Poller, make_agent
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,
@@ -503,7 +531,7 @@ def sharded_worker(rank: int, store: str, args: argparse.Namespace) -> None:
                 at += n
             raw_agent = make_agent(f"raw-src-{os.getpid()}", polled=True)
             raw_agent.register_memory(raw)
-            poller = _Poller(raw_agent)
+            poller = Poller(raw_agent)
             poller.start()
             info["raw"] = (raw_agent.get_agent_metadata(), raw.data_ptr(), total)
             bsender = BroadcastSender(group=bgroup, src=0, bucket_bytes=bucket)
@@ -676,7 +704,7 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     tmp = tempfile.mkdtemp(prefix="weight_sync_", dir=args.tmp_dir)
     try:
-        mods = {"delta": _delta}
+        mods = {"delta": delta}
         if args.compare_rev:
             mods[f"delta@{args.compare_rev}"] = load_delta_rev(args.compare_rev, tmp)
         shapes = model_shapes(args.size_gib)

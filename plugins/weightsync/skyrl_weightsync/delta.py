@@ -16,18 +16,43 @@ weights; a missing, torn or corrupted version leaves the engine on its last comp
 version and the error names the version and the file. See docs/weightsync.md.
 
 ``[weight_sync] transport = "delta"``, ``uri = "s3://bucket/run-1"``.
-This module is light: the factory imports :mod:`skyrl_weightsync._delta`.
+This module is light: the factory imports :mod:`skyrl_weightsync._delta`; the halves
+(``DeltaSender``, ``DeltaReceiver``, ``DeltaError``) are imported from here on first use.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import importlib
+import types
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
 from skyrl_weightsync import wire_dtype_problem
 from skyrl_host.config import ge, in_interval, option
+
+
+# The transport's halves, for programs that drive them themselves (benchmarks, other
+# distributions' tests): imported on first use (PEP 562), so that discovering this plugin
+# imports none of numpy, zstandard, xxhash, fsspec. ``version_dir``: where a version's files are.
+_EXPORTS = types.MappingProxyType({
+    "DeltaSender": "skyrl_weightsync._delta.sender",
+    "DeltaReceiver": "skyrl_weightsync._delta.receiver",
+    "DeltaError": "skyrl_weightsync._delta.store",
+    "version_dir": "skyrl_weightsync._delta.store",
+})
+
+if TYPE_CHECKING:
+    from skyrl_weightsync._delta.receiver import DeltaReceiver
+    from skyrl_weightsync._delta.sender import DeltaSender
+    from skyrl_weightsync._delta.store import DeltaError, version_dir
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 def _check_uri(_inst: Any, _attr: Any, value: str) -> None:
@@ -74,7 +99,7 @@ def check(spec: Any) -> list[tuple[str, str]]:
 
 
 def create(config: DeltaConfig) -> Any:
-    from skyrl_weightsync._delta import Delta
+    from skyrl_weightsync._delta.transport import Delta
 
     return Delta(config)
 

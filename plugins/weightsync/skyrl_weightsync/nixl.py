@@ -16,13 +16,17 @@ and after the read and hands the engine the complete set only then; any failure 
 wrong version, a publish racing the read, a dead peer) raises naming the version and
 the peer, and the engine keeps its last version. See docs/weightsync.md.
 
-This module is light: the factory imports :mod:`skyrl_weightsync._nixl` (and NIXL).
+This module is light: the factory imports :mod:`skyrl_weightsync._nixl` (and NIXL); the
+halves (``NixlSender``, ``NixlReceiver``, ``NixlError``) and the agent helpers
+(``make_agent``, ``Poller``) are imported from here on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-from typing import Any, Literal
+import types
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -32,6 +36,30 @@ from skyrl_host.errors import UserError
 from skyrl_weightsync import weights_to_serve, wire_dtype_problem
 
 INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it works without a GPU)"
+
+
+# The transport's halves, for programs that drive them themselves (benchmarks, other
+# distributions' tests), and for raw NIXL transfers an agent (``make_agent``) and the
+# ``Poller`` that serves its reads: imported on first use (PEP 562), so that discovering
+# this plugin imports neither torch nor NIXL.
+_EXPORTS = types.MappingProxyType({
+    "NixlSender": "skyrl_weightsync._nixl.sender",
+    "NixlReceiver": "skyrl_weightsync._nixl.receiver",
+    "NixlError": "skyrl_weightsync._nixl.agent",
+    "make_agent": "skyrl_weightsync._nixl.agent",
+    "Poller": "skyrl_weightsync._nixl.agent",
+})
+
+if TYPE_CHECKING:
+    from skyrl_weightsync._nixl.agent import NixlError, Poller, make_agent
+    from skyrl_weightsync._nixl.receiver import NixlReceiver
+    from skyrl_weightsync._nixl.sender import NixlSender
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 @attrs.frozen
@@ -69,14 +97,14 @@ class Nixl:
         self._local: tuple[Any, Any] | None = None
 
     def sender(self, *, rank: int = 0, world: int = 1, **_ignored: Any) -> Any:
-        from skyrl_weightsync._nixl import NixlSender
+        from skyrl_weightsync._nixl.sender import NixlSender
 
         return NixlSender(rank=rank, world=world, dtype=self.config.dtype, backend=self.config.backend,
                           progress_thread=self.config.progress_thread)
 
     def receiver(self, *, peers: Any = None, shard: tuple[int, int] = (0, 1), device: Any = "cpu",
                  **_ignored: Any) -> Any:
-        from skyrl_weightsync._nixl import NixlReceiver
+        from skyrl_weightsync._nixl.receiver import NixlReceiver
 
         receiver = NixlReceiver(shard=shard, device=device, backend=self.config.backend,
                                 timeout_s=self.config.timeout_s)

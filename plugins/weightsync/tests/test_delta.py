@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_weightsync._delta import DeltaError, DeltaReceiver, DeltaSender, _checksum
+from skyrl_weightsync._delta.codec import checksum as _checksum
+from skyrl_weightsync._delta.receiver import DeltaReceiver
+from skyrl_weightsync._delta.sender import DeltaSender
+from skyrl_weightsync._delta.store import DeltaError
 
 
 class Engine:
@@ -198,7 +201,7 @@ KILLED_PUBLISHER = r"""
 import os, sys, signal, torch
 sys.path.insert(0, {tests!r})
 from test_delta import weights, perturb
-from skyrl_weightsync._delta import DeltaSender
+from skyrl_weightsync._delta.sender import DeltaSender
 sender = DeltaSender({uri!r}, keyframe_every=0)
 w = weights()
 sender.publish(1, w.items())

@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from skyrl_weightsync._delta import DeltaError, DeltaReceiver, DeltaSender
+from skyrl_weightsync._delta.receiver import DeltaReceiver
+from skyrl_weightsync._delta.sender import DeltaSender
+from skyrl_weightsync._delta.store import DeltaError
 
 
 @pytest.fixture

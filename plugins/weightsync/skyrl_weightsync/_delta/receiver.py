@@ -1,0 +1,221 @@
+"""The engine's half of ``delta``: :class:`DeltaReceiver` fetches the versions it needs
+(checking every payload's checksum), applies them byte-exactly to its copy of the
+weights, undoing everything on any mismatch, and hands the engine the complete set."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import zstandard
+
+from .codec import checksum, fill, from_bytes, sparse_raw, xor_payload, xor_sparse
+from .store import DeltaError, Store, version_dir
+
+
+class DeltaReceiver:
+    """The engine's half: ``fetch()`` (may run while the engine generates), then
+    ``apply(engine)`` at a safe point; ``sync(engine)`` does both."""
+
+    def __init__(self, uri: str, *, storage_options: Mapping[str, Any] | None = None):
+        self.store = Store(uri, storage_options)
+        self.version: int | None = None
+        self.epoch: int | None = None
+        self._bufs: dict[str, np.ndarray] = {}  # the current bytes of every tensor
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._fetched: list[tuple[dict, dict[str, bytes]]] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.decompressor = zstandard.ZstdDecompressor()
+        self._pool: ThreadPoolExecutor | None = None
+        self._scratch = np.empty(0, np.uint8)  # payloads are decompressed here (reused: no page faults)
+
+    # -- fetching ----------------------------------------------------------------
+
+    def _plan(self, epoch: int, target: int) -> list[dict]:
+        """The manifests to apply, oldest first, to go from the receiver's version to
+        ``target`` of ``epoch`` (from the epoch's keyframe when the receiver is elsewhere)."""
+        chain: list[dict] = []
+        v: int | None = target
+        while v is not None:
+            if self.epoch == epoch and self.version is not None and v == self.version:
+                break
+            m = self.store.manifest(epoch, v)
+            chain.append(m)
+            if m["base"] is None:
+                break
+            v = int(m["base"])
+        return chain[::-1]
+
+    def fetch(self, target: int | None = None) -> int | None:
+        """Download what is needed to reach ``target`` (default: the latest complete
+        version), verifying payload checksums. Returns the version fetched (None: up to
+        date)."""
+        latest = self.store.latest()
+        if latest is None:
+            self._fetched = []
+            return None
+        epoch = latest[0]
+        target = latest[1] if target is None else int(target)
+        if epoch == self.epoch and target == self.version:
+            self._fetched = []
+            return None
+        fetched = []
+        for m in self._plan(epoch, target):
+            todo = [e for e in m["tensors"] if "payload" in e]
+            if self.store.workers and len(todo) > 1:  # all at once, then the first failure in manifest order
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.store.workers, thread_name_prefix="delta-read")
+                got: Iterable[Any] = list(self._pool.map(lambda e, m=m: self._read(m, e), todo))
+            else:
+                got = (self._read(m, e) for e in todo)
+            payloads: dict[str, bytes] = {}
+            for entry, data in zip(todo, got):
+                if isinstance(data, BaseException):
+                    raise data
+                payloads[entry["name"]] = data
+            fetched.append((m, payloads))
+        self._fetched = fetched
+        return target
+
+    def _read(self, m: dict, entry: dict) -> bytes | BaseException:
+        """A payload, checked against the manifest, or the error to raise."""
+        rel = f"{version_dir(m['epoch'], m['version'])}/{entry['payload']}"
+        try:
+            data = self.store.read(rel)
+        except FileNotFoundError:
+            return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
+                              f"(tensor {entry['name']!r}) is missing")
+        except Exception as exc:  # noqa: BLE001 - raised by fetch, in manifest order
+            return exc
+        if len(data) != entry["payload_bytes"] or checksum(data) != entry["payload_xxh3"]:
+            return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
+                              f"(tensor {entry['name']!r}) fails its checksum")
+        return data
+
+    def prefetch(self, target: int | None = None) -> None:
+        """``fetch`` in a background thread (the engine keeps generating); ``apply`` waits for it."""
+        self._error = None
+
+        def run() -> None:
+            try:
+                self.fetch(target)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by apply()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="delta-prefetch", daemon=True)
+        self._thread.start()
+
+    # -- applying ----------------------------------------------------------------
+
+    def _apply_one(self, m: dict, payloads: dict[str, bytes]) -> list[tuple[str, str, bytes]]:
+        """Apply one manifest to the buffers; returns the undo list (name, encoding, payload)."""
+        undo: list[tuple[str, str, bytes]] = []
+        version, epoch = m["version"], m["epoch"]
+        keyframe = m["base"] is None
+        if not keyframe and (m["base"] != self.version or epoch != self.epoch):
+            raise DeltaError(f"version {version}: based on version {m['base']}, but the receiver has {self.version}")
+        new_bufs: dict[str, np.ndarray] = {}
+        try:
+            for entry in m["tensors"]:
+                name = entry["name"]
+                enc = entry["encoding"]
+                if keyframe:
+                    out = np.empty(entry["nbytes"], dtype=np.uint8)
+                    if entry["nbytes"]:
+                        self._decompress_into(payloads[name], out, m, entry)
+                    new_bufs[name] = out
+                    buf = out
+                else:
+                    buf = self._bufs.get(name)
+                    if buf is None or buf.size != entry["nbytes"]:
+                        raise DeltaError(f"version {version}: tensor {name!r} does not match the receiver's version {self.version}")
+                    if enc == "unchanged":
+                        continue
+                    file = self.store.url(version_dir(epoch, version), entry.get("payload", "?"))
+                    if enc not in ("xor", "sparse_xor"):
+                        raise DeltaError(f"version {version}: tensor {name!r} has unknown encoding {enc!r}")
+                    if enc == "xor":
+                        xor = self._scratch_buffer(buf.size)
+                        self._decompress_into(payloads[name], xor, m, entry)
+                        np.bitwise_xor(buf, xor, out=buf)
+                    else:
+                        try:
+                            xor_sparse(buf, sparse_raw(self.decompressor, payloads[name], self._scratch_buffer))
+                        except (ValueError, zstandard.ZstdError) as exc:
+                            raise DeltaError(f"version {version}: payload {file} (tensor {name!r}): {exc}") from None
+                    undo.append((name, enc, payloads[name]))  # undone by applying it again
+                if checksum(buf) != entry["result_xxh3"]:
+                    file = f"{version_dir(epoch, version)}/{entry.get('payload', 'manifest.json')}"
+                    raise DeltaError(f"version {version}: tensor {name!r} from {self.store.url(file)} does not give "
+                                     "the published bytes (checksum mismatch)")
+        except BaseException:
+            self._undo(undo)
+            raise
+        if keyframe:
+            self._bufs = new_bufs
+        self._meta = {e["name"]: (e["dtype"], tuple(e["shape"])) for e in m["tensors"]}
+        self.version, self.epoch = version, epoch
+        return undo
+
+    def _undo(self, undo: list[tuple[str, str, bytes]]) -> None:
+        """XOR is its own inverse: apply the same payloads again, newest first."""
+        for name, encoding, payload in reversed(undo):
+            xor_payload(self._bufs[name], encoding, payload, self.decompressor, self._scratch_buffer)
+
+    def _scratch_buffer(self, n: int) -> np.ndarray:
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.uint8)
+        return self._scratch[:n]
+
+    def _decompress_into(self, payload: bytes, out: np.ndarray, m: dict, entry: dict) -> None:
+        """Decompress a payload straight into ``out`` (no intermediate buffer); it must fill it exactly."""
+        version = m["version"]
+        file = self.store.url(version_dir(m["epoch"], version), entry.get("payload", "?"))
+        try:
+            full = fill(self.decompressor, payload, out)
+        except zstandard.ZstdError as exc:
+            raise DeltaError(f"version {version}: payload {file} (tensor {entry['name']!r}): {exc}") from None
+        if not full:
+            raise DeltaError(f"version {version}: payload {file} (tensor {entry['name']!r}) does not hold "
+                             f"{out.size} bytes")
+
+    def apply(self, engine: Any) -> dict[str, float]:
+        """Apply what ``fetch``/``prefetch`` got, all versions or none, then hand the
+        engine the complete new weights (``engine.update_weights``)."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+        fetched, self._fetched = self._fetched, None
+        if fetched is None:
+            raise RuntimeError("apply() before fetch() or prefetch()")
+        if not fetched:
+            return {"sync_applied": 0.0}
+        saved = (self.version, self.epoch, dict(self._bufs), dict(self._meta))
+        undos: list[list[tuple[str, str, bytes]]] = []
+        try:
+            for m, payloads in fetched:
+                undos.append(self._apply_one(m, payloads))
+            tensors = [(name, from_bytes(buf, *self._meta[name])) for name, buf in self._bufs.items()]
+            engine.update_weights(tensors, self.version)
+        except BaseException:
+            for undo in reversed(undos):
+                self._undo(undo)
+            self.version, self.epoch, self._bufs, self._meta = saved
+            raise
+        return {"sync_applied": float(len(fetched)), "sync_apply_s": time.perf_counter() - t0}
+
+    def sync(self, engine: Any, target: int | None = None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.fetch(target)
+        fetch_s = time.perf_counter() - t0
+        out = self.apply(engine)
+        out["sync_fetch_s"] = fetch_s
+        return out

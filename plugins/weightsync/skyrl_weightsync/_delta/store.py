@@ -1,0 +1,133 @@
+"""Where ``delta`` versions live: the layout under the URL (``LATEST``, epochs, per
+version a manifest and its payloads) and whole-object writes and reads through fsspec
+(see the package's docstring for the layout; imports fsspec)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import fsspec
+
+FORMAT = 1
+LATEST = "LATEST"
+_INFLIGHT_BYTES = 256 << 20  # payload bytes a sender may have queued for writing
+
+
+class DeltaError(RuntimeError):
+    """A version cannot be applied; the receiver (and the engine) kept their last one."""
+
+
+def version_dir(epoch: int, version: int) -> str:
+    return f"e{epoch:03d}/v{version:08d}"
+
+
+class Store:
+    """The fsspec target: ``uri`` plus options; writes whole objects, atomically."""
+
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None):
+        self.fs, root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.uri = uri.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protocols
+        # Threads for payload reads and writes: object stores answer each request after a
+        # round trip (many at once pay it once); local files overlap with the encoding.
+        self.workers = 0 if "memory" in protocols else (2 if self.local else 8)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def url(self, *parts: str) -> str:
+        return "/".join([self.uri, *parts])
+
+    def write(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # readers see the old object or the whole new one
+        else:
+            self.fs.pipe_file(path, data)  # one PUT: atomic for readers on object stores
+
+    def read(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def latest(self) -> tuple[int, int] | None:
+        """(epoch, version) of the newest complete version, or None before the first."""
+        try:
+            data = json.loads(self.read(LATEST))
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:
+            raise DeltaError(f"{self.url(LATEST)} is not valid JSON ({exc})") from None
+        return int(data["epoch"]), int(data["version"])
+
+    def next_epoch(self) -> int:
+        """The epoch a new publisher opens: the one after ``LATEST``'s (0 before the first)."""
+        latest = self.latest()
+        return 0 if latest is None else latest[0] + 1
+
+    def manifest(self, epoch: int, version: int) -> dict:
+        """The manifest of ``version`` of ``epoch``, checked to be of this format and version."""
+        rel = f"{version_dir(epoch, version)}/manifest.json"
+        try:
+            data = json.loads(self.read(rel))
+        except FileNotFoundError:
+            raise DeltaError(f"version {version}: manifest {self.url(rel)} is missing") from None
+        except ValueError as exc:
+            raise DeltaError(f"version {version}: manifest {self.url(rel)} is not valid JSON ({exc})") from None
+        if data.get("format") != FORMAT or data.get("version") != version or data.get("epoch") != epoch:
+            raise DeltaError(f"version {version}: manifest {self.url(rel)} has format {data.get('format')!r}, "
+                             f"version {data.get('version')!r}")
+        return data
+
+    def commit(self, epoch: int, version: int, manifest: Mapping[str, Any]) -> None:
+        """Make a version whose payloads are all written complete: its manifest, then, last,
+        ``LATEST`` naming it."""
+        self.write(f"{version_dir(epoch, version)}/manifest.json", json.dumps(manifest).encode())
+        self.write(LATEST, json.dumps({"epoch": epoch, "version": version}).encode())
+
+
+class PayloadWrites:
+    """A publish's payload writes, in the store's threads while the next tensors are
+    encoded (at most ``_INFLIGHT_BYTES`` queued); ``wait`` returns when all are written
+    and raises the first error."""
+
+    def __init__(self, store: Store, pool: ThreadPoolExecutor | None):
+        self.store, self.pool = store, pool
+        self.pending: collections.deque[tuple[Future, int]] = collections.deque()
+        self.queued = 0
+
+    def submit(self, rel: str, data: bytes) -> None:
+        if self.pool is None:
+            self.store.write(rel, data)
+            return
+        while self.pending and (self.queued > _INFLIGHT_BYTES or self.pending[0][0].done()):
+            self._pop()
+        self.pending.append((self.pool.submit(self.store.write, rel, data), len(data)))
+        self.queued += len(data)
+
+    def _pop(self) -> None:
+        future, size = self.pending.popleft()
+        self.queued -= size
+        future.result()
+
+    def wait(self) -> None:
+        while self.pending:
+            self._pop()
+
+    def abandon(self) -> None:
+        """After an error: let the queued writes finish (no manifest will name them)."""
+        for future, _ in self.pending:
+            future.exception()
+        self.pending.clear()

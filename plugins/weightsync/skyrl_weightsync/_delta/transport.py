@@ -1,0 +1,51 @@
+"""The ``delta`` transport the plugin creates (:func:`skyrl_weightsync.delta.create`):
+a :class:`DeltaSender` and a :class:`DeltaReceiver` over one URL."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from skyrl_weightsync import weights_to_serve
+
+from .receiver import DeltaReceiver
+from .sender import DeltaSender
+
+
+class Delta:
+    """The ``delta`` transport: a sender and a receiver over one URL."""
+
+    collective = False  # the receiver reads what the sender wrote: publish first, then sync
+
+    def __init__(self, config: Any):
+        self.config = config
+        self._sender: DeltaSender | None = None
+        self._receiver: DeltaReceiver | None = None
+
+    def sender(self, **_context: Any) -> DeltaSender:
+        c = self.config
+        return DeltaSender(c.uri, storage_options=c.storage_options, dtype=c.dtype,
+                           keyframe_every=c.keyframe_every, level=c.level, threads=c.threads)
+
+    def receiver(self, **_context: Any) -> DeltaReceiver:
+        return DeltaReceiver(self.config.uri, storage_options=self.config.storage_options)
+
+    def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
+        """One process: publish the backend's weights, then bring the engine up to date."""
+        if getattr(engine, "shares_weights", False) and self.config.dtype != _param_dtype(backend):
+            raise ValueError(
+                f"the delta transport ships weights as {self.config.dtype}, but the engine shares the trainer's "
+                f"tensors ({_param_dtype(backend)}), so applying them would overwrite the trainer's weights: "
+                f"set engine.dtype = \"{self.config.dtype}\" (the engine then keeps its own copy)"
+            )
+        if self._sender is None:
+            self._sender, self._receiver = self.sender(), self.receiver()
+        stats = self._sender.publish(version, weights_to_serve(backend))
+        stats.update(self._receiver.sync(engine, version))
+        return stats
+
+
+def _param_dtype(backend: Any) -> str:
+    for _, t in backend.named_weights():
+        if t.is_floating_point():
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"

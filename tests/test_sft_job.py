@@ -132,8 +132,8 @@ def _reference(model, docs, masks):
 
 
 def _train_once(model, corpus, pieces, pack_length, micro_batch_tokens=4096):
-    from skyrl_backends._trainer import TorchBackend
     from skyrl_backends.torch import TorchBackendConfig
+    from skyrl_backends.torch_backend import TorchBackend
     from skyrl_host.interfaces import LoadedModel
 
     backend = TorchBackend(TorchBackendConfig(lr=1e-3, max_grad_norm=0.0, pack_length=pack_length,

@@ -8,7 +8,8 @@ sequence, so attention never crosses a sequence boundary. See docs/backends.md.
 
 This module only declares the options and registers the backend: it imports
 neither torch nor transformers (the implementation lives in
-``skyrl_backends._trainer`` and is imported by the factory).
+``skyrl_backends._trainer`` and the modules beside it, and is imported by the
+factory; other distributions reach it through ``skyrl_backends.torch_backend``).
 """
 
 from __future__ import annotations

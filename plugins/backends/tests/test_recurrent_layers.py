@@ -24,7 +24,7 @@ def tiny_hybrid(seed: int = 0):
 
 
 def test_detects_recurrent_layers(tiny) -> None:
-    from skyrl_backends._trainer import has_recurrent_layers
+    from skyrl_backends._packing import has_recurrent_layers
 
     assert has_recurrent_layers(tiny_hybrid().config)
     assert not has_recurrent_layers(tiny.tiny_model().config)

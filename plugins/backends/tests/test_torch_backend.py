@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_backends._trainer import LrSchedule, layout_rows, pack_groups
+from skyrl_backends._optimizer import LrSchedule
+from skyrl_backends._packing import layout_rows, pack_groups
 from skyrl_backends.torch import TorchBackendConfig
 
 

@@ -15,7 +15,8 @@ taken in output order, so prompt i's ``n`` samples stay together):
    cache is a transformers ``DynamicCache`` whose attention layers write into
    buffers preallocated for the chunk's longest prompt + ``max_new_tokens`` (no
    concatenation per step) and hand attention a view of the filled prefix; other
-   layer kinds (linear attention / Mamba states) keep transformers' own layers.
+   layer kinds (linear attention / Mamba states) keep transformers' own layers
+   (``skyrl_engines._kv_cache``).
    Finished sequences are not recorded any more and are dropped from the batch
    (cache, mask, positions) once a quarter of its rows are finished, so they stop
    costing compute.
@@ -27,66 +28,33 @@ channel ``sample_support``, one row per generated token, in batch order.
 
 Randomness comes only from one ``torch.Generator`` seeded with ``seed`` and
 handed to the sampler, so the same seed and weights give the same batch.
+
+Beside this module: ``_kv_cache`` (the preallocated cache, row selection),
+``_batch_assembly`` (the RolloutBatch and its side channels from the generated
+arrays), ``_served_model`` (the engine's copy of the model, weight updates into it),
+``_adapters`` (LoRA adapters served on the engine's base weights).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from skyrl_engines._adapters import EngineAdapters
+from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment
+from skyrl_engines._kv_cache import make_cache, select_rows
+from skyrl_engines._served_model import copy_weights, engine_model
 from skyrl_host.interfaces import LoadedModel, Sampler
-from skyrl_host.rollout import CSR, RolloutBatch
+from skyrl_host.rollout import RolloutBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Compact the batch once at least this fraction of its rows are finished.
 COMPACT_FRACTION = 0.25
-
-
-def _engine_model(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, bool]:
-    """A module to serve ``model`` in ``dtype``: the module tree is copied (so the
-    engine has its own eval/train flags and never changes the caller's), the
-    parameters and buffers are the caller's own tensors when their dtype already
-    is ``dtype``, converted copies otherwise. Returns (module, shares_all_params)."""
-    memo: dict[int, Any] = {}
-    shared = True
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
-            shared = False
-        else:
-            memo[id(p)] = p
-    for name, b in model.named_buffers(remove_duplicate=False):
-        if id(b) in memo:
-            continue
-        # Rotary frequencies stay in float32 (the rotary embedding computes in float32 anyway).
-        convert = b.is_floating_point() and b.dtype != dtype and not name.endswith("inv_freq")
-        memo[id(b)] = b.detach().to(dtype) if convert else b
-    try:
-        engine_model = copy.deepcopy(model, memo)
-    except Exception:  # noqa: BLE001 - an exotic module that cannot be deep-copied
-        if not shared:
-            raise
-        engine_model = model  # serve the caller's module itself; generate() toggles eval mode around its forwards
-    return engine_model, shared
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (
-        a.device == b.device
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.data_ptr() == b.data_ptr()
-    )
 
 
 class EmbeddedEngine:
@@ -115,7 +83,7 @@ class EmbeddedEngine:
         source = loaded.model
         first = next(source.parameters())
         dtype = first.dtype if self.config.dtype == "auto" else _DTYPES[self.config.dtype]
-        self.model, self.shares_weights = _engine_model(source, dtype)
+        self.model, self.shares_weights = engine_model(source, dtype)
         self._own_module = self.model is not source
         if self._own_module:
             self.model.eval()
@@ -177,42 +145,9 @@ class EmbeddedEngine:
         must be covered. A tensor that already is the engine's parameter (shared
         storage) is not copied."""
         self._require_started()
-        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
-        covered: set[int] = set()
         if self.precision is not None:  # quantized payloads + scales -> the weights the trainer computed with
             named_tensors = self.precision.unpack(named_tensors, self.dtype)
-        for name, tensor in named_tensors:
-            target = self._params.get(name)
-            if target is None:
-                target = self._buffers.get(name)
-            if target is None:
-                raise ValueError(f"update_weights: unknown weight name {name!r}; nothing was changed")
-            if not isinstance(tensor, torch.Tensor):
-                tensor = torch.as_tensor(tensor)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}; "
-                    "nothing was changed"
-                )
-            covered.add(id(target))
-            plan.append((target, tensor))
-        for name, p in self._params.items():
-            if id(p) not in covered:
-                raise ValueError(f"update_weights: missing weight {name!r} (a complete set is required); nothing was changed")
-        copied = shared = nbytes = 0
-        done: set[int] = set()
-        with torch.no_grad():
-            for target, tensor in plan:
-                if id(target) in done:
-                    continue
-                done.add(id(target))
-                if _same_storage(target, tensor):
-                    shared += 1
-                    continue
-                target.copy_(tensor)
-                copied += 1
-                nbytes += tensor.numel() * tensor.element_size()
-        self.last_update = {"copied": copied, "shared": shared, "bytes": nbytes}
+        self.last_update = copy_weights(self._params, self._buffers, named_tensors)
         self.weight_version = int(version)
 
     def adapter_slots(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -286,30 +221,7 @@ class EmbeddedEngine:
             force = [routes[history.cu_seqlens[i] : history.cu_seqlens[i + 1] - 1] for i in range(history.n_sequences)]
         prompts = [list(map(int, history.sequence(i))) + list(map(int, t)) for i, t in enumerate(turns)]
         full = self._run(prompts, 1, sampler, max_new_tokens, seed, 0, force)
-        full.group_ids = np.asarray(history.group_ids, dtype=np.int64).copy()
-        # Drop each conversation's history but its last token: the segment.
-        start = history.seq_lens - 1
-        keep = np.concatenate(
-            [np.arange(full.cu_seqlens[i] + start[i], full.cu_seqlens[i + 1]) for i in range(full.n_sequences)]
-        ) if full.n_sequences else np.zeros(0, np.int64)
-        seg_lens = full.seq_lens - start
-        cu = np.zeros(full.n_sequences + 1, dtype=np.int64)
-        np.cumsum(seg_lens, out=cu[1:])
-        side = {k: (v if isinstance(v, CSR) else v[keep]) for k, v in full.side_channels.items()}
-        segment = RolloutBatch(
-            tokens=full.tokens[keep],
-            cu_seqlens=cu,
-            prompt_lens=(full.prompt_lens - start).astype(np.int32),
-            logprobs=full.logprobs[keep],
-            loss_mask=full.loss_mask[keep],
-            group_ids=full.group_ids,
-            versions=full.versions,
-            truncated=full.truncated,
-            rewards=full.rewards,
-            side_channels=side,
-        )
-        segment.validate()
-        return segment
+        return turn_segment(full, history)
 
     def _run(
         self,
@@ -382,11 +294,11 @@ class EmbeddedEngine:
         finally:
             if not self._own_module:
                 model.train(training)
-        batch = self._pack(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
+        batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         if want_support:
-            batch.side_channels["sample_support"] = _support_csr(support_parts)
+            batch.side_channels["sample_support"] = support_csr(support_parts)
         if hooks is not None:
-            batch.side_channels["routed_experts"] = _pack_routes(batch, prompt_routes, resp_routes, n)
+            batch.side_channels["routed_experts"] = routes_channel(batch, prompt_routes, resp_routes, n)
         batch.validate()
         return batch
 
@@ -424,7 +336,7 @@ class EmbeddedEngine:
         attn = torch.zeros((n_prompts, max(cap, width)), dtype=torch.bool, device=dev)
         attn[:, :width] = cols[None, :] >= first
 
-        cache = _make_cache(model.config, cap)
+        cache = make_cache(model.config, cap)
 
         def mask_upto(length: int) -> torch.Tensor:
             return attn[:, :length]
@@ -452,7 +364,7 @@ class EmbeddedEngine:
 
         rows = rep.numel()
         if rows != n_prompts or not torch.equal(rep, torch.arange(rows, device=dev)):
-            _select_rows(cache, rep)
+            select_rows(cache, rep)
             attn = attn.index_select(0, rep)
             logits = logits.index_select(0, rep)
         next_pos = lens.index_select(0, rep)
@@ -502,7 +414,7 @@ class EmbeddedEngine:
                 feed = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=dev)
                 feed[alive] = tok
                 if rows - alive.numel() >= max(1, math.ceil(COMPACT_FRACTION * rows)):
-                    _select_rows(cache, alive)
+                    select_rows(cache, alive)
                     attn = attn.index_select(0, alive)
                     next_pos = next_pos.index_select(0, alive)
                     seq_of_row = seq_of_row.index_select(0, alive)
@@ -531,153 +443,3 @@ class EmbeddedEngine:
         if hooks is not None:
             routes = (pre_routes, out_routes.cpu().numpy().astype(self.route_dtype))
         return out + (support, routes)
-
-    def _pack(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        resp: np.ndarray,
-        resp_lp: np.ndarray,
-        resp_len: np.ndarray,
-        stopped: np.ndarray,
-        group_offset: int,
-        version: int,
-    ) -> RolloutBatch:
-        total, max_new = resp.shape
-        plen = np.repeat(np.asarray([len(p) for p in prompts], dtype=np.int64), n)
-        width = int(plen.max()) if total else 0
-        grid = np.zeros((total, width + max_new), dtype=np.int32)
-        lp_grid = np.zeros((total, width + max_new), dtype=np.float32)
-        prompt_grid = np.zeros((len(prompts), width), dtype=np.int32)
-        for i, p in enumerate(prompts):
-            prompt_grid[i, : len(p)] = p
-        grid[:, :width] = np.repeat(prompt_grid, n, axis=0)
-        rows = np.arange(total)[:, None]
-        resp_cols = plen[:, None] + np.arange(max_new)[None, :]
-        grid[rows, resp_cols] = resp
-        lp_grid[rows, resp_cols] = resp_lp
-        cols = np.arange(width + max_new)[None, :]
-        seq_len = plen + resp_len
-        valid = cols < seq_len[:, None]
-        is_resp = valid & (cols >= plen[:, None])
-        cu = np.zeros(total + 1, dtype=np.int64)
-        np.cumsum(seq_len, out=cu[1:])
-        batch = RolloutBatch(
-            tokens=grid[valid],
-            cu_seqlens=cu,
-            prompt_lens=plen.astype(np.int32),
-            logprobs=np.where(is_resp, lp_grid, 0.0).astype(np.float32)[valid],
-            loss_mask=is_resp[valid].astype(np.uint8),
-            group_ids=group_offset + np.repeat(np.arange(len(prompts), dtype=np.int64), n),
-            versions=np.full(total, version, dtype=np.int64),
-            truncated=~stopped,
-            rewards=np.full(total, np.nan, dtype=np.float32),
-        )
-        batch.validate()
-        return batch
-
-
-def _pack_routes(batch: RolloutBatch, prompt_routes: list[np.ndarray], resp_routes: np.ndarray, n: int) -> np.ndarray:
-    """The ``routed_experts`` side channel [T, L, k]: each sequence's prompt routes, then
-    its response tokens' routes (the last response token's row is 0: never fed back)."""
-    parts = []
-    for s in range(batch.n_sequences):
-        parts.append(prompt_routes[s // n])
-        parts.append(resp_routes[s, : int(batch.response_lens[s])])
-    if not parts:
-        return np.zeros((0, *resp_routes.shape[2:]), dtype=resp_routes.dtype)
-    return np.concatenate(parts)
-
-
-def _support_csr(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> CSR:
-    """One CSR from the recorded steps (rows step-major, keyed ``sequence * max_new + t``):
-    rows reordered sequence by sequence, token by token, i.e. the batch's generated tokens."""
-    keys = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-    lens = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
-    values = np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.int32)
-    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    return CSR(offsets, values.astype(np.int32, copy=False)).take(np.argsort(keys, kind="stable"))
-
-
-def _make_cache(config: Any, capacity: int) -> Any:
-    """A transformers DynamicCache whose attention layers write into buffers
-    preallocated for ``capacity`` tokens (no concatenation per step) and return
-    views of the filled part, so attention only covers the tokens written so far.
-    Sliding-window layers keep every token too (the mask limits the window).
-    Layer kinds it does not know (linear attention, ...) keep transformers' own."""
-    cache = DynamicCache(config=config)
-    cache.layers = [
-        _PreallocatedLayer(capacity) if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
-        for layer in cache.layers
-    ]
-    return cache
-
-
-class _PreallocatedLayer(DynamicLayer):
-    """A full-attention cache layer over ``[batch, heads, capacity, dim]`` buffers,
-    filled in place; ``keys``/``values`` are views of the filled prefix."""
-
-    is_sliding = False
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        b, h, _, dk = key_states.shape
-        self.key_buffer = key_states.new_empty((b, h, self.capacity, dk))
-        self.value_buffer = value_states.new_empty((b, value_states.shape[1], self.capacity, value_states.shape[-1]))
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {end} tokens for a capacity of {self.capacity}")
-        self.key_buffer[:, :, start:end] = key_states
-        self.value_buffer[:, :, start:end] = value_states
-        self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.key_buffer = self.key_buffer.index_select(0, indices)
-            self.value_buffer = self.value_buffer.index_select(0, indices)
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("the embedded engine's cache is never cropped")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.batch_select_indices(
-            torch.arange(self.key_buffer.shape[0], device=self.device).repeat_interleave(repeats)
-        )
-
-    def reset(self) -> None:
-        self.length = 0
-        self.keys = self.values = None
-        self.is_initialized = False
-
-
-def _select_rows(cache: Any, index: torch.Tensor) -> None:
-    """Keep (or repeat) the given batch rows of every cache layer, in that order."""
-    for layer in cache.layers:
-        if hasattr(layer, "batch_select_indices"):
-            layer.batch_select_indices(index)
-        elif hasattr(layer, "reorder_cache"):  # linear-attention states: an index_select of each state
-            layer.reorder_cache(index)
-        else:  # pragma: no cover - a layer kind this engine does not know
-            raise NotImplementedError(f"cannot select batch rows of cache layer {type(layer).__name__}")

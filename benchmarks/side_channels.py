@@ -538,7 +538,7 @@ def part_engine(args: argparse.Namespace, rx: Receiver) -> dict[str, Any]:
 
     from skyrl_engines.embedded import Embedded, EmbeddedConfig
     from skyrl_models.kimi import KimiConfig, make_family
-    from skyrl_samplers._options import build_sampler
+    from skyrl_samplers.processing import build_sampler
     from skyrl_samplers.top_p import TopPConfig
 
     transformers.logging.set_verbosity_error()

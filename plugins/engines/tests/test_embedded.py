@@ -21,6 +21,7 @@ import skyrl_engines.embedded
 from skyrl_engines.embedded import Embedded, EmbeddedConfig
 from skyrl_host.interfaces import Engine, LoadedModel, SampleOutput
 from skyrl_host.rollout import RolloutBatch
+from skyrl_samplers import processing
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -446,12 +447,11 @@ def test_rejects_bad_arguments() -> None:
 
 
 def _truncated(**kwargs):
-    processing = pytest.importorskip("skyrl_samplers._processing")
     return processing.TruncatedSampler(**kwargs)
 
 
 def _greedy(**kwargs):
-    return pytest.importorskip("skyrl_samplers._processing").GreedySampler(**kwargs)
+    return processing.GreedySampler(**kwargs)
 
 
 def teacher_forced_support(model: torch.nn.Module, batch: RolloutBatch, sampler) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ from skyrl_engines.embedded import Embedded, EmbeddedConfig
 from skyrl_host.interfaces import LoadedModel
 from skyrl_host.rollout import RolloutBatch
 from skyrl_replay.routing import RouterHooks
-from skyrl_samplers._processing import TruncatedSampler
+from skyrl_samplers.processing import TruncatedSampler
 
 ALPHABET = "0123456789+=:"
 

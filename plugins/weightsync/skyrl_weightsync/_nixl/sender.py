@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import pickle
 import time
+import types
 from typing import Any, Iterable
 
 import torch
@@ -16,7 +17,7 @@ from .shards import ALIGN, align_up, placement_of, storage_key
 
 FORMAT = 1  # of the endpoint() a receiver reads
 HEADER_BYTES = 16  # int64 [sequence (odd while a publish writes), version]
-_WIRE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_WIRE = types.MappingProxyType({"bfloat16": torch.bfloat16, "float32": torch.float32})
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

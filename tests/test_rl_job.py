@@ -3,7 +3,6 @@ refill, and resume after kill -9 reproducing the uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -15,65 +14,31 @@ import pytest
 
 from skyrl_host import hookimpl
 from skyrl_host.interfaces import Task
+from skyrl_host.testing import learning_metrics, step_rows
 
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
-TIMING = ("time", "tokens_per_s", "seconds", "step_time", "step_time_s", "train_tokens_per_s", "gen_tokens_per_s")
-
-JOB = """
-[job]
-kind = "rl"
-seed = 3
-steps = {steps}
-batch_size = 4
-n_samples = 4
-max_new_tokens = 6
-checkpoint_every = {every}
-threads = 1
-output_dir = "{out}"
-
-[model]
-family = "qwen"
-preset = "tiny"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-
-[algorithm]
-name = "{algorithm}"
-
-[backend]
-name = "torch"
-lr = 1e-3
-micro_batch_tokens = 128
-"""
 
 
-def write_job(tmp_path, name="job", steps=4, every=0, algorithm="grpo"):
-    out = tmp_path / f"{name}_out"
-    path = tmp_path / f"{name}.toml"
-    path.write_text(JOB.format(steps=steps, every=every, out=out, algorithm=algorithm))
-    return path, out
+def write_job(make_job, tmp_path, name="job", steps=4, every=0, algorithm="grpo", dataset=None, **algorithm_options):
+    """The tiny RL job as this module runs it (``make_job``: the skyrl_tiny_rl_job fixture):
+    4 prompts of 4 samples a step, lr 1e-3, the default engine and save_final."""
+    job = make_job(tmp_path, name,
+                   job={"steps": steps, "batch_size": 4, "checkpoint_every": every, "save_final": None,
+                        "output_dir": tmp_path / f"{name}_out"},
+                   dataset=dataset or {"prefix": None}, engine=None,
+                   algorithm={"name": algorithm, **algorithm_options},
+                   backend={"lr": 1e-3, "micro_batch_tokens": 128})
+    return job.path, job.out
 
 
-def step_rows(out):
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "step" in r and "event" not in r]
-
-
-def comparable(row):
-    return {k: v for k, v in row.items() if not any(k == t or k.endswith(t) for t in TIMING)}
-
-
-def test_rl_job_runs_and_saves_a_loadable_model(skyrl_cli, tmp_path) -> None:
+def test_rl_job_runs_and_saves_a_loadable_model(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     import torch
     import transformers
 
-    path, out = write_job(tmp_path)
+    path, out = write_job(skyrl_tiny_rl_job, tmp_path)
     result = skyrl_cli("run", str(path))
     assert result.exit_code == 0, result.stderr
     rows = step_rows(out)
@@ -95,18 +60,19 @@ def test_rl_job_runs_and_saves_a_loadable_model(skyrl_cli, tmp_path) -> None:
     state = {k: v for k, v in ckpt["model"].items()} if "model" in ckpt else None
     assert state is not None
     ref = transformers.AutoModelForCausalLM.from_pretrained(final)
-    ref.load_state_dict(state, strict=False)
+    ref.load_state_dict(state, strict=True)  # the checkpoint holds exactly the model's tensors
     assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_resume_after_kill_reproduces_the_uninterrupted_run(tmp_path) -> None:
+def test_resume_after_kill_reproduces_the_uninterrupted_run(skyrl_tiny_rl_job, tmp_path) -> None:
     steps = 6
-    full_path, full_out = write_job(tmp_path, "full", steps=steps, every=2)
+    full_path, full_out = write_job(skyrl_tiny_rl_job, tmp_path, "full", steps=steps, every=2)
     proc = subprocess.run([SKYRL, "run", str(full_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    expected = [comparable(r) for r in step_rows(full_out)]
+    expected = [learning_metrics(r, transport=True) for r in step_rows(full_out)]
+    assert "reward_std" in expected[0]
 
-    path, out = write_job(tmp_path, "killed", steps=steps, every=2)
+    path, out = write_job(skyrl_tiny_rl_job, tmp_path, "killed", steps=steps, every=2)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     killed = subprocess.Popen([SKYRL, "run", str(path)], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -120,7 +86,7 @@ def test_resume_after_kill_reproduces_the_uninterrupted_run(tmp_path) -> None:
     resumed = subprocess.run([SKYRL, "run", str(path), "--resume"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr
     assert "(resumed after step 4)" in resumed.stderr
-    got = [comparable(r) for r in step_rows(out)]
+    got = [learning_metrics(r, transport=True) for r in step_rows(out)]
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert got == expected
 
@@ -149,10 +115,10 @@ class MixedPlugin:
         register("mixed_test", Mixed, description="half all-equal groups")
 
 
-def test_dynamic_sampling_refills_dropped_groups(skyrl_cli, skyrl_plugin, tmp_path) -> None:
+def test_dynamic_sampling_refills_dropped_groups(skyrl_cli, skyrl_plugin, skyrl_tiny_rl_job, tmp_path) -> None:
     skyrl_plugin(MixedPlugin(), "mixed_plugin")
-    path, out = write_job(tmp_path, steps=2, algorithm="dapo")
-    path.write_text(path.read_text().replace('name = "reverse_digits"\nmin_len = 3\nmax_len = 4', 'name = "mixed_test"'))
+    path, out = write_job(skyrl_tiny_rl_job, tmp_path, steps=2, algorithm="dapo",
+                          dataset={"name": "mixed_test", "min_len": None, "max_len": None, "prefix": None})
     result = skyrl_cli("run", str(path))
     assert result.exit_code == 0, result.stderr
     for row in step_rows(out):
@@ -161,10 +127,8 @@ def test_dynamic_sampling_refills_dropped_groups(skyrl_cli, skyrl_plugin, tmp_pa
         assert row["sequences"] == row["kept_groups"] * 4
 
 
-def test_kl_in_reward_penalises_rewards(skyrl_cli, tmp_path) -> None:
-    path, out = write_job(tmp_path, steps=3)
-    text = path.read_text().replace('[algorithm]\nname = "grpo"', '[algorithm]\nname = "grpo"\nkl_coef = 0.5\nkl_in_reward = true\nkl_estimator = "k1"')
-    path.write_text(text)
+def test_kl_in_reward_penalises_rewards(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    path, out = write_job(skyrl_tiny_rl_job, tmp_path, steps=3, kl_coef=0.5, kl_in_reward=True, kl_estimator="k1")
     result = skyrl_cli("run", str(path))
     assert result.exit_code == 0, result.stderr
     rows = step_rows(out)
@@ -180,8 +144,8 @@ def test_kl_in_reward_penalises_rewards(skyrl_cli, tmp_path) -> None:
         ("kimi", "tiny-kimi"), ("nemotron", "tiny-nemotron-h"),
     ],
 )
-def test_every_family_runs_the_rl_loop(skyrl_cli, tmp_path, family, preset) -> None:
-    path, out = write_job(tmp_path, steps=2)
+def test_every_family_runs_the_rl_loop(skyrl_cli, skyrl_tiny_rl_job, tmp_path, family, preset) -> None:
+    path, out = write_job(skyrl_tiny_rl_job, tmp_path, steps=2)
     result = skyrl_cli("run", str(path), "--set", f"model.family='{family}'", "--set", f"model.preset='{preset}'",
                        "--set", "job.save_final=false")
     assert result.exit_code == 0, result.stderr

@@ -16,9 +16,9 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import latest_checkpoint
 from skyrl_host.errors import JobFailed
 from skyrl_host.jobs.sft import SFTLoss, pack_documents, pieces_of
+from skyrl_host.testing import learning_metrics, step_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TIMING = ("time", "tokens_per_s", "step_time", "data_time_s")
 
 
 def _example_data_module():
@@ -76,13 +76,9 @@ def write_job(tmp_path, corpora, name="job", steps=4, every=0, budget=400, max_s
     return path, out
 
 
-def step_rows(out):
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "step" in r and "event" not in r]
-
-
 def comparable(row):
-    return {k: v for k, v in row.items() if not any(k == t or k.endswith(t) for t in TIMING)}
+    """Every metric but timings (skyrl_host.testing.is_timing_metric)."""
+    return learning_metrics(row, transport=True)
 
 
 # -- packing and masking, against the plain model ------------------------------------
@@ -361,7 +357,7 @@ def test_sft_on_two_ddp_ranks_in_ray_actors_trains_like_one_process(corpora, tmp
     import subprocess
     import sys
 
-    ray = pytest.importorskip("ray")
+    import ray
     rows = {}
     for name, extra in (("local", ""), ("ray", 'data_parallel = "ddp"\n')):
         path, out = write_job(tmp_path, corpora, name=name, steps=5, budget=256)

@@ -13,52 +13,18 @@ the quantized weights the trainer's forward used.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-JOB = """
-[job]
-kind = "rl"
-seed = 5
-steps = 3
-batch_size = 4
-n_samples = 4
-max_new_tokens = 6
-checkpoint_every = 0
-save_final = false
-threads = 1
-output_dir = "{out}"
+from skyrl_host.testing import step_rows
 
-[model]
-family = "qwen"
-preset = "tiny-moe"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-
-[engine]
-name = "embedded"
-dtype = "bfloat16"
-
-[precision]
-name = "{precision}"
-{options}
-
-[backend]
-name = "torch"
-lr = 1e-3
-"""
-
-CASES = {"bf16": "", "fp8": "", "mxfp8": "", "int4": "", "fp8-w": "activations = false", "mxfp8-w": "activations = false"}
+CASES = {"bf16": {}, "fp8": {}, "mxfp8": {}, "int4": {}, "fp8-w": {"activations": False},
+         "mxfp8-w": {"activations": False}}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, skyrl_tiny_rl_job):
     from skyrl_host.cli import main
     from skyrl_host.plugins import build_host
 
@@ -66,11 +32,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("precision_jobs")
     out = {}
     for case, options in CASES.items():
-        path = tmp / f"{case}.toml"
-        path.write_text(JOB.format(out=tmp / case, precision=case.removesuffix("-w"), options=options))
-        assert main(["run", str(path)], host=host) == 0
-        rows = [json.loads(x) for x in (tmp / case / "metrics.jsonl").read_text().splitlines()]
-        out[case] = [r for r in rows if "step" in r and "event" not in r]
+        # The tiny RL job on the MoE preset, 4 prompts a step, an engine in bf16 with its own copy.
+        job = skyrl_tiny_rl_job(tmp, case, job={"seed": 5, "batch_size": 4}, model={"preset": "tiny-moe"},
+                                dataset={"prefix": None}, engine={"dtype": "bfloat16"},
+                                precision={"name": case.removesuffix("-w"), **options}, backend={"lr": 1e-3})
+        assert main(["run", str(job.path)], host=host) == 0
+        out[case] = job.rows()
     return out
 
 
@@ -170,8 +137,7 @@ def test_a_short_rl_run_per_precision_follows_the_bf16_run(tmp_path) -> None:
             capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 0, result.stderr[-2000:]
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        curves[name] = [r["reward_mean"] for r in rows if "step" in r and "event" not in r]
+        curves[name] = [r["reward_mean"] for r in step_rows(out)]
     late = {name: float(np.mean(c[-20:])) for name, c in curves.items()}
     for name, c in curves.items():
         assert late[name] > 3 * float(np.mean(c[:5])), (name, late[name])  # it learned

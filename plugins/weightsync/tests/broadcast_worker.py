@@ -1,12 +1,10 @@
 """One rank of the broadcast test: rank 0 is the trainer (sender), rank 1 an engine
-process (an embedded engine in bf16 with its own copy). Run by test_broadcast.py."""
+process (an embedded engine in bf16 with its own copy). test_broadcast.py runs ``run``
+in two gloo processes (skyrl_host.testing.run_gloo_ranks)."""
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -28,11 +26,9 @@ def trainer_weights(version: int):
     return m
 
 
-def main() -> None:
-    rank, store_path, out, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+def run(rank: int, world: int, mode: str) -> dict:
+    """This rank's part; mode "ok" (versions 1 and 2) or "die" (then the trainer dies
+    one bucket into version 3: rank 0 exits without returning)."""
     from skyrl_weightsync._broadcast import BroadcastReceiver, BroadcastSender
 
     bucket = 4096 + 7  # small and odd: many buckets, tensors spanning them
@@ -44,8 +40,6 @@ def main() -> None:
             stats = sender.publish(v, m.state_dict().items())
             result[f"v{v}"] = stats
         if mode == "die":
-            with open(out, "w") as f:
-                json.dump(result, f)
             m = trainer_weights(3)
             tensors = list(m.state_dict().items())
             header = {"version": 3, "layout": None, "total": sum(t.numel() * 2 for _, t in tensors)}
@@ -74,12 +68,4 @@ def main() -> None:
                 got = dict(engine.model.state_dict())
                 result["die"] = {"error": type(exc).__name__, "version": engine.weight_version,
                                  "still_v2": all(torch.equal(got[k], want[k]) for k in want)}
-    with open(out, "w") as f:
-        json.dump(result, f)
-    if mode != "die":
-        dist.destroy_process_group()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+    return result

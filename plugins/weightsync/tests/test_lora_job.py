@@ -5,70 +5,33 @@ trained deltas on the target layers only)."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 import shutil
 
 import torch
 
-JOB = """
-[job]
-kind = "rl"
-seed = 3
-steps = 4
-batch_size = 8
-n_samples = 4
-max_new_tokens = 6
-checkpoint_every = 2
-save_final = {save_final}
-threads = 1
-output_dir = "{out}"
-
-[model]
-family = "qwen"
-preset = "tiny"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-prefix = ""
-
-[weight_sync]
-transport = "{transport}"
-
-[backend]
-name = "torch"
-lr = 5e-3
-lora_rank = {rank}
-"""
-SYNC = ("sync_",)
-TIMING = ("time", "tokens_per_s", "seconds", "step_time", "step_time_s")
+from skyrl_host.testing import learning_metrics, step_rows
 
 
-def write(tmp_path: pathlib.Path, name: str, *, transport: str, rank: int = 8, save_final: bool = False):
-    out = tmp_path / f"{name}_out"
-    path = tmp_path / f"{name}.toml"
-    path.write_text(JOB.format(out=out, transport=transport, rank=rank, save_final=str(save_final).lower()))
-    return path, out
-
-
-def rows(out: pathlib.Path) -> list[dict]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "step" in r and "event" not in r]
+def write(make_job, tmp_path: pathlib.Path, name: str, *, transport: str, rank: int = 8, save_final: bool = False):
+    """The tiny RL job (``make_job``: the skyrl_tiny_rl_job fixture) with LoRA adapters,
+    4 steps, a checkpoint every 2, the default engine."""
+    job = make_job(tmp_path, name, job={"steps": 4, "checkpoint_every": 2, "save_final": save_final,
+                                        "output_dir": tmp_path / f"{name}_out"},
+                   engine=None, weight_sync={"transport": transport}, backend={"lr": 5e-3, "lora_rank": rank})
+    return job.path, job.out
 
 
 def learning(row: dict) -> dict:
     """What the job learned and generated: every metric but timings and the transport's own."""
-    return {k: v for k, v in row.items()
-            if not k.startswith(SYNC) and not any(k == t or k.endswith(t) for t in TIMING)}
+    return learning_metrics(row)
 
 
-def test_rl_job_with_lora_matches_inproc_with_lora(skyrl_cli, tmp_path) -> None:
-    path, out = write(tmp_path, "lora", transport="lora", save_final=True)
+def test_rl_job_with_lora_matches_inproc_with_lora(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    path, out = write(skyrl_tiny_rl_job, tmp_path, "lora", transport="lora", save_final=True)
     result = skyrl_cli("run", str(path))
     assert result.exit_code == 0, result.stderr
-    got = rows(out)
+    got = step_rows(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["sync_version"] for r in got] == [1, 2, 3, 4]
     assert [r["weight_version"] for r in got] == [0, 1, 2, 3]  # step s generates with version s - 1
@@ -78,12 +41,13 @@ def test_rl_job_with_lora_matches_inproc_with_lora(skyrl_cli, tmp_path) -> None:
     assert all(r["logprob_diff_max"] < 1e-5 for r in got)
     assert got[-1]["grad_norm"] > 0 and got[0]["loss_tokens"] > 0
 
-    path, ref_out = write(tmp_path, "inproc", transport="inproc")
+    path, ref_out = write(skyrl_tiny_rl_job, tmp_path, "inproc", transport="inproc")
     result = skyrl_cli("run", str(path))
     assert result.exit_code == 0, result.stderr
-    want = rows(ref_out)
+    want = step_rows(ref_out)
     # Same adapters reach the engine either way (float32, bit for bit): every learning metric is equal.
     assert [learning(r) for r in got] == [learning(r) for r in want]
+    assert "reward_std" in learning(got[0])
 
     # The final folder: the merged model; non-target weights are the untouched base.
     import transformers
@@ -102,7 +66,7 @@ def test_rl_job_with_lora_matches_inproc_with_lora(skyrl_cli, tmp_path) -> None:
     result = skyrl_cli("run", str(path.with_name("lora.toml")), "--resume")
     assert result.exit_code == 0, result.stderr
     assert "(resumed after step 2)" in result.stderr
-    resumed = rows(out)
+    resumed = step_rows(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [learning(r) for r in resumed] == [learning(r) for r in got]
     assert [r["sync_bytes"] for r in resumed] == [r["sync_bytes"] for r in got]
@@ -114,8 +78,8 @@ def _alphabet() -> str:
     return ReverseDigits(ReverseDigitsConfig(min_len=3, max_len=4, prefix=""), seed=3).alphabet
 
 
-def test_lora_transport_needs_a_lora_backend(skyrl_cli, tmp_path) -> None:
-    path, _ = write(tmp_path, "full", transport="lora", rank=0)
+def test_lora_transport_needs_a_lora_backend(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    path, _ = write(skyrl_tiny_rl_job, tmp_path, "full", transport="lora", rank=0)
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert "weight_sync.transport: transport 'lora' moves LoRA adapters only, but [backend] lora_rank = 0" in result.stderr

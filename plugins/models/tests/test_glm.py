@@ -10,14 +10,13 @@ import sys
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from skyrl_host.config import OptionError  # noqa: E402
-from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo  # noqa: E402
-from skyrl_models import glm  # noqa: E402
-from skyrl_models.glm import FULL_PRESETS, PRESETS, GlmConfig, full_config, make_family  # noqa: E402
+from skyrl_host.config import OptionError
+from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo
+from skyrl_models import glm
+from skyrl_models.glm import FULL_PRESETS, PRESETS, GlmConfig, full_config, make_family
 
 ALPHABET = "0123456789reverse :"
 VOCAB = 3 + len(set(ALPHABET))

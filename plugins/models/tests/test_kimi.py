@@ -11,14 +11,13 @@ import sys
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from skyrl_host.errors import UserError  # noqa: E402
-from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo  # noqa: E402
-from skyrl_models import _kimi_impl  # noqa: E402
-from skyrl_models.kimi import FULL_PRESETS, KimiConfig, make_family  # noqa: E402
+from skyrl_host.errors import UserError
+from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo
+from skyrl_models import _kimi_impl
+from skyrl_models.kimi import FULL_PRESETS, KimiConfig, make_family
 
 ALPHABET = "0123456789reverse :"
 VOCAB = 3 + len(set(ALPHABET))

@@ -12,13 +12,12 @@ import sys
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo, SampleOutput  # noqa: E402
-from skyrl_models import _nemotron_impl as impl  # noqa: E402
-from skyrl_models.nemotron import FULL_CONFIGS, NemotronConfig, make_family  # noqa: E402
+from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo, SampleOutput
+from skyrl_models import _nemotron_impl as impl
+from skyrl_models.nemotron import FULL_CONFIGS, NemotronConfig, make_family
 
 ALPHABET = "0123456789reverse :"
 VOCAB = 3 + len(set(ALPHABET))  # <pad>, <eos>, <unk> + 16 characters = 19
@@ -206,7 +205,7 @@ class _Greedy:
 
 
 def test_greedy_generation_through_the_embedded_engine() -> None:
-    pytest.importorskip("skyrl_engines")
+    import skyrl_engines  # noqa: F401  (the embedded engine: a test requirement)
     from skyrl_host.plugins import build_host
 
     reg = build_host().registry.get("engines", "embedded")

@@ -11,13 +11,12 @@ import pathlib
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo, SampleOutput  # noqa: E402
-from skyrl_models import _hf, _qwen_impl, qwen  # noqa: E402
-from skyrl_models.qwen import FULL_PRESETS, QwenConfig, make_family  # noqa: E402
+from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo, SampleOutput
+from skyrl_models import _hf, _qwen_impl, qwen
+from skyrl_models.qwen import FULL_PRESETS, QwenConfig, make_family
 
 ALPHABET = "0123456789reverse :"
 VOCAB = 3 + len(set(ALPHABET))  # 19

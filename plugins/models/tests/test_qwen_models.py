@@ -9,13 +9,12 @@ import pathlib
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from skyrl_host.errors import UserError  # noqa: E402
-from skyrl_host.interfaces import LoadedModel, ModelFamily  # noqa: E402
-from skyrl_models.qwen import QwenConfig, make_family  # noqa: E402
+from skyrl_host.errors import UserError
+from skyrl_host.interfaces import LoadedModel, ModelFamily
+from skyrl_models.qwen import QwenConfig, make_family
 
 DIGITS = "0123456789"
 ALPHABET = "0123456789reverse :"  # what reverse_digits prompts and answers are made of

@@ -8,12 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from skyrl_host.interfaces import RouterInfo  # noqa: E402
-from skyrl_models import _hf, glm, kimi, nemotron, qwen  # noqa: E402
+from skyrl_host.interfaces import RouterInfo
+from skyrl_models import _hf, glm, kimi, nemotron, qwen
 
 ALPHABET = "0123456789reverse :"
 

@@ -59,71 +59,40 @@ def test_delta_carries_quantized_payloads_and_scales_byte_exactly(host, tmp_path
     assert FORMATS[name].name == name
 
 
-JOB = """
-[job]
-kind = "rl"
-seed = 2
-steps = 3
-batch_size = 4
-n_samples = 4
-max_new_tokens = 6
-checkpoint_every = 0
-save_final = false
-threads = 1
-output_dir = "{out}"
-
-[model]
-family = "qwen"
-preset = "tiny-moe"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-
-[engine]
-name = "embedded"
-dtype = "bfloat16"
-
-[precision]
-name = "fp8"
-
-[weight_sync]
-{sync}
-
-[backend]
-name = "torch"
-lr = 1e-3
-"""
-
-TIMING = ("time", "_s", "per_s", "sync")
+def fp8_job(make_job, tmp_path, name: str, weight_sync: dict, **backend):
+    """The tiny RL job (``make_job``: the skyrl_tiny_rl_job fixture) on the MoE preset in
+    fp8, 4 prompts a step, an engine in bf16 with its own copy."""
+    return make_job(tmp_path, name, job={"seed": 2, "batch_size": 4}, model={"preset": "tiny-moe"},
+                    dataset={"prefix": None}, engine={"dtype": "bfloat16"}, precision={"name": "fp8"},
+                    weight_sync=weight_sync, backend={"lr": 1e-3, **backend})
 
 
-def learning(path) -> list[dict]:
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows if "step" in r and "event" not in r]
+def learning(rows: list[dict]) -> list[dict]:
+    from skyrl_host.testing import learning_metrics  # every metric but timings and the transport's own
+
+    return [learning_metrics(r) for r in rows]
 
 
 @pytest.mark.parametrize("transport", ["delta", "nixl"])
-def test_an_fp8_job_learns_exactly_like_inproc(skyrl_cli, tmp_path, transport: str) -> None:
+def test_an_fp8_job_learns_exactly_like_inproc(skyrl_cli, skyrl_tiny_rl_job, tmp_path, transport: str) -> None:
     """The quantized payloads and scales through ``delta`` (files) or ``nixl`` (NIXL
     reads, one process): every learning metric equals the ``inproc`` run's."""
     if transport == "nixl":
         import nixl_cu12  # noqa: F401 - NIXL (nixl-cu12) comes with the test requirements: missing, this fails
-    syncs = {"delta": f'transport = "delta"\nuri = "file://{tmp_path}/w"', "nixl": 'transport = "nixl"'}
+    syncs = {"delta": {"transport": "delta", "uri": f"file://{tmp_path}/w"}, "nixl": {"transport": "nixl"}}
     out = {}
-    for case, sync in (("inproc", 'transport = "inproc"'), (transport, syncs[transport])):
-        (tmp_path / f"{case}.toml").write_text(JOB.format(out=tmp_path / case, sync=sync))
-        result = skyrl_cli("run", str(tmp_path / f"{case}.toml"))
+    for case, sync in (("inproc", {"transport": "inproc"}), (transport, syncs[transport])):
+        job = fp8_job(skyrl_tiny_rl_job, tmp_path, case, sync)
+        result = skyrl_cli("run", str(job.path))
         assert result.exit_code == 0, result.stderr
-        out[case] = learning(tmp_path / case / "metrics.jsonl")
-    assert len(out["inproc"]) == 3 and out[transport] == out["inproc"]
+        out[case] = learning(job.rows())
+    assert len(out["inproc"]) == 3 and "reward_std" in out["inproc"][0]
+    assert out[transport] == out["inproc"]
 
 
-def test_validate_refuses_what_cannot_serve_the_quantized_numbers(skyrl_cli, tmp_path) -> None:
-    path = tmp_path / "job.toml"
-    text = JOB.format(out=tmp_path / "o", sync=f'transport = "delta"\nuri = "file://{tmp_path}/w"')
-    path.write_text(text + "lora_rank = 4\n")
+def test_validate_refuses_what_cannot_serve_the_quantized_numbers(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    sync = {"transport": "delta", "uri": f"file://{tmp_path}/w"}
+    path = fp8_job(skyrl_tiny_rl_job, tmp_path, "o", sync, lora_rank=4).path
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert "precision 'fp8' with LoRA (backend.lora_rank = 4)" in result.stderr

@@ -231,82 +231,43 @@ def test_a_receiver_reconnects_to_a_restarted_trainer() -> None:
 
 # -- one process: a real RL job ---------------------------------------------------------
 
-JOB = """
-[job]
-kind = "rl"
-seed = 3
-steps = 3
-batch_size = 8
-n_samples = 4
-max_new_tokens = 6
-checkpoint_every = 0
-save_final = false
-threads = 1
-output_dir = "{out}"
-
-[model]
-family = "qwen"
-preset = "tiny"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-prefix = ""
-
-[engine]
-name = "embedded"
-dtype = "{engine_dtype}"
-
-[weight_sync]
-{weight_sync}
-
-[backend]
-name = "torch"
-lr = 5e-4
-"""
-
-TIMING = ("time", "_s", "per_s")
-
-
-def run_job(skyrl_cli, tmp_path: pathlib.Path, name: str, engine_dtype: str, weight_sync: str) -> list[dict]:
-    out = tmp_path / name
-    path = tmp_path / f"{name}.toml"
-    path.write_text(JOB.format(out=out, engine_dtype=engine_dtype, weight_sync=weight_sync))
-    result = skyrl_cli("run", str(path))
+def run_job(skyrl_cli, make_job, tmp_path: pathlib.Path, name: str, engine_dtype: str, weight_sync: dict) -> list[dict]:
+    """Run the tiny RL job (``make_job``: the skyrl_tiny_rl_job fixture); its step rows."""
+    job = make_job(tmp_path, name, engine={"dtype": engine_dtype}, weight_sync=weight_sync)
+    result = skyrl_cli("run", str(job.path))
     assert result.exit_code == 0, result.stderr
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "step" in r and "event" not in r]
+    return job.rows()
 
 
 def learning(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("sync") and not any(t in k for t in TIMING)} for r in rows]
+    from skyrl_host.testing import learning_metrics  # every metric but timings and the transport's own
+
+    return [learning_metrics(r) for r in rows]
 
 
-def test_rl_job_in_one_process_learns_exactly_like_inproc(skyrl_cli, tmp_path) -> None:
-    inproc = run_job(skyrl_cli, tmp_path, "inproc", "auto", 'transport = "inproc"')
-    nixl = run_job(skyrl_cli, tmp_path, "nixl", "float32", 'transport = "nixl"\ndtype = "float32"')
+def test_rl_job_in_one_process_learns_exactly_like_inproc(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    inproc = run_job(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "inproc", "auto", {"transport": "inproc"})
+    nixl = run_job(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "nixl", "float32", {"transport": "nixl", "dtype": "float32"})
     assert [r["step"] for r in nixl] == [1, 2, 3]
+    assert "reward_std" in learning(inproc)[0]
     assert learning(nixl) == learning(inproc)
     assert [r["sync_version"] for r in nixl] == [1, 2, 3]
     assert [r["weight_version"] for r in nixl] == [0, 1, 2]
     assert all(r["sync_bytes"] == r["sync_served_bytes"] > 0 for r in nixl)  # one rank serves all, read once
 
 
-def test_nixl_refuses_bf16_into_the_trainers_own_tensors(skyrl_cli, tmp_path) -> None:
-    path = tmp_path / "job.toml"
-    path.write_text(JOB.format(out=tmp_path / "o", engine_dtype="auto", weight_sync='transport = "nixl"'))
+def test_nixl_refuses_bf16_into_the_trainers_own_tensors(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    path = skyrl_tiny_rl_job(tmp_path, "o", engine={"dtype": "auto"}, weight_sync={"transport": "nixl"}).path
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert ("weight_sync: the nixl transport ships bfloat16 weights, but the engine serves the trainer's own float32 "
             "tensors (engine.dtype = 'auto')") in result.stderr
 
 
-def test_nixl_not_installed_is_a_user_error(skyrl_cli, tmp_path, monkeypatch) -> None:
+def test_nixl_not_installed_is_a_user_error(skyrl_cli, skyrl_tiny_rl_job, tmp_path, monkeypatch) -> None:
     for name in ("nixl", "nixl_cu12"):  # what Python does for a package that is not there
         monkeypatch.setitem(sys.modules, name, None)
-    path = tmp_path / "job.toml"
-    path.write_text(JOB.format(out=tmp_path / "o", engine_dtype="bfloat16", weight_sync='transport = "nixl"'))
+    path = skyrl_tiny_rl_job(tmp_path, "o", engine={"dtype": "bfloat16"}, weight_sync={"transport": "nixl"}).path
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert ("weight_sync.transport: transport 'nixl' needs NIXL, which is not installed: "

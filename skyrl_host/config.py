@@ -23,121 +23,19 @@ import attrs
 import cattrs
 
 from skyrl_host.errors import Problem, UserError, did_you_mean, quoted_list
-from skyrl_host.registry import KINDS, Registration
+from skyrl_host.kinds import KINDS, SLOT_KINDS
+from skyrl_host.options import OptionError, ge, gt, in_interval, le, lt, option  # noqa: F401 - the old home of these names
+from skyrl_host.registry import Registration
+from skyrl_host.sections import HOST_CLUSTER_KEYS, HOST_JOB_KEYS, ClusterSection, JobSection
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from skyrl_host.plugins import PluginHost
 
 
-# ---------------------------------------------------------------------------
-# Helpers for plugin authors: documented options and readable validators.
-# ---------------------------------------------------------------------------
-
-
-def option(default: Any = attrs.NOTHING, *, help: str, validator: Any = None, factory: Any = None) -> Any:
-    """An attrs field with a description shown by ``skyrl validate --explain``."""
-    if factory is not None:
-        return attrs.field(factory=factory, validator=validator, metadata={"help": help})
-    return attrs.field(default=default, validator=validator, metadata={"help": help})
-
-
-class OptionError(ValueError):
-    """Raise from ``__attrs_post_init__`` to locate a cross-field problem at a key:
-    ``raise OptionError("min_len", "must not exceed max_len (5), found 9")``."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
-
-
-def _bound(op: str, limit: float, test: Callable[[Any], bool]) -> Callable[[Any, Any, Any], None]:
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if value is not None and not test(value):
-            raise ValueError(f"expected a value {op} {limit}, found {value!r}")
-
-    check.__doc__ = f"{op} {limit}"
-    return check
-
-
-def gt(limit: float) -> Callable[[Any, Any, Any], None]:
-    return _bound(">", limit, lambda v: v > limit)
-
-
-def ge(limit: float) -> Callable[[Any, Any, Any], None]:
-    return _bound(">=", limit, lambda v: v >= limit)
-
-
-def lt(limit: float) -> Callable[[Any, Any, Any], None]:
-    return _bound("<", limit, lambda v: v < limit)
-
-
-def le(limit: float) -> Callable[[Any, Any, Any], None]:
-    return _bound("<=", limit, lambda v: v <= limit)
-
-
-def in_interval(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Callable[..., None]:
-    """``low <= value <= high``, with either end open: ``in_interval(0, 1, low_open=True)`` is (0, 1]."""
-    text = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-
-    def check(_inst: Any, _attr: Any, value: Any) -> None:
-        if value is None:
-            return
-        ok_low = value > low if low_open else value >= low
-        ok_high = value < high if high_open else value <= high
-        if not (ok_low and ok_high):
-            raise ValueError(f"expected a value in {text}, found {value!r}")
-
-    check.__doc__ = f"in {text}"
-    return check
-
-
-# ---------------------------------------------------------------------------
-# The host-owned tables.
-# ---------------------------------------------------------------------------
-
-
-@attrs.frozen
-class JobSection:
-    """The keys of ``[job]`` that the host owns."""
-
-    kind: str = option(help="the job kind to run (a registered job plugin)")
-    seed: int = option(0, help="seed for every random choice of the job", validator=ge(0))
-    steps: int = option(100, help="number of steps to run", validator=gt(0))
-    output_dir: str | None = option(None, help="folder for metrics, plots and checkpoints (default: runs/<name>)")
-    name: str | None = option(None, help="run name (default: the job file's stem)")
-    tensorboard: bool = option(False, help="also write TensorBoard event files to <output_dir>/tensorboard")
-
-
-@attrs.frozen
-class ClusterSection:
-    """``[cluster]``: where the job's processes run."""
-
-    launcher: Literal["local", "ray"] = option("local", help="'local': one process; 'ray': Ray actors")
-    address: str | None = option(None, help="address of a running Ray cluster (default: start one)")
-    num_cpus: int | None = option(None, help="CPUs the job may use (default: all)", validator=gt(0))
-    num_gpus: int | None = option(None, help="GPUs the job may use (default: all)", validator=ge(0))
-    trainer_ranks: int = option(
-        1, help="backend ranks, one Ray actor each, data parallel as [backend] says (launcher 'ray')", validator=gt(0)
-    )
-    engine_replicas: int = option(
-        1, help="engine replicas, one Ray actor each; a step's prompts are split between them (launcher 'ray')",
-        validator=gt(0),
-    )
-    cpus_per_actor: float = option(1.0, help="CPUs each actor's placement-group bundle asks Ray for", validator=gt(0))
-
-    def __attrs_post_init__(self) -> None:
-        for key in ("trainer_ranks", "engine_replicas"):
-            if getattr(self, key) > 1 and self.launcher != "ray":
-                raise OptionError(key, f'more than one needs launcher = "ray" (launcher is {self.launcher!r})')
-
-
-HOST_JOB_KEYS = tuple(f.name for f in attrs.fields(JobSection))
-
-
 @attrs.frozen
 class Slot:
-    """A table of the job file that selects a plugin of one kind."""
+    """A table of the job file that selects a plugin of one kind (a row of the kind
+    table, seen from the job file)."""
 
     table: str
     kind: str
@@ -145,21 +43,8 @@ class Slot:
     many: bool = False  # selector takes a list of names, each with its own sub-table
 
 
-SLOTS: dict[str, Slot] = {
-    s.table: s
-    for s in (
-        Slot("model", "models", "family"),
-        Slot("engine", "engines", "name"),
-        Slot("sampler", "samplers", "name"),
-        Slot("algorithm", "algorithms", "name"),
-        Slot("replay", "replay_strategies", "strategies", many=True),
-        Slot("precision", "precisions", "name"),
-        Slot("weight_sync", "weight_transports", "transport"),
-        Slot("dataset", "datasets", "name"),
-        Slot("data", "data_strategies", "strategy"),
-        Slot("backend", "backends", "name"),
-    )
-}
+SLOTS: dict[str, Slot] = {t: Slot(t, k.key, k.selector, k.many) for t, k in SLOT_KINDS.items()}
+LAUNCHER = KINDS["launchers"]
 HOST_TABLES = ("job", "cluster")
 
 
@@ -191,6 +76,7 @@ class JobSpec:
     cluster: ClusterSection
     plugins: Mapping[str, PluginChoice | tuple[PluginChoice, ...]]
     raw: Mapping[str, Any]
+    launcher: PluginChoice | None = None  # [cluster] launcher, with its own keys of [cluster]
 
     @property
     def name(self) -> str:
@@ -430,7 +316,7 @@ def make_converter() -> cattrs.Converter:
 _CONVERTER = make_converter()
 
 
-class _Located:
+class Located:
     """Collects problems for one job file, with line numbers."""
 
     def __init__(self, file: str, lines: Mapping[str, int], overridden: Mapping[str, str] | None = None):
@@ -463,7 +349,7 @@ def structure_table(
     cls: type,
     data: Mapping[str, Any],
     prefix: str,
-    out: _Located,
+    out: Located,
     *,
     skip: Iterable[str] = (),
     extra_known: Iterable[str] = (),
@@ -575,7 +461,7 @@ def load_job(
     data, text = read_toml(path)
     file = str(path)
     overridden: dict[str, str] = {}
-    out = _Located(file, locate_keys(text), overridden)
+    out = Located(file, locate_keys(text), overridden)
     out.problems += apply_overrides(data, overrides, overridden)
     registry = host.registry
 
@@ -607,8 +493,20 @@ def load_job(
             own = {k: v for k, v in job_table.items() if k not in HOST_JOB_KEYS and k in kind_fields}
             kind_config = structure_table(kind.config, own, "job", out) if kind.config else None
 
+    # [cluster]: the host's keys, then the selected launcher's own keys.
     cluster_table = data.get("cluster", {})
-    cluster = structure_table(ClusterSection, cluster_table, "cluster", out) if isinstance(cluster_table, dict) else None
+    cluster = launcher = None
+    if isinstance(cluster_table, dict):
+        host_part = {k: v for k, v in cluster_table.items() if k in HOST_CLUSTER_KEYS}
+        cluster = structure_table(ClusterSection, host_part, "cluster", out)
+        # The default launcher is resolved quietly: a job kind that places nothing (and a
+        # host with the built-ins blocked) runs without one; Run.launcher() says so if needed.
+        quiet = "launcher" not in cluster_table and not isinstance(host.registry.lookup(LAUNCHER.key, "local"), Registration)
+        if cluster is not None and not quiet:
+            reg = _resolve(host, LAUNCHER.key, cluster.launcher, "cluster.launcher", out)
+            if reg is not None:
+                config = _plugin_config(reg, cluster_table, "cluster", list(HOST_CLUSTER_KEYS), out)
+                launcher = PluginChoice("cluster", reg, config) if config is not _INVALID else None
 
     # Plugin tables: the ones the kind uses, with defaults; others are errors.
     plugins: dict[str, PluginChoice | tuple[PluginChoice, ...]] = {}
@@ -641,6 +539,7 @@ def load_job(
             cluster=cluster,
             plugins=plugins,
             raw=data,
+            launcher=launcher,
         )
         _run_checks(spec, out)
     if out.problems:
@@ -650,11 +549,11 @@ def load_job(
     return spec
 
 
-def _run_checks(spec: JobSpec, out: _Located) -> None:
+def _run_checks(spec: JobSpec, out: Located) -> None:
     """The job-level checks of the kind and of every selected plugin (a registration's
     ``check``): combinations of settings no single table can judge, e.g. a replay
     strategy that needs a side channel the engine is not asked to produce."""
-    regs = [spec.kind]
+    regs = [spec.kind] + ([spec.launcher.registration] if spec.launcher is not None else [])
     for value in spec.plugins.values():
         regs += [c.registration for c in (value if isinstance(value, tuple) else (value,))]
     for reg in regs:
@@ -671,7 +570,7 @@ def _run_checks(spec: JobSpec, out: _Located) -> None:
             out.add(key, message)
 
 
-def _resolve(host: PluginHost, kind: str, name: str, key: str, out: _Located) -> Registration | None:
+def _resolve(host: PluginHost, kind: str, name: str, key: str, out: Located) -> Registration | None:
     try:
         return host.get(kind, name)
     except UserError as exc:
@@ -681,7 +580,7 @@ def _resolve(host: PluginHost, kind: str, name: str, key: str, out: _Located) ->
 
 
 def _choose(
-    host: PluginHost, slot: Slot, section: Mapping[str, Any], default: str | None, out: _Located
+    host: PluginHost, slot: Slot, section: Mapping[str, Any], default: str | None, out: Located
 ) -> PluginChoice | tuple[PluginChoice, ...] | None:
     selector_path = f"{slot.table}.{slot.selector}"
     selected = section.get(slot.selector, list(default) if isinstance(default, (list, tuple)) else default)
@@ -733,7 +632,7 @@ def _choose(
 _INVALID = object()
 
 
-def _plugin_config(reg: Registration, section: Mapping[str, Any], prefix: str, skip: list[str], out: _Located) -> Any:
+def _plugin_config(reg: Registration, section: Mapping[str, Any], prefix: str, skip: list[str], out: Located) -> Any:
     if reg.config is None:
         extra = [k for k in section if k not in skip]
         for k in extra:
@@ -792,7 +691,11 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
     docs = explain_class(JobSection, "job", "host")
     if spec.kind.config:
         docs += explain_class(spec.kind.config, "job", str(spec.kind.origin))
-    docs += explain_class(ClusterSection, "cluster", "host")
+    docs.append(KeyDoc("cluster.launcher", f"a {LAUNCHER.noun} name", "'local'", "selects the plugin", "host"))
+    docs += explain_class(ClusterSection, "cluster", "host", skip=["launcher"])
+    if spec.launcher is not None and spec.launcher.registration.config:
+        docs += explain_class(spec.launcher.registration.config, "cluster", str(spec.launcher.registration.origin),
+                              skip=HOST_CLUSTER_KEYS)
     for table, value in spec.plugins.items():
         slot = SLOTS[table]
         choices = value if isinstance(value, tuple) else (value,)

@@ -126,6 +126,17 @@ def skyrl_register_data_strategies(register: Register) -> None:
 
 
 @hookspec
+def skyrl_register_corpus_readers(register: Register) -> None:
+    """Register corpus readers (``[corpus] reader = NAME``): what opens an SFT job's
+    pretokenized corpora (``[job] data_paths``).
+
+    The factory is called as ``factory(config)`` and returns a
+    :class:`skyrl_host.interfaces.CorpusReader`, whose ``open(path, ...)`` gives a
+    :class:`skyrl_host.interfaces.Corpus`.
+    """
+
+
+@hookspec
 def skyrl_register_engines(register: Register) -> None:
     """Register inference engines (``[engine] name = NAME``).
 
@@ -140,6 +151,18 @@ def skyrl_register_backends(register: Register) -> None:
 
     The factory is called as ``factory(config)`` and returns a
     :class:`skyrl_host.interfaces.Backend`.
+    """
+
+
+@hookspec
+def skyrl_register_launchers(register: Register) -> None:
+    """Register launchers (``[cluster] launcher = NAME``): what places a job's backend
+    ranks and engine replicas (one process, Ray actors, ...).
+
+    The factory is called as ``factory(config, cluster)`` (``cluster``: the host's
+    :class:`skyrl_host.sections.ClusterSection`, with ``trainer_ranks`` and
+    ``engine_replicas``) and returns a :class:`skyrl_host.interfaces.Launcher`. Its
+    own keys sit in ``[cluster]`` beside the host's.
     """
 
 

@@ -34,13 +34,20 @@ class Dataset(Protocol):
         """``size`` tasks for ``step`` (counting from 1)."""
         ...
 
-    # Datasets for models built from presets also provide ``alphabet: str``: every
-    # character a prompt or a good answer can contain, so the model family can
-    # build a character-level tokenizer for the task.
+    # Datasets for models built from presets also offer ``alphabet`` (the
+    # :class:`CharacterAlphabet` capability).
 
     def reward(self, task: Task, completion: str) -> float:
         """The reward of ``completion`` for ``task``, in [0, 1]."""
         ...
+
+
+@runtime_checkable
+class CharacterAlphabet(Protocol):
+    """A dataset that names every character a prompt or a good answer can contain, so a
+    model family can build a character-level tokenizer for a preset."""
+
+    alphabet: str
 
 
 @runtime_checkable
@@ -107,14 +114,10 @@ class ModelFamily(Protocol):
         files) that ``AutoModelForCausalLM.from_pretrained`` loads."""
         ...
 
-    # Families may also offer ``load_tokenizer(*, alphabet) -> LoadedModel`` with
-    # ``model=None``: what ``load`` gives without building or reading the model (the Ray
-    # launcher's driver only encodes and decodes). Families of MoE models also offer
-    # ``routers(model) -> list[RouterInfo]`` (in
-    # layer order; empty for a dense model) and ``lora_targets: Sequence[str]``; the
-    # built-in families map in-memory weight names (fused experts) to the on-disk ones:
-    # ``disk_weights(model, named) -> iter[(disk name, tensor)]``,
-    # ``memory_weights(model, disk) -> {name: tensor}`` and ``weight_layout(model)``.
+    # Capabilities families may offer: :class:`TokenizerLoading` (the tokenizer alone)
+    # and :class:`WeightLayout` (in-memory <-> on-disk weight names). What a family knows
+    # about a loaded model (its MoE routers, LoRA targets, layers kept in high precision)
+    # travels in the LoadedModel.
 
 
 @attrs.frozen
@@ -143,8 +146,10 @@ class Engine(Protocol):
 
     weight_version: int
 
-    def start(self, loaded: LoadedModel) -> None:
-        """Take the model to serve (the engine keeps its own copy or view)."""
+    def start(self, loaded: LoadedModel, *, precision: "Precision | None" = None) -> None:
+        """Take the model to serve (the engine keeps its own copy or view). ``precision``:
+        the job's; an engine that cannot serve quantized weights omits the parameter and
+        a job with a quantizing precision is refused."""
         ...
 
     def generate(
@@ -168,10 +173,8 @@ class Engine(Protocol):
         calls) and start reporting ``version``."""
         ...
 
-    # Engines that continue conversations also offer
-    # ``continue_turn(history, turns, *, sampler, max_new_tokens, seed) -> RolloutBatch``:
-    # one response per conversation of ``history`` after the tokens ``turns[i]``,
-    # returned as the new turn's segment only (see RolloutBatch.append_turn).
+    # Capabilities engines may offer: SharedWeights, UpdateStats, AdapterServing,
+    # SideChannels, TurnContinuation (below).
 
 
 @attrs.define
@@ -225,10 +228,14 @@ class Backend(Protocol):
     """Owns parameters and optimizer; trains on rollouts (``[backend] name``)."""
 
     def start(
-        self, loaded: LoadedModel, *, seed: int, total_steps: int, reference: bool, replay: Sequence[Any] = ()
+        self, loaded: LoadedModel, *, seed: int, total_steps: int, reference: bool, replay: Sequence[Any] = (),
+        precision: "Precision | None" = None,
     ) -> None:
         """Take the model to train; ``replay``: the job's ReplayStrategy objects (bind
-        each to the policy model, enter ``replaying`` around every policy forward)."""
+        each to the policy model, enter ``replaying`` around every policy forward);
+        ``precision``: the job's (a backend that cannot compute quantized omits the
+        parameter and a job with a quantizing precision is refused). Raises ValueError
+        when a replay strategy does not apply to the model."""
         ...
 
     def train_step(
@@ -242,9 +249,8 @@ class Backend(Protocol):
         """The weights to publish to the engine, as (name, tensor) pairs."""
         ...
 
-    # Backends that keep a reference model also offer
-    # ``reference_logprobs(batch, *, temperature) -> float32 [T]`` (0 outside the
-    # loss tokens), used when an algorithm applies its KL penalty to the rewards.
+    # Capabilities backends may offer: QuantizedServing, AdapterTraining,
+    # ShardedWeights, ReferenceScoring (below).
 
     def state_dict(self) -> Mapping[str, Any]: ...
 
@@ -378,16 +384,344 @@ class DataStrategy(Protocol):
         ...
 
 
-PROTOCOLS: Mapping[str, type] = {
-    "models": ModelFamily,
-    "algorithms": Algorithm,
-    "replay_strategies": ReplayStrategy,
-    "precisions": Precision,
-    "weight_transports": WeightTransport,
-    "samplers": Sampler,
-    "datasets": Dataset,
-    "data_strategies": DataStrategy,
-    "engines": Engine,
-    "backends": Backend,
-    "jobs": JobDriver,
-}
+# ---------------------------------------------------------------------------
+# Capabilities: what a plugin may offer beyond its kind's Protocol.
+#
+# A job that needs a capability asks for it by name when it is built
+# (:func:`skyrl_host.contracts.require`): a plugin lacking it is a user error naming
+# the plugin and the missing members, never an AttributeError half-way through.
+# A plugin offers a capability by having its members; no registration is needed.
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class TokenizerLoading(Protocol):
+    """A model family that can hand out its tokenizer alone (a driver whose models live
+    in other processes only encodes and decodes)."""
+
+    def load_tokenizer(self, *, alphabet: str | None) -> LoadedModel:
+        """What ``load`` gives, with ``model=None``: the same tokenizer, stop ids and
+        family facts, without building or reading the model."""
+        ...
+
+
+@runtime_checkable
+class WeightLayout(Protocol):
+    """A model family that maps in-memory weight names (fused experts) to the on-disk
+    Hugging Face ones, both ways."""
+
+    def disk_weights(self, model: Any, named: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]: ...
+
+    def memory_weights(self, model: Any, disk: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+    def weight_layout(self, model: Any) -> Any: ...
+
+
+@runtime_checkable
+class SupportSampling(Protocol):
+    """A sampler that can report, with each token, the candidate set it kept (for the
+    ``support`` replay strategy)."""
+
+    return_support: bool  # the job asked for support sets (``[sampler] return_support``)
+
+    def sample_with_support(self, logits: Any, generator: Any) -> tuple[SampleOutput, Any]:
+        """As ``sample``, plus a bool [B, V] mask of the kept candidates."""
+        ...
+
+
+@runtime_checkable
+class QuantizedServing(Protocol):
+    """A backend that serves the engine the weights its quantized forward used."""
+
+    def serving_weights(self, local: bool = False) -> Iterable[tuple[str, Any]]:
+        """With a quantizing precision: each quantized weight as its payload under its
+        own name plus its scales under ``f"{name}@{format}"``; the rest as
+        ``named_weights`` gives them. ``local=True``: this rank's own shards only
+        (sharded transports)."""
+        ...
+
+
+@runtime_checkable
+class AdapterTraining(Protocol):
+    """A backend that trains LoRA adapters on a frozen base."""
+
+    def adapter_config(self) -> Mapping[str, Any] | None:
+        """The adapters' configuration (rank, alpha, targets) in PEFT's terms, or None
+        when this backend trains full weights."""
+        ...
+
+    def named_adapters(self) -> Iterable[tuple[str, Any]]:
+        """The adapter tensors (a collective under FSDP2: every rank iterates)."""
+        ...
+
+    def save_adapters(self, path: str) -> None:
+        """Write the adapters into the folder ``path`` (rank 0 writes)."""
+        ...
+
+
+@runtime_checkable
+class ShardedWeights(Protocol):
+    """A backend that can name the weights this rank holds, without gathering (DTensor
+    shards under FSDP2, whole tensors otherwise): what sharded transports serve."""
+
+    def local_weights(self) -> Iterable[tuple[str, Any]]: ...
+
+
+@runtime_checkable
+class ReferenceScoring(Protocol):
+    """A backend that keeps a frozen reference model and scores batches with it (a KL
+    penalty on the rewards)."""
+
+    def reference_logprobs(self, batch: Any, *, temperature: float) -> Any:
+        """float32 [T]: the reference policy's logprob of every token (0 outside the
+        loss tokens)."""
+        ...
+
+
+@runtime_checkable
+class SharedWeights(Protocol):
+    """An engine that may serve the trainer's own tensors (one process, same dtype and
+    device): ``update_weights`` then moves nothing, and a transport must not hand it
+    weights in another dtype."""
+
+    shares_weights: bool
+
+
+@runtime_checkable
+class UpdateStats(Protocol):
+    """An engine that says what its last weight update moved."""
+
+    last_update: Mapping[str, int]  # {"bytes": ..., "shared": n tensors, "copied": n tensors}
+
+
+@runtime_checkable
+class AdapterServing(Protocol):
+    """An engine that serves LoRA adapters over its frozen base."""
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int) -> None:
+        """Swap in a complete new set of adapters at a safe point; generations in flight
+        keep the adapters they started with."""
+        ...
+
+
+@runtime_checkable
+class SideChannels(Protocol):
+    """An engine that fills RolloutBatch side channels (``routed_experts``,
+    ``sample_support``) besides tokens and logprobs."""
+
+    def side_channels(self, sampler: Sampler) -> set[str]:
+        """The side channels every batch of ``generate`` with ``sampler`` carries, as
+        this engine is configured."""
+        ...
+
+
+@runtime_checkable
+class TurnContinuation(Protocol):
+    """An engine that continues conversations (multi-turn rollouts)."""
+
+    def continue_turn(
+        self, history: Any, turns: Sequence[Sequence[int]], *, sampler: Sampler, max_new_tokens: int, seed: int
+    ) -> Any:
+        """One response per conversation of ``history`` (a RolloutBatch) after the tokens
+        ``turns[i]``, returned as the new turn's segment only (see
+        :meth:`skyrl_host.rollout.RolloutBatch.append_turn`); the earlier turns' side
+        channels (routes) are forced, not recomputed."""
+        ...
+
+
+@runtime_checkable
+class ScoringReplay(Protocol):
+    """A replay strategy that changes how token logprobs follow from hidden states."""
+
+    def score(self, hidden: Any, head: Any, targets: Any, view: ReplayView, temperature: float) -> tuple[Any, Any]:
+        """(logprobs [K], entropy [K]) of the ``targets`` at the scored positions."""
+        ...
+
+
+@runtime_checkable
+class RewardKL(Protocol):
+    """An algorithm that may apply its KL penalty to the rewards instead of the loss."""
+
+    kl_in_reward: bool  # the job asked for it
+
+    def kl_reward_penalty(self, batch: Any, ref_logprobs: Any) -> Any:
+        """float32 [S]: the penalty subtracted from each sequence's reward."""
+        ...
+
+
+@runtime_checkable
+class WeightSender(Protocol):
+    """The trainer's half of a split transport."""
+
+    def publish(self, version: int, named_tensors: Any) -> Mapping[str, float]:
+        """Publish ``version`` (the tensors; a backend for transports that carry their
+        payload). Returns metrics, or (metrics, payload) with ``carries_payload``."""
+        ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """The engine's half of a split transport."""
+
+    def sync(self, engine: Engine, **kwargs: Any) -> Mapping[str, float]:
+        """Fetch and apply a version (``target=``; ``payload=`` for transports that carry
+        it), all or nothing."""
+        ...
+
+
+@runtime_checkable
+class Rendezvous(Protocol):
+    """Senders and receivers that meet peer to peer (every trainer rank serves its own
+    shards; receivers connect to all of them)."""
+
+    def endpoint(self) -> Any:
+        """This sender's address, handed to every receiver's ``connect``."""
+        ...
+
+
+@runtime_checkable
+class SplitTransport(Protocol):
+    """A transport whose halves run in different processes (what a launcher that places
+    engines apart from the trainer needs)."""
+
+    collective: bool  # the halves take part in the same collectives: start the receivers' sync first
+    rendezvous: bool  # every trainer rank has a sender; receivers connect to their endpoints
+    carries_payload: bool  # the sender returns the payload, the launcher hands it to the receivers
+
+    def sender(self, **context: Any) -> WeightSender:
+        """The trainer's half; ``context``: ``group``/``src`` (collective), ``rank``/``world``
+        (rendezvous), or nothing."""
+        ...
+
+    def receiver(self, **context: Any) -> WeightReceiver:
+        """The engine's half; ``context``: ``group``/``src``/``device`` (collective) or nothing."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# Launchers (``[cluster] launcher``): where backend ranks and engine replicas run.
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PlacementRequest:
+    """What a driver asks a launcher to place: the plugin choices (each a
+    :class:`skyrl_host.config.PluginChoice`, created where the launcher builds the
+    object) and the facts every copy needs to build the same model."""
+
+    model: Any  # [model]
+    backend: Any  # [backend]
+    precision: Any  # [precision]
+    alphabet: str | None
+    seed: int
+    total_steps: int
+    algorithm: Any = None  # [algorithm], or the driver's own Algorithm object (sft's loss)
+    replay: Sequence[Any] = ()  # [replay] strategies
+    engine: Any = None  # [engine]; None: no engines (sft)
+    sampler: Any = None  # [sampler]
+    weight_sync: Any = None  # [weight_sync]
+    threads: int | None = None
+
+
+@runtime_checkable
+class BackendHandle(Protocol):
+    """What a driver calls on the backend a launcher placed: a :class:`Backend` in the
+    driver's process, or a handle on backend ranks elsewhere (which may also offer
+    :class:`ReferenceScoring`)."""
+
+    def train_step(
+        self, batch: Any, advantages: Any, algorithm: Algorithm, *, temperature: float, max_new_tokens: int
+    ) -> Mapping[str, float]: ...
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """The full training state (gathered to the driver from sharded ranks)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """What a driver calls on the engines a launcher placed: an :class:`Engine` in the
+    driver's process, or a handle spreading each call over engine replicas."""
+
+    weight_version: int  # the oldest version any replica serves
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, n: int, sampler: Sampler, max_new_tokens: int, seed: int,
+        group_offset: int = 0,
+    ) -> Any: ...
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """What a launcher hands the driver: handles that satisfy the kinds' Protocols
+    wherever the objects run."""
+
+    loaded: LoadedModel  # the driver's copy: tokenizer and stop ids (``model`` may be None)
+    backend: BackendHandle
+    engine: EngineHandle | None  # None without [engine]
+    vocab_size: int  # rows of the trained model's input embedding
+
+    def publish(self, version: int) -> Mapping[str, float]:
+        """Make ``version`` of the backend's weights the engines' (through the job's
+        transport); returns its metrics."""
+        ...
+
+    def save_final(self, path: str) -> None:
+        """The trained model as a Hugging Face folder at ``path`` (adapters beside it)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what ``place`` started (also after a failed start); idempotent."""
+        ...
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Places a job's backend ranks and engine replicas (``[cluster] launcher``).
+
+    Made by ``factory(config, cluster)`` (``cluster``: the host's
+    :class:`skyrl_host.config.ClusterSection`); the driver calls ``place`` once."""
+
+    def place(self, request: PlacementRequest) -> Placement: ...
+
+
+# ---------------------------------------------------------------------------
+# Corpora (``[corpus] reader``): pretokenized documents for SFT.
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Corpus(Protocol):
+    """One pretokenized corpus, opened: documents of token ids with an optional loss mask."""
+
+    n_docs: int
+    lengths: Any  # int array [n_docs]: tokens per document (memory-mapped: read what you need)
+    meta: Mapping[str, Any]  # e.g. {"vocab_size": ...}
+
+    def tokens(self, i: int) -> Any:
+        """Document ``i``'s token ids (a read-only array view)."""
+        ...
+
+    def mask(self, i: int) -> Any:
+        """Document ``i``'s loss mask (uint8 1/0 per token), or None when the corpus has none."""
+        ...
+
+    def read_into(self, i: int, tokens_out: Any, mask_out: Any = None) -> int:
+        """Copy document ``i``'s ids into ``tokens_out[:n]`` (and its mask into
+        ``mask_out[:n]``, ones without one); returns ``n``: a packer's copy, with no
+        view kept."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class CorpusReader(Protocol):
+    """Opens pretokenized corpora (``[corpus] reader``)."""
+
+    def open(self, path: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None) -> Corpus:
+        """Open the corpus at ``path`` (a path prefix or an fsspec URL), or raise a
+        UserError naming the path and what is wrong with it."""
+        ...

@@ -14,34 +14,11 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import attrs
 
+from skyrl_host.contracts import check_product
 from skyrl_host.errors import UserError, did_you_mean, quoted_list
+from skyrl_host.kinds import KINDS, SLOT_KINDS
+from skyrl_host.sections import HOST_JOB_KEYS
 
-
-@attrs.frozen
-class Kind:
-    """A plugin kind: the registry it fills and the hook that fills it."""
-
-    key: str  # "models"
-    hook: str  # "skyrl_register_models"
-    noun: str  # "model family"
-
-
-KINDS: dict[str, Kind] = {
-    k.key: k
-    for k in (
-        Kind("models", "skyrl_register_models", "model family"),
-        Kind("algorithms", "skyrl_register_algorithms", "algorithm"),
-        Kind("replay_strategies", "skyrl_register_replay_strategies", "replay strategy"),
-        Kind("precisions", "skyrl_register_precisions", "precision"),
-        Kind("weight_transports", "skyrl_register_weight_transports", "weight transport"),
-        Kind("samplers", "skyrl_register_samplers", "sampler"),
-        Kind("datasets", "skyrl_register_datasets", "dataset"),
-        Kind("data_strategies", "skyrl_register_data_strategies", "data strategy"),
-        Kind("engines", "skyrl_register_engines", "engine"),
-        Kind("backends", "skyrl_register_backends", "backend"),
-        Kind("jobs", "skyrl_register_jobs", "job kind"),
-    )
-}
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.\-]*$")
 
@@ -77,8 +54,9 @@ class Registration:
     check: Callable[[Any], Any] | None = None
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the factory (this is where heavy imports may happen)."""
-        return self.factory(*args, **kwargs)
+        """Call the factory (this is where heavy imports may happen); its product is
+        checked against the kind's Protocol (a UserError naming what it lacks)."""
+        return check_product(self, self.factory(*args, **kwargs))
 
 
 class Register(Protocol):
@@ -143,15 +121,13 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
 
 
 def _check_job_kind(name: str, config: type | None, slots: Mapping[str, str | None]) -> None:
-    from skyrl_host.config import HOST_JOB_KEYS, SLOTS  # config imports this module
-
     for table, default in slots.items():
-        if table not in SLOTS:
+        if table not in SLOT_KINDS:
             raise ValueError(
-                f"job kind {name!r}: unknown slot table {table!r}{did_you_mean(table, SLOTS)}; "
-                f"tables: {quoted_list(SLOTS)}"
+                f"job kind {name!r}: unknown slot table {table!r}{did_you_mean(table, SLOT_KINDS)}; "
+                f"tables: {quoted_list(SLOT_KINDS)}"
             )
-        if SLOTS[table].many and default is not None:
+        if SLOT_KINDS[table].many and default is not None:
             if not (isinstance(default, (list, tuple)) and all(isinstance(d, str) for d in default)):
                 raise TypeError(f"job kind {name!r}: the default of slot {table!r} must be a list of names or None")
         elif default is not None and not isinstance(default, str):

@@ -44,6 +44,12 @@ class Run:
         """The plugin (or plugins) selected by ``[table]``."""
         return self.spec.plugins[table]
 
+    def launcher(self) -> Any:
+        """The ``[cluster] launcher`` plugin, made for this run (a Launcher)."""
+        if self.spec.launcher is None:
+            raise UserError("[cluster]: no launcher is selected (is the host's 'local' launcher blocked?)")
+        return self.spec.launcher.create(self.spec.cluster)
+
     def report(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Called by drivers once per step: checks the metrics and fires
         ``skyrl_step_finished``."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from skyrl_host.config import OptionError, _Located, explain_class, gt, in_interval, option, structure_table
+from skyrl_host.config import OptionError, Located, explain_class, gt, in_interval, option, structure_table
 
 
 @attrs.frozen
@@ -29,7 +29,7 @@ class Quant:
 
 
 def check(data):
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     inst = structure_table(Quant, data, "precision", out, skip=["name_"])
     return inst, [f"{p.key}: {p.message}" for p in out.problems]
 
@@ -84,13 +84,13 @@ class Lists:
     ],
 )
 def test_arrays_are_never_made_from_strings_or_tables(data, problem) -> None:
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     assert structure_table(Lists, data, "lists", out) is None
     assert [f"{p.key}: {p.message}" for p in out.problems] == [problem]
 
 
 def test_arrays_structure_to_their_types() -> None:
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     inst = structure_table(Lists, {"ops": ["+", "*"], "pair": [3, 4], "sizes": [1, 2, 3]}, "lists", out)
     assert inst == Lists(ops=["+", "*"], pair=(3, 4), sizes=(1, 2, 3))
 
@@ -105,6 +105,6 @@ def test_option_error_locates_a_cross_field_problem_at_its_key() -> None:
             if self.low > self.high:
                 raise OptionError("low", f"expected at most high ({self.high}), found {self.low}")
 
-    out = _Located("job.toml", {"range.low": 3, "range": 2})
+    out = Located("job.toml", {"range.low": 3, "range": 2})
     assert structure_table(Range, {"low": 5, "high": 1}, "range", out) is None
     assert [str(p) for p in out.problems] == ["job.toml:3: range.low: expected at most high (1), found 5"]

@@ -12,8 +12,12 @@ import click
 import pytest
 
 from skyrl_host import hookimpl, hookspecs
-from skyrl_host.config import SLOTS, gt, load_job, option
-from skyrl_host.registry import KINDS
+from skyrl_host.config import SLOTS, load_job
+from skyrl_host.contracts import members
+from skyrl_host.errors import UserError
+from skyrl_host.interfaces import Engine, Launcher
+from skyrl_host.kinds import KINDS
+from skyrl_host.options import gt, option
 from skyrl_host.runner import run_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,6 +44,13 @@ def _register_job(register, name="counting", slots=None):
     register(name, Driver, config=LevelConfig, description="reports squares", slots=slots or {})
 
 
+def conforming(protocol: type, **values: object) -> object:
+    """An object with every member ``protocol`` declares (methods that do nothing)."""
+    attrs_ = {name: (lambda *a, **k: None) for name in members(protocol)}
+    attrs_.update(values)
+    return type(f"Fake{protocol.__name__}", (), attrs_)()
+
+
 def _check_registration(host, tmp_path, kind_key: str) -> None:
     """Register "thing" of ``kind_key``; select it from a job file; call its factory."""
     calls = []
@@ -47,7 +58,7 @@ def _check_registration(host, tmp_path, kind_key: str) -> None:
 
     def factory(config, *args, **kwargs):
         calls.append(config)
-        return config
+        return conforming(kind.protocol, config=config)
 
     class Plugin:
         pass
@@ -75,7 +86,7 @@ def _check_registration(host, tmp_path, kind_key: str) -> None:
     spec = load_job(job, host)
     choice = spec.plugins[table][0] if slot.many else spec.plugins[table]
     assert choice.registration.origin.plugin == "thing_plugin"
-    assert choice.create() == LevelConfig(level=3)
+    assert choice.create().config == LevelConfig(level=3)
     assert calls == [LevelConfig(level=3)]
 
 
@@ -117,6 +128,65 @@ def test_hook_skyrl_register_engines(skyrl_empty_host, tmp_path) -> None:
 
 def test_hook_skyrl_register_backends(skyrl_empty_host, tmp_path) -> None:
     _check_registration(skyrl_empty_host, tmp_path, "backends")
+
+
+def test_hook_skyrl_register_corpus_readers(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "corpus_readers")
+
+
+def test_hook_skyrl_register_launchers(skyrl_empty_host, tmp_path) -> None:
+    """A launcher is selected by [cluster] launcher (a host table: no job kind lists it),
+    its own keys beside the host's; its factory gets (config, cluster)."""
+    made = []
+
+    class Plugin:
+        @hookimpl
+        def skyrl_register_launchers(self, register):
+            def factory(config, cluster):
+                made.append((config, cluster.trainer_ranks))
+                return conforming(Launcher, config=config)
+
+            register("thing", factory, config=LevelConfig, description="a launcher")
+
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            _register_job(register, "uses_it", {})
+
+    skyrl_empty_host.add_plugin(Plugin(), "thing_plugin")
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nkind = "uses_it"\n[cluster]\nlauncher = "thing"\ntrainer_ranks = 3\nlevel = 2\n')
+    spec = load_job(job, skyrl_empty_host)
+    assert spec.launcher.registration.origin.plugin == "thing_plugin"
+    assert spec.cluster.trainer_ranks == 3
+    assert spec.launcher.create(spec.cluster).config == LevelConfig(level=2)
+    assert made == [(LevelConfig(level=2), 3)]
+    job.write_text('[job]\nkind = "uses_it"\n[cluster]\nlauncher = "thing"\nlevle = 2\n')
+    with pytest.raises(UserError, match=r"job.toml:5: cluster.levle: unknown key \(did you mean 'level'\?\)"):
+        load_job(job, skyrl_empty_host)
+
+
+def test_a_product_lacking_its_kind_protocol_is_a_user_error(skyrl_empty_host, tmp_path) -> None:
+    """The host checks every factory's product against its kind's Protocol when it is made."""
+
+    class Plugin:
+        @hookimpl
+        def skyrl_register_engines(self, register):
+            register("half", lambda config: conforming(Engine, generate=None), description="an engine")
+
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            _register_job(register, "uses_it", {"engine": "half"})
+
+    skyrl_empty_host.add_plugin(Plugin(), "half_plugin")
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nkind = "uses_it"\n')
+    spec = load_job(job, skyrl_empty_host)
+    with pytest.raises(UserError) as info:
+        spec.plugins["engine"].create()
+    assert str(info.value) == (
+        "error: engine 'half' (plugin 'half_plugin') does not implement Engine: its factory returned FakeEngine, "
+        "which lacks generate"
+    )
 
 
 def test_hook_skyrl_register_jobs(skyrl_cli, skyrl_plugin, tmp_path) -> None:

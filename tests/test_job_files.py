@@ -26,13 +26,13 @@ from skyrl_host.plugins import build_host
 def skyrl_host() -> Any:
     """Only the plugins these job files use, so the messages that list what is
     available stay the same whatever else is installed."""
-    yield build_host(env={"SKYRL_LOAD_PLUGINS": "letter_count,reward_check,metrics_jsonl"})
+    yield build_host(env={"SKYRL_LOAD_PLUGINS": "letter_count,reward_check,metrics_jsonl,local,ray"})
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "reward_check.toml"
 USER_ERROR = 2
 
 VALID_TABLES = (
-    "valid tables: 'algorithm', 'backend', 'cluster', 'data', 'dataset', 'engine', 'job', 'model', "
+    "valid tables: 'algorithm', 'backend', 'cluster', 'corpus', 'data', 'dataset', 'engine', 'job', 'model', "
     "'precision', 'replay', 'sampler', 'weight_sync'"
 )
 JOB_KEYS = "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps', 'tensorboard'"
@@ -504,7 +504,7 @@ CASES = [
         [cluster]
         launcher = "rya"
         """,
-        ["error: {path}:8: cluster.launcher: expected one of 'local', 'ray', found string 'rya' (did you mean 'ray'?)"],
+        ["error: {path}:8: cluster.launcher: unknown launcher 'rya' (did you mean 'ray'?); available: 'local', 'ray'"],
     ),
     case(
         "cluster-cpus-and-gpus",
@@ -675,7 +675,7 @@ CASES = [
             "{path}:13: datset: unknown table (did you mean 'dataset'?)",
             "{path}:4: job.seed: expected a value >= 0, found -1",
             "{path}:3: job.steps: expected a value > 0, found 0",
-            "{path}:11: cluster.launcher: expected one of 'local', 'ray', found string 'rya' (did you mean 'ray'?)",
+            "{path}:11: cluster.launcher: unknown launcher 'rya' (did you mean 'ray'?); available: 'local', 'ray'",
             "{path}:8: dataset.alphabet: expected at least 2 distinct letters, found 'a'",
         ],
         problems=5,
@@ -914,7 +914,7 @@ CASES = [
             "  - {path}:3: job.steps: expected a value > 0, found 0\n"
             "  - {path}:5: dataset.name: missing required key (the dataset to use)\n"
             "  - {path}:6: dataset.nmae: unknown key (did you mean 'name'?)\n"
-            "  - {path}:9: cluster.launcher: expected one of 'local', 'ray', found string 'rya' (did you mean 'ray'?)\n"
+            "  - {path}:9: cluster.launcher: unknown launcher 'rya' (did you mean 'ray'?); available: 'local', 'ray'\n"
         ],
         problems=4,
     ),
@@ -1030,7 +1030,7 @@ def test_explain_lists_keys_with_type_default_and_description(skyrl_cli: Any) ->
         "  job.seed: an integer; default 0; value 1\n",
         "  job.batch_size: an integer; default 64; value 64\n"
         "      prompts drawn from the dataset per step (> 0)  [plugin 'reward_check' (skyrl-host ",
-        "  cluster.launcher: one of 'local', 'ray'; default 'local'; value 'local'\n",
+        "  cluster.launcher: a launcher name; default 'local'; value 'local'\n      selects the plugin  [host]\n",
         # The dataset slot of reward_check has no default: the key is required.
         "  dataset.name: a dataset name; default (required); value 'letter_count'\n      selects the plugin  [host]\n",
         "  dataset.min_len: an integer; default 4; value 5\n"

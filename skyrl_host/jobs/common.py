@@ -1,27 +1,10 @@
-"""What the job drivers share: the precision handed to plugins, the random state in a
-checkpoint, and the final model folder."""
+"""What the job drivers share: the step loop and the random state in a checkpoint."""
 
 from __future__ import annotations
 
 import pathlib
 import random
-from typing import Any
-
-from skyrl_host.errors import UserError
-
-
-def precision_kwargs(start: Any, precision: Any, what: str) -> dict[str, Any]:
-    """``{"precision": precision}`` for a ``start`` method that takes one; nothing for one
-    that does not, unless the precision quantizes (then a user error: the job asks for
-    something the plugin cannot do)."""
-    import inspect
-
-    if "precision" in inspect.signature(start).parameters:
-        return {"precision": precision}
-    if getattr(precision, "quantizes", False):
-        raise UserError(f"[precision] name = {precision.name!r}: the {what} plugin takes no precision (it cannot "
-                        "compute or serve quantized weights)")
-    return {}
+from typing import Any, Mapping, Protocol
 
 
 def save_rng(path: pathlib.Path) -> None:
@@ -42,24 +25,25 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy_rng"])
 
 
-def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, trained: dict[str, Any] | None = None) -> None:
-    """The backend's trained weights as a Hugging Face folder at ``path`` (through the
-    family, into ``loaded``'s model), with a LoRA backend's adapters beside it.
-    ``trained``: the backend's ``named_weights()`` when the caller already gathered them."""
-    import torch
+class StepDriver(Protocol):
+    """What :func:`run_steps` calls: a driver of one job kind, step by step."""
 
-    trained = dict(backend.named_weights()) if trained is None else trained
-    with torch.no_grad():
-        for name, param in loaded.model.state_dict().items():
-            if name in trained and trained[name].data_ptr() != param.data_ptr():
-                param.copy_(trained[name])
-    family.save(loaded, path)
-    adapter = getattr(backend, "adapter_config", None)
-    if callable(adapter) and adapter() is not None:  # LoRA: the adapters beside the merged model
-        backend.save_adapters(path)
+    run_: Any  # the skyrl_host.runner.Run
+    cfg: Any  # the kind's config: checkpoint_every, save_final
+    start_step: int  # set by build(): 1, or the step after the checkpoint resumed from
+
+    def build(self) -> None: ...
+
+    def step(self, step: int) -> Mapping[str, float]: ...
+
+    def _save_checkpoint(self, step: int) -> None: ...
+
+    def _save_final(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
-def run_steps(driver: Any) -> None:
+def run_steps(driver: StepDriver) -> None:
     """The loop every driver runs: ``build()``, then each step from ``start_step``
     (reported; a NaN ``loss*`` or ``grad*`` metric stops the job), a checkpoint every
     ``checkpoint_every`` steps and at the end, the final model when ``save_final``;

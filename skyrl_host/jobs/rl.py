@@ -20,10 +20,12 @@ from typing import Any, Mapping
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.checkpoints import CheckpointWriter
-from skyrl_host.config import ge, gt, option
+from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
+from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
-from skyrl_host.jobs.common import precision_kwargs, restore_rng, run_steps, save_rng, save_trained_model
+from skyrl_host.interfaces import CharacterAlphabet, PlacementRequest, RewardKL
+from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
+from skyrl_host.options import ge, gt, option
 
 SLOTS = {
     "model": None,
@@ -59,6 +61,7 @@ class RLDriver:
         self.run_ = run
         self.cfg: RLConfig = run.spec.kind_config
         self.seed = run.spec.job.seed
+        self.placement: Any = None
 
     # -- set-up ----------------------------------------------------------------
 
@@ -71,79 +74,34 @@ class RLDriver:
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         self.dataset = run.plugin("dataset").create(seed=self.seed)
-        self.family = run.plugin("model").create()
-        alphabet = getattr(self.dataset, "alphabet", None)
-        on_ray = run.spec.cluster.launcher == "ray"
-        if on_ray and callable(getattr(self.family, "load_tokenizer", None)):
-            self.loaded = self.family.load_tokenizer(alphabet=alphabet)  # the actors hold the models
-        else:
-            self.loaded = self.family.load(alphabet=alphabet, seed=self.seed)
-        self.tokenizer = self.loaded.tokenizer
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
-        self.transport = run.plugin("weight_sync").create()
-        self.ray_sync = None
-        if on_ray:
-            self._start_ray_actors(alphabet)
-        else:
-            self.backend = run.plugin("backend").create()
-            self.replay = [choice.create() for choice in run.plugin("replay")]
-            precision = run.plugin("precision").create()
-            extra = {"replay": self.replay} if self.replay else {}
-            extra.update(precision_kwargs(self.backend.start, precision, "backend"))
-            try:
-                self.backend.start(
-                    self.loaded, seed=self.seed, total_steps=run.total_steps,
-                    reference=bool(self.algorithm.needs_reference), **extra,
-                )
-            except ValueError as exc:
-                if not self.replay:
-                    raise
-                raise UserError(f"[replay] strategies: {exc}") from None
-            self.engine = run.plugin("engine").create()
-            self.engine.start(self.loaded, **precision_kwargs(self.engine.start, precision, "engine"))
+        alphabet = self.dataset.alphabet if has(self.dataset, CharacterAlphabet) else None
+        request = PlacementRequest(
+            model=run.plugin("model"), backend=run.plugin("backend"), precision=run.plugin("precision"),
+            alphabet=alphabet, seed=self.seed, total_steps=run.total_steps, algorithm=self.algorithm,
+            replay=tuple(run.plugin("replay")), engine=run.plugin("engine"), sampler=run.plugin("sampler"),
+            weight_sync=run.plugin("weight_sync"), threads=cfg.threads,
+        )
+        self.placement = run.launcher().place(request)
+        self.loaded = self.placement.loaded
+        self.tokenizer = self.loaded.tokenizer
+        self.backend, self.engine = self.placement.backend, self.placement.engine
+        self.kl_in_reward = has(self.algorithm, RewardKL) and bool(self.algorithm.kl_in_reward)
         self.start_step = 1
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
             self.start_step = run.resume_step + 1
         self._publish(self.start_step - 1)
 
-    def _start_ray_actors(self, alphabet: str | None) -> None:
-        """The backend's ranks and the engine's replicas in Ray actors; weights through the
-        transport's halves."""
-        from skyrl_host.jobs import ray_actors
-
-        run, cluster = self.run_, self.run_.spec.cluster
-        self._own_ray = ray_actors.start_ray(cluster)
-        plugins = {t: run.plugin(t) for t in ("model", "sampler", "engine", "weight_sync", "algorithm", "backend", "replay",
-                                             "precision")}
-        backends = ray_actors.start_backend_ranks(run, plugins, alphabet, self.seed, self.cfg.threads)
-        replicas = cluster.engine_replicas
-        engines = ray_actors.start_actors(
-            ray_actors.EngineWorker, [(plugins, alphabet, self.seed, self.cfg.threads)] * replicas,
-            cpus=cluster.cpus_per_actor,
-        )
-        self.backend = ray_actors.RemoteBackend(backends)
-        self.engine = ray_actors.RemoteEngine(engines)
-        self.ray_sync = ray_actors.RaySync(self.transport, backends, engines)
-
     def _publish(self, version: int) -> Mapping[str, float]:
-        if self.ray_sync is not None:
-            return self.ray_sync.publish(version)
-        return self.transport.publish(self.backend, self.engine, version)
+        return self.placement.publish(version)
 
     def close(self) -> None:
-        """Stop what the Ray launcher started (also after a failed start)."""
-        own_ray = getattr(self, "_own_ray", None)
-        if own_ray is None:
-            return
-        from skyrl_host.jobs import ray_actors
-
-        try:
-            ray_actors.shutdown(own_ray, self.ray_sync)
-        finally:
-            self.ray_sync = None
-            self._own_ray = None
+        """Stop what the launcher started (also after a failed start)."""
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.close()
 
     # -- one step ----------------------------------------------------------------
 
@@ -226,7 +184,7 @@ class RLDriver:
             "kept_groups": float(n_groups),
             "refill_rounds": float(rounds),
         }
-        if batch.n_sequences > 0 and self._kl_in_reward():
+        if batch.n_sequences > 0 and self.kl_in_reward:
             # KL against the reference policy as a reward penalty (instead of a loss term).
             ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)
             penalty = np.asarray(self.algorithm.kl_reward_penalty(batch, ref), dtype=np.float32)
@@ -248,10 +206,6 @@ class RLDriver:
         metrics["step_time"] = time.perf_counter() - t0
         return metrics
 
-    def _kl_in_reward(self) -> bool:
-        config = getattr(self.algorithm, "config", None)
-        return bool(self.algorithm.needs_reference and getattr(config, "kl_in_reward", False))
-
     # -- checkpoints ----------------------------------------------------------------
 
     def _save_checkpoint(self, step: int) -> None:
@@ -270,20 +224,16 @@ class RLDriver:
             rng = torch.load(folder / "rng.pt", weights_only=False)
         except (OSError, RuntimeError) as exc:
             raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
-        self.backend.load_state_dict(state)
+        load_backend_state(folder, self.backend, state)
         restore_rng(rng)
 
     def _save_final(self) -> None:
-        if self.ray_sync is not None:
-            self.backend.save_final(str(self.run_.output_dir / "final"))
-        else:
-            save_trained_model(self.backend, self.family, self.loaded, str(self.run_.output_dir / "final"))
+        self.placement.save_final(str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------
 
     def run(self) -> None:
         self.run_.headline = ["reward_mean", "accuracy", "entropy"]
-        self.ray_sync = None
         run_steps(self)
 
 

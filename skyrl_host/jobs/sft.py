@@ -16,8 +16,9 @@ negative log-likelihood of the tokens the corpus's loss mask marks.
   strategy's position and the backend's state are in every checkpoint, so after
   ``skyrl run --resume`` no document is repeated or skipped.
 
-The corpora are read with ``skyrl_datasets.corpus.open_corpus`` (the skyrl-datasets
-distribution): local prefixes or fsspec URLs, read lazily through a local cache.
+The corpora are opened by the ``[corpus]`` reader (a plugin; the default,
+``pretokenized`` of skyrl-datasets, reads local prefixes or fsspec URLs lazily through a
+local cache, in its own format or Megatron's .bin/.idx).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from typing import Any, Literal, Mapping, Sequence
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.checkpoints import CheckpointWriter
-from skyrl_host.config import OptionError, ge, gt, locate_keys, option
+from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
+from skyrl_host.config import locate_keys
 from skyrl_host.errors import Problem, UserError
-from skyrl_host.jobs.common import precision_kwargs, restore_rng, run_steps, save_rng, save_trained_model
+from skyrl_host.interfaces import PlacementRequest
+from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
+from skyrl_host.options import OptionError, ge, gt, option
 
-SLOTS = {"model": None, "backend": "torch", "data": "sequential", "precision": "bf16"}
+SLOTS = {"model": None, "backend": "torch", "data": "sequential", "precision": "bf16", "corpus": "pretokenized"}
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -185,15 +188,12 @@ def check_sft_job(spec: Any) -> list[tuple[str, str]]:
             "a preset model builds a character-level tokenizer: set job.alphabet to the characters the corpus was "
             "tokenized with, or load a model with path",
         ))
-    try:
-        from skyrl_datasets.corpus import open_corpus
-    except ImportError:
-        return problems + [("job.data_paths", "reading corpora needs the skyrl-datasets distribution (pip install skyrl-datasets)")]
+    reader = spec.plugins["corpus"].create()
     for i, path in enumerate(cfg.data_paths):
         if _is_url(path):
             continue  # opened (and its errors reported) when the job starts, not by validate
         try:
-            open_corpus(path).close()
+            reader.open(path).close()
         except UserError as exc:
             problems.append(("job.data_paths", f"[{i}] {path!r}: " + "; ".join(p.message for p in exc.problems)))
     data = spec.plugins.get("data")
@@ -212,6 +212,7 @@ class SFTDriver:
         self.seed = run.spec.job.seed
         self.corpora: list[Any] = []
         self.samples: Any = None
+        self.placement: Any = None
 
     # -- errors located in the job file ---------------------------------------------
 
@@ -228,31 +229,25 @@ class SFTDriver:
     def build(self) -> None:
         import torch
 
-        from skyrl_datasets.corpus import open_corpus
-
         run, cfg = self.run_, self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
+        reader = run.plugin("corpus").create()
         for i, path in enumerate(cfg.data_paths):
             try:
-                self.corpora.append(open_corpus(path, storage_options=cfg.storage_options or None, cache_dir=cfg.cache_dir))
+                self.corpora.append(reader.open(path, storage_options=cfg.storage_options or None, cache_dir=cfg.cache_dir))
             except UserError as exc:
                 raise self._problem("job.data_paths", f"[{i}] {path!r}: " + "; ".join(p.message for p in exc.problems)) from None
-        self.family = run.plugin("model").create()
         self.loss = SFTLoss()
-        if run.spec.cluster.launcher == "ray":  # the backend's ranks in Ray actors, each with its model
-            from skyrl_host.jobs import ray_actors
-
-            self._own_ray = ray_actors.start_ray(run.spec.cluster)
-            choices = {t: run.plugin(t) for t in ("model", "backend", "precision")}
-            actors = ray_actors.start_backend_ranks(run, choices, cfg.alphabet, self.seed, cfg.threads, self.loss)
-            self.backend = ray_actors.RemoteBackend(actors)
-            self.vocab_size = int(ray_actors.ray_get(actors[0].vocab_size.remote()))
-        else:
-            self.loaded = self.family.load(alphabet=cfg.alphabet, seed=self.seed)
-            self.vocab_size = int(self.loaded.model.get_input_embeddings().num_embeddings)
+        request = PlacementRequest(
+            model=run.plugin("model"), backend=run.plugin("backend"), precision=run.plugin("precision"),
+            alphabet=cfg.alphabet, seed=self.seed, total_steps=run.total_steps, algorithm=self.loss, threads=cfg.threads,
+        )
+        self.placement = run.launcher().place(request)
+        self.backend = self.placement.backend
+        self.vocab_size = self.placement.vocab_size
         for i, corpus in enumerate(self.corpora):
             v = corpus.meta.get("vocab_size")
             if v is not None and int(v) > self.vocab_size:
@@ -261,11 +256,6 @@ class SFTDriver:
                     f"[{i}] {cfg.data_paths[i]!r} was tokenized for {int(v)} ids, the model has {self.vocab_size}: "
                     "tokenize with the model's tokenizer",
                 )
-        if run.spec.cluster.launcher != "ray":
-            self.backend = run.plugin("backend").create()
-            precision = run.plugin("precision").create()
-            self.backend.start(self.loaded, seed=self.seed, total_steps=run.total_steps, reference=False,
-                               **precision_kwargs(self.backend.start, precision, "backend"))
         self.strategy = run.plugin("data").create()
         try:
             self.strategy.bind([c.lengths for c in self.corpora], self.seed)
@@ -291,12 +281,9 @@ class SFTDriver:
         self.samples.flush()
 
     def close(self) -> None:
-        own_ray = getattr(self, "_own_ray", None)
-        if own_ray is not None:
-            from skyrl_host.jobs import ray_actors
-
-            self._own_ray = None
-            ray_actors.shutdown(own_ray)
+        placement, self.placement = self.placement, None
+        if placement is not None:
+            placement.close()
         if self.samples is not None:
             self.samples.close()
             self.samples = None
@@ -392,18 +379,14 @@ class SFTDriver:
             raise self._problem(
                 "job.data_paths", f"--resume: the checkpoint was trained on {driver.get('data_paths')!r}, not these paths"
             )
-        self.backend.load_state_dict(state)
+        load_backend_state(folder, self.backend, state)
         self.strategy.load_state_dict(driver["strategy"])
         self.pending = [list(map(int, p)) for p in driver["pending"]]
         self.drawn = [int(x) for x in driver["drawn"]]
         restore_rng(rng)
 
     def _save_final(self) -> None:
-        path = str(self.run_.output_dir / "final")
-        if self.run_.spec.cluster.launcher == "ray":
-            self.backend.save_final(path)  # gathered from the ranks, saved by rank 0
-        else:
-            save_trained_model(self.backend, self.family, self.loaded, path)
+        self.placement.save_final(str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------
 

@@ -35,6 +35,11 @@ class PolicyGradient:
         return self.config.kl_coef > 0
 
     @property
+    def kl_in_reward(self) -> bool:
+        """True when the KL penalty goes into the rewards (the RewardKL capability)."""
+        return self.needs_reference and bool(self.config.kl_in_reward)
+
+    @property
     def dynamic_sampling(self) -> bool:
         return bool(self.config.dynamic_sampling)
 

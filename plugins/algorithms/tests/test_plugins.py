@@ -13,7 +13,7 @@ import skyrl_algorithms.dr_grpo
 import skyrl_algorithms.grpo
 import skyrl_algorithms.gspo
 import skyrl_algorithms.rloo
-from skyrl_host.config import _Located, structure_table
+from skyrl_host.config import Located, structure_table
 from skyrl_host.interfaces import Algorithm
 
 MODULES = {
@@ -63,7 +63,7 @@ def test_defaults(name: str) -> None:
 
 
 def check(data: dict, cls=skyrl_algorithms.grpo.GrpoConfig):
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     inst = structure_table(cls, data, "algorithm", out, skip=["name"])
     return inst, [f"{p.key}: {p.message}" for p in out.problems]
 

@@ -227,20 +227,20 @@ def test_unknown_or_missing_targets_are_user_errors(tiny) -> None:
 
 
 def test_lora_options_are_validated() -> None:
-    from skyrl_host.config import _Located, structure_table
+    from skyrl_host.config import Located, structure_table
 
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     bad = {"lora_rank": -1, "lora_alpha": 0, "lora_dropout": 1.0}
     assert structure_table(TorchBackendConfig, bad, "backend", out) is None
     assert {p.key for p in out.problems} == {f"backend.{k}" for k in bad}
 
     for table, key in (({"lora_targets": ["q_proj"]}, "lora_targets"), ({"lora_dropout": 0.1}, "lora_dropout"),
                        ({"lora_rank": 4, "lora_targets": ["model.q_proj"]}, "lora_targets")):
-        out = _Located("job.toml", {})
+        out = Located("job.toml", {})
         assert structure_table(TorchBackendConfig, table, "backend", out) is None
         assert [p.key for p in out.problems] == [f"backend.{key}"], table
 
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     ok = structure_table(TorchBackendConfig, {"lora_rank": 8, "lora_targets": ["q_proj", "v_proj"]}, "backend", out)
     assert out.problems == [] and ok.lora_rank == 8 and ok.lora_alpha == 16.0 and ok.lora_targets == ["q_proj", "v_proj"]
     assert TorchBackendConfig().lora_rank == 0  # full fine-tuning by default

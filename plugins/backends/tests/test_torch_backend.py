@@ -425,24 +425,24 @@ def test_registered_through_the_installed_entry_point(skyrl_host) -> None:
 
 
 def test_options_are_validated() -> None:
-    from skyrl_host.config import _Located, structure_table  # the host's own validation, as in its tests
+    from skyrl_host.config import Located, structure_table  # the host's own validation, as in its tests
 
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     assert structure_table(TorchBackendConfig, {"data_parallel": "fsdp", "lr": "high"}, "backend", out) is None
     assert {p.key for p in out.problems} == {"backend.data_parallel", "backend.lr"}
     assert "did you mean 'fsdp2'" in str(out.problems)
 
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     bad = {"lr": 0, "betas": [0.9, 1.5], "micro_batch_tokens": 0, "max_grad_norm": -1, "warmup_steps": -1,
            "pack_length": 0}
     assert structure_table(TorchBackendConfig, bad, "backend", out) is None
     assert {p.key for p in out.problems} == {f"backend.{k}" for k in bad}
 
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     assert structure_table(TorchBackendConfig, {"min_lr_ratio": 0.5}, "backend", out) is None
     assert [p.key for p in out.problems] == ["backend.min_lr_ratio"]  # needs schedule = "cosine"
 
-    out = _Located("job.toml", {})
+    out = Located("job.toml", {})
     ok = structure_table(TorchBackendConfig, {"schedule": "cosine", "min_lr_ratio": 0.5, "betas": [0.9, 0.95]}, "backend", out)
     assert out.problems == [] and ok.betas == (0.9, 0.95) and ok.data_parallel == "none" and ok.pack_length == 256
 

@@ -116,7 +116,7 @@ class EmbeddedEngine:
                     "engine.return_routed_experts is set, but the model has no MoE routers "
                     f"(model family {loaded.family or '?'!r} lists none): routing capture needs a mixture-of-experts model"
                 )
-            from skyrl_replay.routing import RouterHooks, expert_dtype
+            from skyrl_host.routing import RouterHooks, expert_dtype
 
             self._hooks = RouterHooks(self.model, self.routers)
             self.route_dtype = expert_dtype(self._hooks.n_experts)

@@ -50,7 +50,7 @@ def Embedded(config: EmbeddedConfig | None = None) -> Any:
 
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level check (``skyrl validate``): routing capture needs a model with MoE layers."""
-    from skyrl_replay._checks import model_is_moe
+    from skyrl_host.routing import model_is_moe
 
     engine, model = spec.plugins.get("engine"), spec.plugins.get("model")
     if engine is None or model is None or not engine.config.return_routed_experts:

@@ -10,7 +10,7 @@ import torch
 
 from skyrl_host.interfaces import LoadedModel, ReplayView
 from skyrl_host.rollout import CSR
-from skyrl_replay.routing import RouterHooks
+from skyrl_host.routing import RouterHooks
 
 
 def _missing(strategy: str, channel: str, how: str) -> ValueError:

@@ -25,7 +25,7 @@ from skyrl_host.interfaces import ReplayStrategy, ReplayView
 from skyrl_host.rollout import CSR
 from skyrl_replay._impl import RoutingReplay, SupportReplay
 from skyrl_replay.support_math import masked_logprobs, support_logprobs
-from skyrl_samplers._processing import TruncatedSampler
+from skyrl_samplers.processing import TruncatedSampler
 
 ALPHABET = "0123456789+=:"
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9], [12], [4, 4, 10, 11, 3]]

@@ -12,8 +12,10 @@ def weights_to_serve(backend: Any) -> Iterable[tuple[str, Any]]:
     """What a sender publishes: the backend's ``serving_weights()`` (with a quantized
     precision: each quantized weight as payload + ``<name>@<format>`` scales) where it
     has them, else its ``named_weights()``."""
-    serving = getattr(backend, "serving_weights", None)
-    return serving() if callable(serving) else backend.named_weights()
+    from skyrl_host.contracts import has
+    from skyrl_host.interfaces import QuantizedServing
+
+    return backend.serving_weights() if has(backend, QuantizedServing) else backend.named_weights()
 
 
 def wire_dtype_problem(spec: Any, transport_name: str, hint: str = "") -> list[tuple[str, str]]:

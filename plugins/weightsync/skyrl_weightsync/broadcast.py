@@ -47,6 +47,8 @@ class BroadcastConfig:
 
 class Broadcast:
     collective = True  # sender and receivers take part in the same collectives: start the receiver first
+    rendezvous = False
+    carries_payload = False
 
     def __init__(self, config: BroadcastConfig):
         self.config = config

@@ -21,6 +21,8 @@ import time
 from typing import Any, Mapping
 
 from skyrl_host import hookimpl
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import AdapterServing, AdapterTraining, SharedWeights, UpdateStats
 from skyrl_weightsync import weights_to_serve
 
 
@@ -30,16 +32,16 @@ class Inproc:
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         start = time.perf_counter()
-        adapter = backend.adapter_config() if callable(getattr(backend, "adapter_config", None)) else None
-        if adapter is not None and callable(getattr(engine, "update_adapter", None)):
+        adapter = backend.adapter_config() if has(backend, AdapterTraining) else None
+        if adapter is not None and has(engine, AdapterServing):
             # A LoRA backend: the engine serves the frozen base (possibly the very same tensors)
             # plus a copy of the adapters; merged weights must never be written into a shared base.
             engine.update_adapter(backend.named_adapters(), adapter, version)
-        elif getattr(engine, "shares_weights", False):
+        elif has(engine, SharedWeights) and engine.shares_weights:
             engine.update_weights(backend.named_weights(), version)  # the same tensors: nothing moves
         else:  # with a quantized precision: the payloads and scales the trainer's forward used
             engine.update_weights(weights_to_serve(backend), version)
-        stats = getattr(engine, "last_update", {}) or {}
+        stats = (engine.last_update or {}) if has(engine, UpdateStats) else {}
         return {
             "sync_seconds": time.perf_counter() - start,
             "sync_bytes_copied": float(stats.get("bytes", 0)),

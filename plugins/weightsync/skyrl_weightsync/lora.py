@@ -30,6 +30,8 @@ import time
 from typing import Any, Mapping
 
 from skyrl_host import hookimpl
+from skyrl_host.contracts import has, require
+from skyrl_host.interfaces import AdapterServing, AdapterTraining
 
 PAYLOAD_FORMAT = 1
 
@@ -52,7 +54,7 @@ class LoraSender:
         import torch
 
         start = time.perf_counter()
-        config = backend.adapter_config() if callable(getattr(backend, "adapter_config", None)) else None
+        config = backend.adapter_config() if has(backend, AdapterTraining) else None
         if config is None:
             raise LoraSyncError(
                 f"version {version}: the backend trains no LoRA adapters ([backend] lora_rank = 0); "
@@ -141,6 +143,8 @@ class LoraReceiver:
 class Lora:
     """The ``lora`` transport (see the module docstring)."""
 
+    collective = False
+    rendezvous = False
     carries_payload = True  # the sender's payload travels to the receiver with the call (no shared storage)
 
     def __init__(self, config: Any = None):
@@ -157,6 +161,7 @@ class Lora:
         """Both halves in one process: the adapters are copied (never shared with the
         trainer, which keeps training them) and applied to the engine."""
         start = time.perf_counter()
+        require(engine, AdapterServing, who=f"the engine ({type(engine).__name__})", needed_by="transport 'lora'")
         stats, payload = self.sender().publish(version, backend)
         receiver = self._receivers.setdefault(id(engine), LoraReceiver())
         applied = receiver.sync(engine, target=version, payload=payload)

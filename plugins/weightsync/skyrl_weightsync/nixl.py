@@ -90,7 +90,9 @@ class Nixl:
     """The transport: ``sender(rank=, world=)`` on each trainer rank, ``receiver(shard=, device=)``
     on each engine rank; ``publish`` runs both halves in one process (``launcher = "local"``)."""
 
+    collective = False
     rendezvous = True  # the receivers need the senders' endpoint() bytes (after the first publish): connect(endpoints)
+    carries_payload = False
 
     def __init__(self, config: NixlConfig | None = None):
         self.config = config or NixlConfig()

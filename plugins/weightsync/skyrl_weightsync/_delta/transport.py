@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import SharedWeights
 from skyrl_weightsync import weights_to_serve
 
 from .receiver import DeltaReceiver
@@ -15,6 +17,8 @@ class Delta:
     """The ``delta`` transport: a sender and a receiver over one URL."""
 
     collective = False  # the receiver reads what the sender wrote: publish first, then sync
+    rendezvous = False
+    carries_payload = False
 
     def __init__(self, config: Any):
         self.config = config
@@ -31,7 +35,7 @@ class Delta:
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         """One process: publish the backend's weights, then bring the engine up to date."""
-        if getattr(engine, "shares_weights", False) and self.config.dtype != _param_dtype(backend):
+        if has(engine, SharedWeights) and engine.shares_weights and self.config.dtype != _param_dtype(backend):
             raise ValueError(
                 f"the delta transport ships weights as {self.config.dtype}, but the engine shares the trainer's "
                 f"tensors ({_param_dtype(backend)}), so applying them would overwrite the trainer's weights: "

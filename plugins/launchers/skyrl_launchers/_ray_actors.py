@@ -1,27 +1,21 @@
-"""``[cluster] launcher = "ray"``: the backend's ranks and the engine's replicas in Ray
-actors (imports ray only when used).
+"""The Ray launcher's actors and the driver's handles on them (imports ray and torch).
 
-The driver process keeps the dataset, the algorithm (for advantages) and the
-tokenizer. Each actor builds its own copy of the model from the same family plugin and
-seed. The ``[cluster] trainer_ranks`` backend actors share one placement group (one
-bundle each: ``cpus_per_actor`` CPUs, or one GPU when the cluster has them) and one
-``torch.distributed`` group (gloo on CPU, NCCL on GPU) in which the backend runs data
-parallel (``[backend] data_parallel``); the ``engine_replicas`` engine actors share
-another placement group.
-
-- an **engine actor** starts the engine and the weight transport's receiver and answers
-  ``generate`` with the RolloutBatch's numpy arrays (``RolloutBatch.to_arrays``), which
-  travel through Ray's object store and reach the driver as zero-copy, read-only views;
-  the driver splits a step's prompts between the replicas and joins their batches;
-- a **backend actor** (one per rank) starts the backend (with the job's replay
-  strategies) and trains on its share of each batch's sequences (again numpy arrays
-  through the object store); rank 0 holds the transport's sender (every rank, for
-  sharded transports) and publishes each version.
+- an **engine actor** starts the engine (:func:`skyrl_host.launch.start_engine`) and
+  the weight transport's receiver and answers ``generate`` with the RolloutBatch's
+  numpy arrays (``RolloutBatch.to_arrays``), which travel through Ray's object store
+  and reach the driver as zero-copy, read-only views; the driver splits a step's
+  prompts between the replicas and joins their batches;
+- a **backend actor** (one per rank) starts the backend
+  (:func:`skyrl_host.launch.start_backend`, with the job's replay strategies and
+  precision) and trains on its share of each batch's sequences; rank 0 holds the
+  transport's sender (every rank, for rendezvous transports) and publishes each version.
 
 Weights move only through the job's weight transport, never through Ray's object store
 (``delta`` through its URL; ``broadcast`` over a group of its own between backend rank 0
 and the engines; ``nixl`` from every backend rank to every engine; ``lora``'s adapters
-as one object handed from rank 0 to the engines).
+as one object handed from rank 0 to the engines). Everything a placement started
+(actors, placement groups, groups, Ray itself when it started it) belongs to its
+:class:`RayPlacement` and goes with its ``close``.
 """
 
 from __future__ import annotations
@@ -33,8 +27,18 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from skyrl_host.contracts import describe, has, require
 from skyrl_host.errors import UserError
-from skyrl_host.jobs.common import precision_kwargs, save_trained_model
+from skyrl_host.interfaces import (
+    AdapterTraining,
+    LoadedModel,
+    PlacementRequest,
+    QuantizedServing,
+    ShardedWeights,
+    SplitTransport,
+    TokenizerLoading,
+)
+from skyrl_host.launch import save_trained_model, start_backend, start_engine, trains_adapters, vocab_size
 
 
 def ray_get(refs: Any) -> Any:
@@ -93,20 +97,18 @@ def _destroy(group: Any) -> None:
 
 
 class EngineWorker:
-    """One engine replica's actor (wrapped with ``ray.remote`` by :func:`start_actors`)."""
+    """One engine replica's actor (wrapped with ``ray.remote`` by :class:`Actors`)."""
 
-    def __init__(self, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None):
+    def __init__(self, request: PlacementRequest):
         import torch
 
-        if threads:
-            torch.set_num_threads(threads)
-        self.family = choices["model"].create()
-        self.loaded = self.family.load(alphabet=alphabet, seed=seed)
-        self.sampler = choices["sampler"].create()
-        self.engine = choices["engine"].create()
-        precision = choices["precision"].create()
-        self.engine.start(self.loaded, **precision_kwargs(self.engine.start, precision, "engine"))
-        self.transport = choices["weight_sync"].create()
+        if request.threads:
+            torch.set_num_threads(request.threads)
+        self.family = request.model.create()
+        self.loaded = self.family.load(alphabet=request.alphabet, seed=request.seed)
+        self.sampler = request.sampler.create()
+        self.engine = start_engine(request, self.loaded, request.precision.create())
+        self.transport = request.weight_sync.create()
         self.receiver: Any = None
         self.group: Any = None
 
@@ -126,7 +128,7 @@ class EngineWorker:
         self.receiver.connect(list(endpoints))
 
     def sync(self, version: int, payload: Any = None) -> Mapping[str, float]:
-        kwargs: dict[str, Any] = {} if getattr(self.transport, "collective", False) else {"target": version}
+        kwargs: dict[str, Any] = {} if self.transport.collective else {"target": version}
         if payload is not None:
             kwargs["payload"] = payload
         return self.receiver.sync(self.engine, **kwargs)
@@ -147,23 +149,20 @@ class EngineWorker:
 
 
 class BackendWorker:
-    """One backend rank's actor (wrapped with ``ray.remote`` by :func:`start_actors`)."""
+    """One backend rank's actor (wrapped with ``ray.remote`` by :class:`Actors`)."""
 
-    def __init__(self, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None,
-                 rank: int, world: int, algorithm: Any = None):
-        """``algorithm``: the loss to train with, when the job kind has no ``[algorithm]``
-        (``sft`` passes its own); a job without ``[weight_sync]`` publishes nothing."""
+    def __init__(self, request: PlacementRequest, rank: int, world: int):
+        """A job without ``[weight_sync]`` (sft) publishes nothing."""
         import torch
 
-        if threads:
-            torch.set_num_threads(threads)
-        self.choices, self.alphabet, self.seed = choices, alphabet, seed
+        if request.threads:
+            torch.set_num_threads(request.threads)
+        self.request = request
         self.rank, self.world = rank, world
-        self.family = choices["model"].create()
-        self.loaded = self.family.load(alphabet=alphabet, seed=seed)
-        self.algorithm = algorithm if algorithm is not None else choices["algorithm"].create()
-        self.backend = choices["backend"].create()
-        self.transport = choices["weight_sync"].create() if "weight_sync" in choices else None
+        self.family = request.model.create()
+        self.loaded = self.family.load(alphabet=request.alphabet, seed=request.seed)
+        self.transport = request.weight_sync.create() if request.weight_sync is not None else None
+        self.backend: Any = None
         self.sender: Any = None
         self.group: Any = None
 
@@ -174,9 +173,9 @@ class BackendWorker:
         return _address()
 
     def vocab_size(self) -> int:
-        return int(self.loaded.model.get_input_embeddings().num_embeddings)
+        return vocab_size(self.loaded.model)
 
-    def start(self, total_steps: int, dp_address: str | None) -> None:
+    def start(self, dp_address: str | None) -> None:
         """Join the ranks' data-parallel group (when there are several), then start the backend."""
         import torch
 
@@ -185,20 +184,16 @@ class BackendWorker:
 
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
             dist.init_process_group(_dist_backend(), init_method=dp_address, rank=self.rank, world_size=self.world)
-        torch.manual_seed(self.seed)  # as the one-process driver does before starting the backend
-        replay = [c.create() for c in self.choices.get("replay", ())]
-        extra: dict[str, Any] = {"replay": replay} if replay else {}
-        extra.update(precision_kwargs(self.backend.start, self.choices["precision"].create(), "backend"))
-        try:
-            self.backend.start(self.loaded, seed=self.seed, total_steps=total_steps,
-                               reference=bool(self.algorithm.needs_reference), **extra)
-        except ValueError as exc:
-            if not replay:
-                raise
-            raise UserError(f"[replay] strategies: {exc}") from None
+        torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
+        request = self.request
+        precision = request.precision.create()
+        self.backend = start_backend(request, self.loaded, request.algorithm, precision)
+        if self.transport is not None and self.transport.rendezvous:
+            require(self.backend, ShardedWeights, who=describe(request.backend),
+                    needed_by=f"transport {request.weight_sync.name!r}")
 
     def init_sender(self, group: tuple[str, int, int] | None = None) -> None:
-        if getattr(self.transport, "rendezvous", False):  # every rank serves its own shards
+        if self.transport.rendezvous:  # every rank serves its own shards
             self.sender = self.transport.sender(rank=self.rank, world=self.world)
         elif self.rank == 0:
             if group is not None:
@@ -210,24 +205,23 @@ class BackendWorker:
     def publish(self, version: int) -> Any:
         """Publish ``version``; every rank calls it (gathering sharded weights is a
         collective). Transports that carry their payload return (stats, payload)."""
-        if getattr(self.transport, "carries_payload", False):
+        serving = self.backend.serving_weights if has(self.backend, QuantizedServing) else None
+        if self.transport.carries_payload:
             if self.sender is None:
-                if callable(getattr(self.backend, "named_adapters", None)):
+                if has(self.backend, AdapterTraining):
                     for _ in self.backend.named_adapters():  # take part in the gather (FSDP2); rank 0 publishes
                         pass
                 return {}, None
             return self.sender.publish(version, self.backend)
-        if getattr(self.transport, "rendezvous", False):  # every rank serves what it holds
+        if self.transport.rendezvous:  # every rank serves what it holds
             local = list(self.backend.local_weights())
-            serving = getattr(self.backend, "serving_weights", None)  # quantized, with a precision
-            if not any(hasattr(t, "placements") for _, t in local):
+            if not any(hasattr(t, "placements") for _, t in local):  # no DTensor shards
                 # Whole tensors on every rank (DDP, or one rank): rank 0 serves them.
-                local = (list(serving()) if callable(serving) else local) if self.rank == 0 else []
-            elif callable(serving):  # FSDP2: each rank its own shards (quantized by itself)
+                local = (list(serving()) if serving is not None else local) if self.rank == 0 else []
+            elif serving is not None:  # FSDP2: each rank its own shards (quantized by itself)
                 local = list(serving(local=True))
             return self.sender.publish(version, local)
-        serving = getattr(self.backend, "serving_weights", None)  # quantized payloads + scales, with a precision
-        weights = serving() if callable(serving) else self.backend.named_weights()
+        weights = serving() if serving is not None else self.backend.named_weights()
         if self.sender is None:
             for _ in weights:  # take part in the gather; rank 0 publishes
                 pass
@@ -241,7 +235,7 @@ class BackendWorker:
                    max_new_tokens: int) -> Mapping[str, float]:
         from skyrl_host.rollout import RolloutBatch
 
-        return self.backend.train_step(RolloutBatch.from_arrays(arrays), advantages, self.algorithm,
+        return self.backend.train_step(RolloutBatch.from_arrays(arrays), advantages, self.request.algorithm,
                                        temperature=temperature, max_new_tokens=max_new_tokens)
 
     def reference_logprobs(self, arrays: Mapping[str, Any], temperature: float) -> Any:
@@ -258,13 +252,13 @@ class BackendWorker:
 
     def save_final(self, path: str) -> None:
         trained = dict(self.backend.named_weights())  # a collective with several ranks
-        lora = callable(getattr(self.backend, "adapter_config", None)) and self.backend.adapter_config() is not None
         if self.rank != 0:
-            if lora:
+            if trains_adapters(self.backend):
                 self.backend.save_adapters(path)  # a collective under FSDP2; rank 0 writes
             return
         # With several ranks the model this actor holds is sharded or wrapped: save a fresh copy.
-        loaded = self.loaded if self.world == 1 else self.family.load(alphabet=self.alphabet, seed=self.seed)
+        request = self.request
+        loaded = self.loaded if self.world == 1 else self.family.load(alphabet=request.alphabet, seed=request.seed)
         save_trained_model(self.backend, self.family, loaded, path, trained=trained)
 
     def close(self) -> None:
@@ -370,9 +364,9 @@ class RaySync:
 
     def __init__(self, transport: Any, backend_actors: Sequence[Any], engine_actors: Sequence[Any]):
         self.backends, self.engines = list(backend_actors), list(engine_actors)
-        self.collective = bool(getattr(transport, "collective", False))
-        self.rendezvous = bool(getattr(transport, "rendezvous", False))
-        self.carries_payload = bool(getattr(transport, "carries_payload", False))
+        self.collective = bool(transport.collective)
+        self.rendezvous = bool(transport.rendezvous)
+        self.carries_payload = bool(transport.carries_payload)
         self.connected = False
         if self.collective:  # backend rank 0 and every engine in a group of their own
             address = ray_get(self.backends[0].address.remote())
@@ -409,94 +403,141 @@ class RaySync:
         ray_get([a.close.remote() for a in self.backends + self.engines])
 
 
-def start_backend_ranks(run: Any, choices: Mapping[str, Any], alphabet: str | None, seed: int, threads: int | None,
-                        algorithm: Any = None) -> list[Any]:
-    """``[cluster] trainer_ranks`` backend actors in one placement group, joined in one
-    data-parallel group (when there are several) and started: ready to train."""
-    cluster = run.spec.cluster
-    ranks = cluster.trainer_ranks
-    backends = start_actors(
-        BackendWorker, [(choices, alphabet, seed, threads, rank, ranks, algorithm) for rank in range(ranks)],
-        cpus=cluster.cpus_per_actor,
-    )
-    dp_address = ray_get(backends[0].address.remote()) if ranks > 1 else None
-    ray_get([b.start.remote(run.total_steps, dp_address) for b in backends])
-    return backends
+class Actors:
+    """The actors and placement groups one placement started, released together."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[list[Any], Any]] = []  # (actors, placement group)
+
+    def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0) -> list[Any]:
+        """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
+        placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
+        enough to give each one); waits until all are built."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        n = len(args)
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
+        bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+        group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ready, _ = ray.wait([group.ready()], timeout=120)
+        if not ready:
+            remove_placement_group(group)
+            raise UserError(
+                f"[cluster]: Ray cannot place {n} {worker.__name__} actor(s) of {bundle} each "
+                f"(the cluster has {ray.cluster_resources()}): lower cpus_per_actor, trainer_ranks or engine_replicas"
+            )
+        actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(worker)
+        actors = [
+            actor_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
+            ).remote(*a)
+            for i, a in enumerate(args)
+        ]
+        self.started.append((actors, group))
+        ray_get([a.ready.remote() for a in actors])
+        return actors
+
+    def stop(self) -> None:
+        """Kill the actors and free their placement groups."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        while self.started:
+            actors, group = self.started.pop()
+            for actor in actors:
+                ray.kill(actor)
+            remove_placement_group(group)
 
 
-def shutdown(own_ray: bool | None, sync: Any = None) -> None:
-    """Stop what a driver started through this module (also after a failed start):
-    the transport's groups, the actors and their placement groups, and Ray itself when
-    the driver started it (``own_ray``; None: nothing was started)."""
-    if own_ray is None:
-        return
-    import ray
-
-    try:
-        if sync is not None:
-            sync.close()
-    finally:
-        stop_actors()
-        if own_ray:
-            ray.shutdown()
-
-
-def start_ray(cluster: Any) -> bool:
-    """Connect to ``cluster.address`` or start a local Ray; True when this process started it."""
+def start_ray(cluster: Any, config: Any) -> bool:
+    """Connect to ``config.address`` or start a local Ray; True when this process started it."""
     try:
         import ray
     except ImportError:
         raise UserError('[cluster] launcher = "ray" needs Ray: pip install "ray>=2.60"') from None
     if ray.is_initialized():
         return False
-    if cluster.address is None:
+    if config.address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster of this job
-    ray.init(address=cluster.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
+    ray.init(address=config.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
              include_dashboard=False, log_to_driver=True, configure_logging=False)
     return True
 
 
-def start_actors(worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0) -> list[Any]:
-    """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
-    placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
-    enough to give each one); waits until all are built."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+class RayPlacement:
+    """The :class:`skyrl_host.interfaces.Placement` of the Ray launcher."""
 
-    n = len(args)
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
-    bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
-    group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=120)
-    if not ready:
-        remove_placement_group(group)
-        raise UserError(
-            f"[cluster]: Ray cannot place {n} {worker.__name__} actor(s) of {bundle} each "
-            f"(the cluster has {ray.cluster_resources()}): lower cpus_per_actor, trainer_ranks or engine_replicas"
+    def __init__(self, own_ray: bool, loaded: LoadedModel) -> None:
+        self.own_ray = own_ray
+        self.loaded = loaded
+        self.actors = Actors()
+        self.backend: Any = None
+        self.engine: Any = None
+        self.sync: RaySync | None = None
+        self._vocab_size: int | None = None
+        self.closed = False
+
+    @property
+    def vocab_size(self) -> int:
+        if self._vocab_size is None:
+            self._vocab_size = int(ray_get(self.backend.actor.vocab_size.remote()))
+        return self._vocab_size
+
+    def publish(self, version: int) -> Mapping[str, float]:
+        return self.sync.publish(version) if self.sync is not None else {}
+
+    def save_final(self, path: str) -> None:
+        self.backend.save_final(path)  # gathered from the ranks, saved by rank 0
+
+    def close(self) -> None:
+        """Stop the transport's groups, the actors and their placement groups, and Ray
+        itself when this placement started it."""
+        if self.closed:
+            return
+        self.closed = True
+        import ray
+
+        try:
+            if self.sync is not None:
+                self.sync.close()
+        finally:
+            self.sync = None
+            self.actors.stop()
+            if self.own_ray:
+                ray.shutdown()
+
+
+def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
+    """Start the backend ranks (and the engine replicas, with the transport's halves
+    between them) for ``request``; the driver keeps only the tokenizer."""
+    transport = request.weight_sync.create() if request.weight_sync is not None else None
+    if transport is not None and request.engine is not None:
+        require(transport, SplitTransport, who=describe(request.weight_sync),
+                needed_by='[cluster] launcher = "ray" (the engines run in processes of their own)')
+    family = request.model.create()
+    if has(family, TokenizerLoading):
+        loaded = family.load_tokenizer(alphabet=request.alphabet)  # the actors hold the models
+    else:
+        loaded = family.load(alphabet=request.alphabet, seed=request.seed)
+    placement = RayPlacement(start_ray(cluster, config), loaded)
+    try:
+        ranks = cluster.trainer_ranks
+        backends = placement.actors.start(
+            BackendWorker, [(request, rank, ranks) for rank in range(ranks)], cpus=config.cpus_per_actor
         )
-    actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(worker)
-    actors = [
-        actor_cls.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
-        ).remote(*a)
-        for i, a in enumerate(args)
-    ]
-    _STARTED.append((actors, group))
-    ray_get([a.ready.remote() for a in actors])
-    return actors
-
-
-_STARTED: list[tuple[list[Any], Any]] = []  # (actors, placement group) of this process, for stop_actors
-
-
-def stop_actors() -> None:
-    """Kill the actors :func:`start_actors` started and free their placement groups."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    while _STARTED:
-        actors, group = _STARTED.pop()
-        for actor in actors:
-            ray.kill(actor)
-        remove_placement_group(group)
+        dp_address = ray_get(backends[0].address.remote()) if ranks > 1 else None
+        ray_get([b.start.remote(dp_address) for b in backends])
+        placement.backend = RemoteBackend(backends)
+        if request.engine is not None:
+            engines = placement.actors.start(
+                EngineWorker, [(request,)] * cluster.engine_replicas, cpus=config.cpus_per_actor
+            )
+            placement.engine = RemoteEngine(engines)
+            if transport is not None:
+                placement.sync = RaySync(transport, backends, engines)
+    except BaseException:
+        placement.close()
+        raise
+    return placement

@@ -1,7 +1,12 @@
-"""Router hooks: record the experts MoE routers choose, or force given ones (imports torch).
+"""MoE routing, the service engines and replay strategies share: whether a selected
+model has MoE layers (:func:`model_is_moe`, light), and router hooks that record the
+experts MoE routers choose, or force given ones (:class:`RouterHooks`; needs torch,
+imported on first use).
 
 Shared by the engine (routing capture; forcing the earlier turns' routes when a
-conversation continues) and the ``r3`` strategy in the trainer (routing replay).
+conversation continues) and the ``r3`` strategy in the trainer (routing replay), next
+to the :class:`~skyrl_host.interfaces.RouterInfo` that model families describe their
+routers with.
 
 A forward hook on each router module (``RouterInfo.path``) sees the router's output
 ``(logits, weights, expert_ids)`` for the ``N`` tokens of one forward (the batch
@@ -14,14 +19,36 @@ unforced row is exactly what the router computed.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+import json
+import pathlib
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from skyrl_host.interfaces import RouterInfo
 
-KINDS = ("softmax_topk", "sigmoid_group_topk")
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+ROUTER_KINDS = ("softmax_topk", "sigmoid_group_topk")
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def model_is_moe(choice: Any) -> bool | None:
+    """Whether the model a job selects (its ``[model]`` PluginChoice) has MoE layers:
+    from its local folder's config.json, or the family config's ``is_moe`` for presets;
+    None when unknown."""
+    config = choice.config
+    path = getattr(config, "path", None)
+    if isinstance(path, str):
+        try:
+            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # the family's own validator reports a bad folder
+        tables = [data] + [v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
+        return any(isinstance(t.get(k), int) and t.get(k) > 0 for t in tables for k in _EXPERT_KEYS)
+    value = getattr(config, "is_moe", None)
+    return value if isinstance(value, bool) else None
 
 
 def expert_dtype(n_experts: int) -> np.dtype:
@@ -36,6 +63,8 @@ def weights_at(info: RouterInfo, logits: torch.Tensor, ids: torch.Tensor) -> tor
     """The routing weights of experts ``ids`` [N, k] from router ``logits`` [N, E], the
     way a router of ``info.kind`` computes them for the experts it chose (same ops in
     the same order, so equal ids give bitwise-equal weights)."""
+    import torch
+
     if info.kind == "softmax_topk":
         w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)
         if info.normalize:
@@ -46,7 +75,7 @@ def weights_at(info: RouterInfo, logits: torch.Tensor, ids: torch.Tensor) -> tor
         if info.normalize:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"router {info.path!r}: unknown router kind {info.kind!r} (known: {', '.join(KINDS)})")
+        raise ValueError(f"router {info.path!r}: unknown router kind {info.kind!r} (known: {', '.join(ROUTER_KINDS)})")
     return w * info.scale if info.scale != 1.0 else w
 
 
@@ -94,7 +123,7 @@ class RouterHooks:
                         f"routing replay: the forward routes {ids.shape[0]} tokens at {info.path!r}, "
                         f"but {forced.shape[0]} rows of expert ids were given"
                     )
-                ids = torch.where(self._mask[:, None], forced, ids) if self._mask is not None else forced
+                ids = forced.where(self._mask[:, None], ids) if self._mask is not None else forced
                 weights = weights_at(info, logits, ids).to(weights.dtype)
                 output = (logits, weights, ids)
             if self._record is not None:
@@ -139,6 +168,8 @@ class RouterHooks:
         if any(len(r) != 1 for r in self._record):
             counts = sorted({len(r) for r in self._record})
             raise RuntimeError(f"expected one router call per layer since the last take(), found {counts}")
+        import torch
+
         ids = torch.stack([r[0] for r in self._record], dim=1)
         for r in self._record:
             r.clear()

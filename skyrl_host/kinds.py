@@ -1,0 +1,70 @@
+"""The plugin kinds: one table that the registry, the job-file loader, the hook
+specifications, ``skyrl plugins`` and the docs all read.
+
+Each kind has one registration hook, one table of the job file with the key that
+selects the plugin, and one Protocol (in :mod:`skyrl_host.interfaces`) that every
+factory's product satisfies. Adding a kind is one row here plus its hook in
+:mod:`skyrl_host.hookspecs` (a test checks that the two agree, and that the docs list
+both).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+from skyrl_host import interfaces as i
+
+
+@attrs.frozen
+class Kind:
+    """One plugin kind."""
+
+    key: str  # the registry's name for the kind: "models"
+    hook: str  # the registration hook: "skyrl_register_models"
+    noun: str  # how messages name one plugin of the kind: "model family"
+    table: str  # the job file's table that selects it: "model"
+    selector: str  # the key of that table naming the plugin: "family"
+    protocol: type  # what the factory returns
+    description: str  # one line, for the docs
+    many: bool = False  # the selector takes a list of names, each with its own sub-table
+    host_table: bool = False  # the host owns the table for every job kind ([job], [cluster])
+
+
+KINDS: Mapping[str, Kind] = {
+    k.key: k
+    for k in (
+        Kind("models", "skyrl_register_models", "model family", "model", "family", i.ModelFamily,
+             "builds, loads and saves the models of a family of transformers architectures"),
+        Kind("engines", "skyrl_register_engines", "engine", "engine", "name", i.Engine,
+             "generates rollouts and receives new weights"),
+        Kind("samplers", "skyrl_register_samplers", "sampler", "sampler", "name", i.Sampler,
+             "chooses the next token from logits"),
+        Kind("algorithms", "skyrl_register_algorithms", "algorithm", "algorithm", "name", i.Algorithm,
+             "rewards to advantages, group filtering and the policy loss"),
+        Kind("replay_strategies", "skyrl_register_replay_strategies", "replay strategy", "replay", "strategies",
+             i.ReplayStrategy, "makes the trainer score exactly what the engine sampled", many=True),
+        Kind("precisions", "skyrl_register_precisions", "precision", "precision", "name", i.Precision,
+             "how the backend computes and what the engine serves"),
+        Kind("weight_transports", "skyrl_register_weight_transports", "weight transport", "weight_sync", "transport",
+             i.WeightTransport, "moves new weights from the backend to the engines"),
+        Kind("datasets", "skyrl_register_datasets", "dataset", "dataset", "name", i.Dataset,
+             "prompts and their reward"),
+        Kind("data_strategies", "skyrl_register_data_strategies", "data strategy", "data", "strategy",
+             i.DataStrategy, "the order in which an SFT job reads documents"),
+        Kind("corpus_readers", "skyrl_register_corpus_readers", "corpus reader", "corpus", "reader",
+             i.CorpusReader, "opens pretokenized corpora for SFT"),
+        Kind("backends", "skyrl_register_backends", "backend", "backend", "name", i.Backend,
+             "owns parameters and optimizer; trains on rollouts"),
+        Kind("launchers", "skyrl_register_launchers", "launcher", "cluster", "launcher", i.Launcher,
+             "places backend ranks and engine replicas (one process, Ray actors, ...)", host_table=True),
+        Kind("jobs", "skyrl_register_jobs", "job kind", "job", "kind", i.JobDriver,
+             "the loop of one kind of job (rl, sft, ...)", host_table=True),
+    )
+}
+
+# Tables a job kind may use (its slots): every kind's table but the host's own.
+SLOT_KINDS: Mapping[str, Kind] = {k.table: k for k in KINDS.values() if not k.host_table}
+
+PROTOCOLS: Mapping[str, type] = {k.key: k.protocol for k in KINDS.values()}

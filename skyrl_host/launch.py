@@ -1,0 +1,151 @@
+"""Placing a job's backend and engines: what every launcher shares, and the ``local``
+launcher (``[cluster] launcher = "local"``, the default: everything in the driver's
+process).
+
+A driver builds a :class:`~skyrl_host.interfaces.PlacementRequest` and calls
+``launcher.place(request)``; it gets a :class:`~skyrl_host.interfaces.Placement` whose
+``backend`` and ``engine`` satisfy the kinds' Protocols wherever they run, so drivers
+never branch on where things run. Launchers that place processes elsewhere (the Ray
+launcher of skyrl-launchers) build each backend rank and engine replica with
+:func:`start_backend` and :func:`start_engine` from this module, so every copy is
+built, checked and started alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+from skyrl_host import hookimpl
+from skyrl_host.contracts import describe, has, require
+from skyrl_host.errors import UserError
+from skyrl_host.interfaces import (
+    AdapterTraining,
+    LoadedModel,
+    PlacementRequest,
+    QuantizedServing,
+    ReferenceScoring,
+    RewardKL,
+)
+
+
+def precision_kwargs(start: Any, precision: Any, what: str) -> dict[str, Any]:
+    """``{"precision": precision}`` for a ``start`` method that declares the parameter
+    (the Backend and Engine Protocols do); nothing for one that omits it, unless the
+    precision quantizes (then a user error: the job asks for something the plugin
+    cannot do)."""
+    if "precision" in inspect.signature(start).parameters:
+        return {"precision": precision}
+    if precision is not None and precision.quantizes:
+        raise UserError(f"[precision] name = {precision.name!r}: the {what} plugin takes no precision (it cannot "
+                        "compute or serve quantized weights)")
+    return {}
+
+
+def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any, precision: Any) -> Any:
+    """A backend made from ``request.backend``, checked for the capabilities this job
+    needs, and started on ``loaded`` with the job's replay strategies and precision."""
+    backend = request.backend.create()
+    who = describe(request.backend)
+    if request.engine is not None and precision is not None and precision.quantizes:
+        require(backend, QuantizedServing, who=who, needed_by=f"precision {precision.name!r}")
+    if has(algorithm, RewardKL) and algorithm.kl_in_reward:
+        require(backend, ReferenceScoring, who=who, needed_by="a KL penalty in the reward (algorithm.kl_in_reward)")
+    replay = [choice.create() for choice in request.replay]
+    extra: dict[str, Any] = {"replay": replay} if replay else {}
+    extra.update(precision_kwargs(backend.start, precision, "backend"))
+    try:
+        backend.start(loaded, seed=request.seed, total_steps=request.total_steps,
+                      reference=bool(algorithm.needs_reference), **extra)
+    except ValueError as exc:
+        if not replay:
+            raise
+        raise UserError(f"[replay] strategies: {exc}") from None
+    return backend
+
+
+def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any) -> Any:
+    """An engine made from ``request.engine`` and started on ``loaded``."""
+    engine = request.engine.create()
+    engine.start(loaded, **precision_kwargs(engine.start, precision, "engine"))
+    return engine
+
+
+def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, trained: dict[str, Any] | None = None) -> None:
+    """The backend's trained weights as a Hugging Face folder at ``path`` (through the
+    family, into ``loaded``'s model), with a LoRA backend's adapters beside it.
+    ``trained``: the backend's ``named_weights()`` when the caller already gathered them."""
+    import torch
+
+    trained = dict(backend.named_weights()) if trained is None else trained
+    with torch.no_grad():
+        for name, param in loaded.model.state_dict().items():
+            if name in trained and trained[name].data_ptr() != param.data_ptr():
+                param.copy_(trained[name])
+    family.save(loaded, path)
+    if trains_adapters(backend):  # LoRA: the adapters beside the merged model
+        backend.save_adapters(path)
+
+
+def trains_adapters(backend: Any) -> bool:
+    """Whether ``backend`` trains LoRA adapters (rather than full weights)."""
+    return has(backend, AdapterTraining) and backend.adapter_config() is not None
+
+
+def vocab_size(model: Any) -> int:
+    """Rows of ``model``'s input embedding."""
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+class LocalPlacement:
+    """Backend and engine in the driver's process; weights move by the transport's
+    one-process ``publish``."""
+
+    def __init__(self, family: Any, loaded: LoadedModel, backend: Any, engine: Any, transport: Any):
+        self.family, self.loaded = family, loaded
+        self.backend, self.engine, self.transport = backend, engine, transport
+
+    @property
+    def vocab_size(self) -> int:
+        return vocab_size(self.loaded.model)
+
+    def publish(self, version: int) -> Mapping[str, float]:
+        if self.transport is None or self.engine is None:
+            return {}
+        return self.transport.publish(self.backend, self.engine, version)
+
+    def save_final(self, path: str) -> None:
+        save_trained_model(self.backend, self.family, self.loaded, path)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalLauncher:
+    """``[cluster] launcher = "local"``: one process."""
+
+    def __init__(self, config: Any = None, cluster: Any = None):
+        self.config, self.cluster = config, cluster
+
+    def place(self, request: PlacementRequest) -> LocalPlacement:
+        family = request.model.create()
+        loaded = family.load(alphabet=request.alphabet, seed=request.seed)
+        transport = request.weight_sync.create() if request.weight_sync is not None else None
+        precision = request.precision.create() if request.precision is not None else None
+        backend = start_backend(request, loaded, request.algorithm, precision)
+        engine = start_engine(request, loaded, precision) if request.engine is not None else None
+        return LocalPlacement(family, loaded, backend, engine, transport)
+
+
+def check_local(spec: Any) -> list[tuple[str, str]]:
+    """One process places one backend rank and one engine."""
+    return [
+        (f"cluster.{key}", f'more than one needs launcher = "ray" (launcher is {spec.cluster.launcher!r})')
+        for key in ("trainer_ranks", "engine_replicas")
+        if getattr(spec.cluster, key) > 1
+    ]
+
+
+@hookimpl
+def skyrl_register_launchers(register: Any) -> None:
+    register("local", LocalLauncher, description="Everything in the driver's process (the default)", check=check_local)

@@ -60,3 +60,34 @@ def test_remove_plugin_takes_back_its_names(skyrl_empty_host) -> None:
     skyrl_empty_host.remove_plugin("temporary")
     assert skyrl_empty_host.registry.names("datasets") == []
     assert "temporary" not in skyrl_empty_host.records
+
+
+def test_tiny_rl_job_merges_sections(skyrl_tiny_rl_job, tmp_path) -> None:
+    import tomllib
+
+    from skyrl_host.testing import TINY_RL_JOB
+
+    job = skyrl_tiny_rl_job(tmp_path, "j", job={"steps": 2, "save_final": None}, dataset={"prefix": None}, engine=None,
+                            weight_sync={"transport": "inproc"},
+                            backend={"lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]})
+    assert job.path == tmp_path / "j.toml" and job.out == tmp_path / "j"
+    text = job.path.read_text()
+    assert text.index("[dataset]") < text.index("[weight_sync]") < text.index("[backend]")  # the usual order
+    got = tomllib.loads(text)
+    assert got["job"] == {**{k: v for k, v in TINY_RL_JOB["job"].items() if k != "save_final"}, "steps": 2,
+                          "output_dir": str(tmp_path / "j")}
+    assert "prefix" not in got["dataset"] and "engine" not in got
+    assert got["backend"] == {"name": "torch", "lr": 5e-4, "lora_rank": 4, "lora_targets": ["q_proj", "v_proj"]}
+    assert TINY_RL_JOB["job"]["steps"] == 3 and "weight_sync" not in TINY_RL_JOB  # the base is left alone
+
+
+def test_learning_metrics_drop_timings_and_the_transports_own_only() -> None:
+    from skyrl_host.testing import is_timing_metric, learning_metrics
+
+    row = {"step": 1, "time": 1.0, "step_time": 2.0, "gen_tokens_per_s": 3.0, "train_tokens_per_s": 4.0,
+           "data_time_s": 5.0, "reward_std": 0.5, "reward_mean": 0.1, "sequences": 32.0, "sync_bytes": 10.0,
+           "sync_seconds": 0.1, "loss_tokens": 7.0}
+    kept = {"step", "reward_std", "reward_mean", "sequences", "loss_tokens"}
+    assert learning_metrics(row).keys() == kept
+    assert learning_metrics(row, transport=True).keys() == kept | {"sync_bytes"}
+    assert not any(is_timing_metric(k) for k in ("reward_std", "kl_reward_penalty_mean", "logprob_diff_max", "lr"))

@@ -10,7 +10,8 @@ Imports attrs and the host's config helpers only (discovery stays light).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from types import MappingProxyType
+from typing import Any, Callable, Literal, Mapping
 
 import attrs
 
@@ -39,7 +40,7 @@ class Spec:
 
 _CLIP = in_interval(0, 1, high_open=True)
 
-OPTIONS: dict[str, Spec] = {
+OPTIONS: Mapping[str, Spec] = MappingProxyType({  # read-only: the table every algorithm's config is made from
     # -- the policy loss ----------------------------------------------------
     "clip_low": Spec(float, 0.2, "PPO clip range below 1: the ratio is clipped at 1 - clip_low", _CLIP),
     "clip_high": Spec(float, 0.2, "PPO clip range above 1: the ratio is clipped at 1 + clip_high", _CLIP),
@@ -98,7 +99,7 @@ OPTIONS: dict[str, Spec] = {
     "max_refill_rounds": Spec(
         int, 10, "with dynamic_sampling: most extra generation rounds per step to refill the batch (0 = none)", ge(0)
     ),
-}
+})
 
 
 def make_config(name: str, module: str, doc: str, **defaults: Any) -> type:

@@ -61,7 +61,8 @@ import pathlib
 import struct
 import weakref
 import zlib
-from typing import Any, BinaryIO
+from types import MappingProxyType
+from typing import Any, BinaryIO, Mapping
 
 import numpy as np
 
@@ -77,20 +78,20 @@ MEGATRON_BIN = ".bin"
 MEGATRON_IDX = ".idx"
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron's DType codes (megatron/core/datasets/indexed_dataset.py).
-MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+MEGATRON_DTYPES: Mapping[int, Any] = MappingProxyType(
+    {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+)
 TOKEN_DTYPES = ("uint16", "int32")
 DEFAULT_BLOCK_SIZE = 1 << 20
 # Pages of the mapped files that a process has touched count in its RSS (as shared, clean,
 # reclaimable page cache). Reading documents at random touches a whole corpus in time (and a
 # fault on a cached file maps far more than the page read: fault-around, large folios), so
 # every CHECK_EVERY reads the process's file-backed resident memory is read from
-# /proc/self/statm, and when it has grown by more than max_resident_bytes the open corpora's
+# /proc/self/statm, and when it has grown by more than max_resident_bytes the open corpora's (of one ResidentBudget)
 # mappings are dropped from the process's page tables (madvise MADV_DONTNEED: the pages stay
 # in the page cache, a later read maps them again). The RSS stays flat whatever the size.
 DEFAULT_RESIDENT_BYTES = 128 << 20
 CHECK_EVERY = 32
-_OPEN_CORPORA: "weakref.WeakSet[Corpus]" = weakref.WeakSet()
-_RESIDENT_BASELINE: list[int] = []  # file-backed resident bytes after the last release
 
 
 def _shared_resident_bytes() -> int | None:
@@ -103,17 +104,57 @@ def _shared_resident_bytes() -> int | None:
     return int(fields[2]) * mmap.PAGESIZE
 
 
-def _limit_resident(limit: int) -> None:
-    shared = _shared_resident_bytes()
-    if shared is None:
-        return
-    if not _RESIDENT_BASELINE:
-        _RESIDENT_BASELINE.append(shared)
-    if shared - _RESIDENT_BASELINE[0] > limit:
-        for corpus in list(_OPEN_CORPORA):
-            corpus.release_pages()
-        # what is still resident is not the corpora's (libraries, other mappings)
-        _RESIDENT_BASELINE[0] = _shared_resident_bytes() or 0
+class ResidentBudget:
+    """The corpora that share one budget of file-backed resident memory: when the
+    process's file-backed RSS has grown by a corpus's ``max_resident_bytes`` since the
+    last release (or the first check), every open corpus of the budget releases its
+    pages (:meth:`Corpus.release_pages`).
+
+    :func:`open_corpus` gives each corpus a budget of its own; a reader that opens
+    several corpora for one job (:class:`skyrl_datasets.pretokenized.PretokenizedReader`)
+    opens them through one budget (:meth:`open`), so reads of any of them release all.
+    The budget holds its corpora weakly and lives as long as they or its owner do."""
+
+    def __init__(self) -> None:
+        self._corpora: "weakref.WeakSet[Corpus]" = weakref.WeakSet()
+        self._baseline: int | None = None  # file-backed resident bytes after the last release
+
+    def open(
+        self,
+        prefix_or_url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_resident_bytes: int | None = DEFAULT_RESIDENT_BYTES,
+    ) -> "Corpus":
+        """:func:`open_corpus`, the corpus sharing this budget."""
+        corpus = _open(str(prefix_or_url), storage_options, cache_dir, block_size)
+        corpus.max_resident_bytes = max_resident_bytes
+        corpus._join(self)
+        return corpus
+
+    def add(self, corpus: "Corpus") -> None:
+        self._corpora.add(corpus)
+
+    def discard(self, corpus: "Corpus") -> None:
+        self._corpora.discard(corpus)
+
+    def __len__(self) -> int:
+        return len(self._corpora)
+
+    def check(self, limit: int) -> None:
+        """Release every corpus's pages if the file-backed RSS grew by more than ``limit``."""
+        shared = _shared_resident_bytes()
+        if shared is None:
+            return
+        if self._baseline is None:
+            self._baseline = shared
+        if shared - self._baseline > limit:
+            for corpus in list(self._corpora):
+                corpus.release_pages()
+            # what is still resident is not the corpora's (libraries, other mappings)
+            self._baseline = _shared_resident_bytes() or 0
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -234,7 +275,8 @@ class Corpus:
         self._maps = [m for m in {id(m): m for m in map(_mmap_of, (tokens, mask, starts, lengths)) if m is not None}.values()]
         self.max_resident_bytes: int | None = DEFAULT_RESIDENT_BYTES
         self._reads = 0
-        _OPEN_CORPORA.add(self)
+        self._budget = ResidentBudget()  # its own, until it joins a reader's (_join)
+        self._budget.add(self)
         self._tokens = tokens
         self._starts = starts  # int64; document i starts at element starts[i] // start_scale
         self._scale = start_scale
@@ -317,7 +359,13 @@ class Corpus:
         self._reads += 1
         if self._reads >= CHECK_EVERY and self.max_resident_bytes is not None:
             self._reads = 0
-            _limit_resident(self.max_resident_bytes)
+            self._budget.check(self.max_resident_bytes)
+
+    def _join(self, budget: ResidentBudget) -> None:
+        """Share ``budget`` (its pages are released with the other corpora's of it)."""
+        self._budget.discard(self)
+        self._budget = budget
+        budget.add(self)
 
     def release_pages(self) -> None:
         """Drop the mapped files' pages from this process's page tables (its RSS); views stay
@@ -351,7 +399,7 @@ class Corpus:
     # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
-        _OPEN_CORPORA.discard(self)
+        self._budget.discard(self)
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
@@ -495,11 +543,13 @@ def open_corpus(
     ``storage_options`` go to fsspec, ``cache_dir`` holds the cached parts, ``block_size``
     is the unit of lazy fetches. ``max_resident_bytes``: how much may be read between two
     :meth:`Corpus.release_pages` (None: never release). Missing or inconsistent files raise
-    :class:`UserError`.
+    :class:`UserError`. The corpus has a :class:`ResidentBudget` of its own; open
+    several through one budget (``ResidentBudget().open(...)``) to release them together.
     """
-    corpus = _open(str(prefix_or_url), storage_options, cache_dir, block_size)
-    corpus.max_resident_bytes = max_resident_bytes
-    return corpus
+    return ResidentBudget().open(
+        prefix_or_url, storage_options=storage_options, cache_dir=cache_dir, block_size=block_size,
+        max_resident_bytes=max_resident_bytes,
+    )
 
 
 def _open(prefix_or_url: str, storage_options: dict[str, Any] | None, cache_dir: Any, block_size: int) -> Corpus:

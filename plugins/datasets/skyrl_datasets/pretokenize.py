@@ -244,9 +244,6 @@ def _check_messages(value: Any) -> list[dict[str, Any]]:
 
 # -- one chunk ---------------------------------------------------------------------------------
 
-_WORKER: dict[str, Any] = {}  # the tokenizer and options of this (worker) process
-
-
 def _records(opts: Options, chunk: Chunk) -> Iterable[tuple[Any, Callable[[], str]]]:
     """(value of the key, where) for each record of ``chunk``; ``where()`` locates the record
     for an error message (a JSONL line number is counted only then)."""
@@ -297,9 +294,29 @@ def _at(path: str, pos: int) -> str:
     return f"{path}:{_line_number(path, pos)}"
 
 
-def tokenize_chunk(chunk: Chunk) -> tuple[int, int, int, int]:
-    """Tokenize ``chunk`` into its part file; returns (index, documents, tokens, trained tokens)."""
-    tok, opts, parts = _WORKER["tok"], _WORKER["opts"], _WORKER["parts"]
+class ChunkTokenizer:
+    """Tokenizes chunks into their part files: the tokenizer and options of one run, held
+    by the process doing the work (the run's own, or each worker process of its pool,
+    on its ``multiprocessing`` process object: :func:`_init_worker`)."""
+
+    def __init__(self, tok: Any, opts: Options, parts: pathlib.Path):
+        self.tok, self.opts, self.parts = tok, opts, parts
+
+    def __call__(self, chunk: Chunk) -> tuple[str, Any]:
+        """``("ok", tokenize(chunk))``, or ``("record", message)`` for a malformed record."""
+        try:
+            return "ok", self.tokenize(chunk)
+        except RecordError as exc:
+            return "record", str(exc)
+
+    def tokenize(self, chunk: Chunk) -> tuple[int, int, int, int]:
+        """Tokenize ``chunk`` into its part file; returns (index, documents, tokens, trained tokens)."""
+        return tokenize_chunk(self.tok, self.opts, self.parts, chunk)
+
+
+def tokenize_chunk(tok: Any, opts: Options, parts: pathlib.Path, chunk: Chunk) -> tuple[int, int, int, int]:
+    """Tokenize ``chunk`` of ``opts``' inputs with ``tok`` into its part file in ``parts``;
+    returns (index, documents, tokens, trained tokens)."""
     docs: list[list[int]] = []
     masks: list[list[int]] = []
     batch: list[str] = []
@@ -335,16 +352,16 @@ def tokenize_chunk(chunk: Chunk) -> tuple[int, int, int, int]:
     return chunk.index, int(lengths.shape[0]), int(tokens.shape[0]), trained
 
 
-def _safe_tokenize_chunk(chunk: Chunk) -> tuple[str, Any]:
-    try:
-        return "ok", tokenize_chunk(chunk)
-    except RecordError as exc:
-        return "record", str(exc)
-
-
-def _init_worker(tok: Any, opts: Options, parts: pathlib.Path) -> None:
+def _init_worker(worker: ChunkTokenizer) -> None:
+    """A pool worker's start: it keeps ``worker`` on its own process object (as long as
+    the worker process lives; nothing at module level)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    _WORKER.update(tok=tok, opts=opts, parts=parts)
+    multiprocessing.current_process().chunk_tokenizer = worker  # type: ignore[attr-defined]
+
+
+def _pool_task(chunk: Chunk) -> tuple[str, Any]:
+    """One chunk in a pool worker, by the worker's :class:`ChunkTokenizer`."""
+    return multiprocessing.current_process().chunk_tokenizer(chunk)  # type: ignore[attr-defined]
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -453,7 +470,7 @@ def tokenize(
         on_start(len(chunks), len(done), total_weight)
     done_weight = sum(c.weight for c in chunks if c.index in done)
     stats = {"documents": 0, "tokens": 0}
-    _WORKER.clear()
+    worker = ChunkTokenizer(tok, opts, parts)
     problems: list[str] = []
 
     def finished(result: tuple[str, Any]) -> None:
@@ -470,15 +487,15 @@ def tokenize(
             on_progress(Progress(done_weight, total_weight, stats["documents"], stats["tokens"]))
 
     if n_workers == 1 or len(todo) <= 1:
-        _init_worker(tok, opts, parts)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core, as for a worker
         for c in todo:
-            finished(_safe_tokenize_chunk(c))
+            finished(worker(c))
             if problems:
                 break
     else:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-        with ctx.Pool(n_workers, initializer=_init_worker, initargs=(tok, opts, parts)) as pool:
-            for result in pool.imap_unordered(_safe_tokenize_chunk, todo):
+        with ctx.Pool(n_workers, initializer=_init_worker, initargs=(worker,)) as pool:
+            for result in pool.imap_unordered(_pool_task, todo):
                 finished(result)
                 if problems:
                     pool.terminate()

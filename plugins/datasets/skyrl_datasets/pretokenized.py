@@ -10,15 +10,22 @@ from skyrl_host import hookimpl
 
 
 class PretokenizedReader:
-    """The :class:`skyrl_host.interfaces.CorpusReader` over :func:`skyrl_datasets.corpus.open_corpus`."""
+    """The :class:`skyrl_host.interfaces.CorpusReader` over :func:`skyrl_datasets.corpus.open_corpus`.
+
+    The corpora it opens share one :class:`skyrl_datasets.corpus.ResidentBudget` (made
+    with the reader, living as long as it or they do): when the file-backed memory the
+    job's reads mapped grows past the budget, all of them release their pages."""
 
     def __init__(self, config: Any = None):
         self.config = config
+        self._budget: Any = None
 
     def open(self, path: str, *, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None) -> Any:
-        from skyrl_datasets.corpus import open_corpus
+        from skyrl_datasets.corpus import ResidentBudget
 
-        return open_corpus(path, storage_options=dict(storage_options) if storage_options else None, cache_dir=cache_dir)
+        if self._budget is None:
+            self._budget = ResidentBudget()
+        return self._budget.open(path, storage_options=dict(storage_options) if storage_options else None, cache_dir=cache_dir)
 
 
 @hookimpl

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 
@@ -238,7 +239,7 @@ class Int4(Format):
         return int4_dequantize(*int4_quantize(w), w.dtype)
 
 
-FORMATS: dict[str, Format] = {f.name: f for f in (FP8Blockwise(), MXFP8(), Int4())}
+FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in (FP8Blockwise(), MXFP8(), Int4())})  # read-only
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -97,6 +97,21 @@ def test_resume_with_another_model_size_or_family_is_a_user_error(skyrl_cli, fin
 
 
 @pytest.mark.slow
+def test_a_state_the_backend_refuses_names_the_checkpoint(skyrl_cli, finished_run) -> None:
+    path, out = finished_run
+    ckpt = out / "checkpoints" / "step_000002"
+    lora = skyrl_cli("run", str(path), "--resume", "--set", "backend.lora_rank=4")
+    line = user_error(lora).strip().splitlines()[-1]
+    assert line.startswith(
+        f"error: --resume: checkpoint {ckpt} does not fit this job's backend (was it written by another job?): "
+        "the checkpoint was written by full fine-tuning (lora_rank = 0), but this backend runs LoRA"
+    )
+    # The checkpoint still records the job that wrote it: that job resumes from it.
+    again = skyrl_cli("run", str(path), "--resume", "--set", "job.steps=3")
+    assert again.exit_code == 0, again.stderr
+
+
+@pytest.mark.slow
 def test_a_checkpoint_copied_from_another_job_is_refused(skyrl_cli, finished_run, tmp_path) -> None:
     path, out = finished_run
     # Another job (a wider model) in another folder; its checkpoint copied into this run.

@@ -26,6 +26,7 @@ from skyrl_host.interfaces import (
     QuantizedServing,
     ReferenceScoring,
     RewardKL,
+    SideChannels,
 )
 
 
@@ -64,10 +65,23 @@ def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any
     return backend
 
 
-def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any) -> Any:
-    """An engine made from ``request.engine`` and started on ``loaded``."""
+def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any, sampler: Any = None) -> Any:
+    """An engine made from ``request.engine`` and started on ``loaded``, checked to fill
+    the side channels the job's replay strategies need (with ``sampler``, the job's)."""
     engine = request.engine.create()
     engine.start(loaded, **precision_kwargs(engine.start, precision, "engine"))
+    strategies = [choice.create() for choice in request.replay]
+    if strategies:
+        names = ", ".join(repr(s.name) for s in strategies)
+        who = describe(request.engine)
+        require(engine, SideChannels, who=who, needed_by=f"[replay] strategies {names}")
+        filled = engine.side_channels(sampler if sampler is not None else request.sampler.create())
+        lacking = [s for s in strategies if s.side_channel not in filled]
+        if lacking:
+            raise UserError(
+                f"{who} fills no {lacking[0].side_channel!r} side channel as configured, which replay strategy "
+                f"{lacking[0].name!r} needs (it fills: {', '.join(sorted(filled)) or 'none'})"
+            )
     return engine
 
 

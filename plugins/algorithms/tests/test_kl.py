@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_algorithms import _advantages, _kl, _losses
+import skyrl_host.kl as _kl
+from skyrl_algorithms import _advantages, _losses
 
 LOGP = [-1.0, -2.0, -0.3, -4.25, 0.0]
 REF = [-1.5, -1.5, -0.3, -0.125, -7.0]

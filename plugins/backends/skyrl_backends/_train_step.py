@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from skyrl_backends._packing import MicroBatch
 from skyrl_host.interfaces import LossInputs
+from skyrl_host.kl import kl_estimate
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -214,9 +215,8 @@ class TrainStep:
                         diff = (old.detach() - mb.engine_lp).abs()
                         add(sums, "logprob_diff", diff.sum())
                         maxes["logprob_diff_max"] = torch.maximum(maxes.get("logprob_diff_max", zero), diff.max().double())
-                        if mb.ref is not None:
-                            delta = mb.ref - old.detach()
-                            add(sums, "kl", (torch.exp(delta) - delta - 1).sum())
+                        if mb.ref is not None:  # the k3 estimate of KL(policy || reference), as a metric
+                            add(sums, "kl", kl_estimate(old.detach(), mb.ref, "k3").sum())
                     add(sums, "loss", loss)
                     (loss * scale if scale != 1.0 else loss).backward()
             norm = torch.nn.utils.clip_grad_norm_(

@@ -49,12 +49,23 @@ from skyrl_engines._adapters import EngineAdapters
 from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment
 from skyrl_engines._kv_cache import make_cache, select_rows
 from skyrl_engines._served_model import copy_weights, engine_model
-from skyrl_host.interfaces import LoadedModel, Sampler
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import LoadedModel, Sampler, SupportSampling
 from skyrl_host.rollout import RolloutBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Compact the batch once at least this fraction of its rows are finished.
 COMPACT_FRACTION = 0.25
+
+
+def wants_support(sampler: Any) -> bool:
+    """Whether ``sampler`` asks for support sets (the SupportSampling capability with
+    ``return_support`` set); a sampler that sets the flag without the method is a bug."""
+    if has(sampler, SupportSampling):
+        return bool(sampler.return_support)
+    if getattr(sampler, "return_support", False):  # the flag without sample_with_support
+        raise ValueError("the sampler has return_support set but no sample_with_support(logits, generator)")
+    return False
 
 
 class EmbeddedEngine:
@@ -91,7 +102,7 @@ class EmbeddedEngine:
         self.device = first.device
         self.precision = precision
         if precision is not None:  # (an engine serving the trainer's own tensors shares its fake-quantized forward)
-            precision.prepare_model(self.model, keep=tuple(getattr(loaded, "precision_keep", ()) or ()), train=False,
+            precision.prepare_model(self.model, keep=tuple(loaded.precision_keep), train=False,
                                     source=source)
         self.adapters.bind(self.model, dtype, self.device)
         self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
@@ -106,7 +117,7 @@ class EmbeddedEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self.routers = list(getattr(loaded, "routers", ()) or ())
+        self.routers = list(loaded.routers)
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
@@ -172,6 +183,13 @@ class EmbeddedEngine:
         self.last_update = {"copied": 2 * len(bank.tensors), "shared": 0, "bytes": self.adapters.staged_bytes}
 
     # -- generation ----------------------------------------------------------
+
+    def side_channels(self, sampler: Sampler) -> set[str]:
+        """The SideChannels capability: ``routed_experts`` with
+        ``engine.return_routed_experts``, ``sample_support`` when the sampler asks for
+        support sets."""
+        return ({"routed_experts"} if self.config.return_routed_experts else set()) | (
+            {"sample_support"} if wants_support(sampler) else set())
 
     def generate(
         self,
@@ -257,9 +275,7 @@ class EmbeddedEngine:
         resp_lp = np.zeros((total, max_new_tokens), dtype=np.float32)
         resp_len = np.zeros(total, dtype=np.int64)
         stopped = np.zeros(total, dtype=bool)
-        want_support = bool(getattr(sampler, "return_support", False))
-        if want_support and not callable(getattr(sampler, "sample_with_support", None)):
-            raise ValueError("the sampler has return_support set but no sample_with_support(logits, generator)")
+        want_support = wants_support(sampler)
         support_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row key, row length, values)
         hooks = self._hooks
         if hooks is not None:

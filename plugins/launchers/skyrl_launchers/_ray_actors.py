@@ -107,7 +107,7 @@ class EngineWorker:
         self.family = request.model.create()
         self.loaded = self.family.load(alphabet=request.alphabet, seed=request.seed)
         self.sampler = request.sampler.create()
-        self.engine = start_engine(request, self.loaded, request.precision.create())
+        self.engine = start_engine(request, self.loaded, request.precision.create(), self.sampler)
         self.transport = request.weight_sync.create()
         self.receiver: Any = None
         self.group: Any = None

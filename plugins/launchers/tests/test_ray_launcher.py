@@ -153,7 +153,7 @@ def test_several_ranks_need_ray_and_a_data_parallel_mode(skyrl_cli, skyrl_tiny_r
 def test_sequences_split_between_ranks_by_tokens() -> None:
     import numpy as np
 
-    from skyrl_host.jobs.ray_actors import replica_seed, split_sequences
+    from skyrl_launchers._ray_actors import replica_seed, split_sequences
 
     parts = split_sequences(np.array([10, 10, 10, 10, 40]), 2)
     assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4]]  # 40 tokens each
@@ -212,3 +212,67 @@ def test_nixl_engines_read_every_fsdp2_ranks_shards(ray_session, skyrl_cli, skyr
     assert [r["weight_version"] for r in rows] == [0.0, 1.0, 2.0]
     assert max(r["logprob_diff_max"] for r in rows) < 1e-4  # both replicas serve the trainer's weights
     assert all(r["kept_groups"] == 8 and r["sequences"] == 32 for r in rows)
+
+
+def test_the_ray_placement_hands_the_driver_the_same_protocols(ray_session, skyrl_host, skyrl_tiny_rl_job,
+                                                               tmp_path) -> None:
+    """What the driver gets from the ray launcher satisfies the Protocols it gets from the
+    local one, and close() releases every actor and placement group."""
+    import ray
+
+    from skyrl_host.config import load_job
+    from skyrl_host.contracts import missing
+    from skyrl_host.interfaces import BackendHandle, EngineHandle, Placement, PlacementRequest, ReferenceScoring
+
+    job = write(skyrl_tiny_rl_job, tmp_path, "handles", launcher="ray", engine_dtype="float32",
+                weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/weights", "dtype": "float32"})
+    spec = load_job(job.path, skyrl_host)
+    p = spec.plugins
+    request = PlacementRequest(model=p["model"], backend=p["backend"], precision=p["precision"], alphabet="0123456789:",
+                               seed=3, total_steps=3, algorithm=p["algorithm"].create(), engine=p["engine"],
+                               sampler=p["sampler"], weight_sync=p["weight_sync"], threads=1)
+    placement = spec.launcher.create(spec.cluster).place(request)
+    try:
+        assert placement.loaded.model is None  # the driver holds only the tokenizer
+        for handle, protocol in ((placement, Placement), (placement.backend, BackendHandle),
+                                 (placement.backend, ReferenceScoring), (placement.engine, EngineHandle)):
+            assert missing(handle, protocol) == [], (handle, protocol)
+        assert placement.vocab_size == len(placement.loaded.tokenizer) == 14  # 11 characters + 3 special tokens
+        stats = placement.publish(1)
+        assert placement.engine.weight_version == 1 and stats["sync_version"] == 1
+    finally:
+        placement.close()
+    import time
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # Ray frees placement groups asynchronously
+    assert ray.available_resources().get("CPU") == 2
+
+
+def test_a_transport_without_halves_is_refused_before_any_actor_starts(skyrl_cli, skyrl_plugin, skyrl_tiny_rl_job,
+                                                                       tmp_path) -> None:
+    from skyrl_host import hookimpl
+
+    class OneProcessOnly:
+        def __init__(self, config=None):
+            self.config = config
+
+        def publish(self, backend, engine, version):
+            return {}
+
+    class Plugin:
+        @hookimpl
+        def skyrl_register_weight_transports(self, register):
+            register("oneproc", OneProcessOnly, description="both halves in one process only")
+
+    skyrl_plugin(Plugin(), "oneproc_plugin")
+    job = write(skyrl_tiny_rl_job, tmp_path, "oneproc", launcher="ray", engine_dtype="float32",
+                weight_sync={"transport": "oneproc"})
+    result = skyrl_cli("run", str(job.path))
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.endswith(
+        "error: weight transport 'oneproc' (plugin 'oneproc_plugin') lacks the SplitTransport capability (collective, "
+        "rendezvous, carries_payload, sender, receiver), which [cluster] launcher = \"ray\" (the engines run in "
+        "processes of their own) needs\n"
+    )

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, ge, gt, in_interval, option
+from skyrl_host.options import OptionError, ge, gt, in_interval, option
 from skyrl_host.interfaces import Task
 
 

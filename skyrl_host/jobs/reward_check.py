@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import gt, option
+from skyrl_host.options import gt, option
 from skyrl_host.errors import JobFailed
 from skyrl_host.interfaces import Dataset
 

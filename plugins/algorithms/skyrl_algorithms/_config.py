@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Mapping
 
 import attrs
 
-from skyrl_host.config import ge, gt, in_interval, option
+from skyrl_host.options import ge, gt, in_interval, option
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlEstimator = Literal["k1", "k2", "k3"]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, ge, gt, in_interval, option
+from skyrl_host.options import OptionError, ge, gt, in_interval, option
 
 
 def _betas(_inst: Any, _attr: Any, value: tuple[float, float]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, ge, gt, option
+from skyrl_host.options import OptionError, ge, gt, option
 from skyrl_host.errors import did_you_mean
 from skyrl_host.interfaces import Task
 from skyrl_datasets._scoring import first_token, positional_credit

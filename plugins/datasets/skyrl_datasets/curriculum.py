@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, ge, gt, option
+from skyrl_host.options import OptionError, ge, gt, option
 from skyrl_datasets._order import BlockCache, Concatenation, Permutation, check_state, epoch_key, sizes_of
 
 STREAM = 0xC0C  # its own permutation stream, so the order differs from shuffled's

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import option
+from skyrl_host.options import option
 from skyrl_host.errors import Problem, UserError, did_you_mean
 from skyrl_host.interfaces import Task
 

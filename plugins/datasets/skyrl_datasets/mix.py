@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, ge, gt, option
+from skyrl_host.options import OptionError, ge, gt, option
 from skyrl_datasets._order import BlockCache, Permutation, check_state, epoch_key, sizes_of, uniforms
 
 CHOICE_STREAM = 0x313  # the hash stream that picks datasets (the datasets' own streams are 0, 1, ...)

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, ge, in_interval, option
+from skyrl_host.options import OptionError, ge, in_interval, option
 from skyrl_host.interfaces import Task
 from skyrl_datasets._scoring import first_token, positional_credit
 

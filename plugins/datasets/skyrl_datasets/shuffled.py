@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import ge, option
+from skyrl_host.options import ge, option
 from skyrl_datasets._order import BlockCache, Concatenation, Permutation, check_state, epoch_key, sizes_of
 
 STREAM = 0x5EF  # the permutation stream of the whole pool (mix uses one per dataset)

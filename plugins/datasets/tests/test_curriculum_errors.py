@@ -10,7 +10,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from skyrl_host.config import OptionError
+from skyrl_host.options import OptionError
 from skyrl_datasets.curriculum import Curriculum, CurriculumConfig
 
 

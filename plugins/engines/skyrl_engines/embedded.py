@@ -19,7 +19,7 @@ from typing import Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import gt, option
+from skyrl_host.options import gt, option
 
 
 @attrs.frozen

@@ -6,7 +6,7 @@ import os
 import pathlib
 from typing import Any, Iterable
 
-from skyrl_host.config import OptionError
+from skyrl_host.options import OptionError
 from skyrl_host.errors import did_you_mean
 
 

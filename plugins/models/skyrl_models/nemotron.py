@@ -22,7 +22,7 @@ from typing import Any, Literal, Mapping
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import option
+from skyrl_host.options import option
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("nemotron_h",)

@@ -29,7 +29,7 @@ from typing import Any, Literal, Mapping
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import OptionError, gt, option
+from skyrl_host.options import OptionError, gt, option
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from skyrl_host.config import OptionError
+from skyrl_host.options import OptionError
 from skyrl_host.interfaces import LoadedModel, ModelFamily, RouterInfo
 from skyrl_models import glm
 from skyrl_models.glm import FULL_PRESETS, PRESETS, GlmConfig, full_config, make_family

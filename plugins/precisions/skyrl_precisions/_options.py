@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_host.config import option
+from skyrl_host.options import option
 
 
 def keep_option() -> Any:

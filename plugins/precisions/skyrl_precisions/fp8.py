@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import option
+from skyrl_host.options import option
 from skyrl_precisions._options import check, create, keep_option
 
 

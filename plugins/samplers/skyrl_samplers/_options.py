@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skyrl_host.config import ge, gt, in_interval, option
+from skyrl_host.options import ge, gt, in_interval, option
 
 
 def temperature_option(default: float = 1.0) -> Any:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import gt, option
+from skyrl_host.options import gt, option
 
 
 # The transport's halves, for programs that drive them themselves (benchmarks): imported

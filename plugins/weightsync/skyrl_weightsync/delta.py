@@ -30,7 +30,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_weightsync import wire_dtype_problem
-from skyrl_host.config import ge, in_interval, option
+from skyrl_host.options import ge, in_interval, option
 
 
 # The transport's halves, for programs that drive them themselves (benchmarks, other

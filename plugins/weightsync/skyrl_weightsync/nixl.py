@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.config import gt, option
+from skyrl_host.options import gt, option
 from skyrl_host.errors import UserError
 from skyrl_weightsync import weights_to_serve, wire_dtype_problem
 

@@ -142,10 +142,11 @@ class LocalLauncher:
         self.config, self.cluster = config, cluster
 
     def place(self, request: PlacementRequest) -> LocalPlacement:
+        # The precision first: it may decide what the model code imports (bf16: no torchao).
+        precision = request.precision.create() if request.precision is not None else None
         family = request.model.create()
         loaded = family.load(alphabet=request.alphabet, seed=request.seed)
         transport = request.weight_sync.create() if request.weight_sync is not None else None
-        precision = request.precision.create() if request.precision is not None else None
         backend = start_backend(request, loaded, request.algorithm, precision)
         engine = start_engine(request, loaded, precision) if request.engine is not None else None
         return LocalPlacement(family, loaded, backend, engine, transport)

@@ -142,7 +142,7 @@ class TrainStep:
             raise RuntimeError("train_step before start()")
         cfg = self.config
         t0 = time.perf_counter()
-        needs_ref = bool(getattr(algorithm, "needs_reference", False))
+        needs_ref = bool(algorithm.needs_reference)
         if needs_ref and self.reference is None:
             raise RuntimeError("the algorithm needs a reference model, but the backend was started with reference=False")
         if not temperature > 0:

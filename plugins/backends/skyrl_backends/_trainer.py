@@ -30,6 +30,8 @@ from skyrl_backends._packed_lm import PackedLM, WithoutAdapters, head_is_plain
 from skyrl_backends._packing import MicroBatch, empty_micro_batch, has_recurrent_layers, plan_mini_batches
 from skyrl_backends._train_step import LOW_PRECISION, TrainStep
 from skyrl_backends._weights import WeightsAndCheckpoints
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import ScoringReplay
 
 
 class TorchBackend(TrainStep, WeightsAndCheckpoints):
@@ -80,7 +82,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
             model = self._attach_lora(model, loaded, seed)
         self.precision = precision
         if precision is not None:
-            precision.prepare_model(model, keep=tuple(getattr(loaded, "precision_keep", ()) or ()), train=True)
+            precision.prepare_model(model, keep=tuple(loaded.precision_keep), train=True)
         if self._dp and cfg.data_parallel == "fsdp2":
             # FSDP2 shards each rank's own copy: make them equal first (DDP does this itself).
             _parallel.broadcast_from_rank0(model)
@@ -108,7 +110,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self.replay = list(replay)
         for strategy in self.replay:
             strategy.bind(model, loaded)
-        self._scorer_strategy = next((s for s in self.replay if callable(getattr(s, "score", None))), None)
+        self._scorer_strategy = next((s for s in self.replay if has(s, ScoringReplay)), None)
         self._lm = PackedLM(model, full_logits=not plain)
         if self._dp and cfg.data_parallel == "fsdp2":
             self._fully_shard(self._lm, model)  # the wrapper is the root: its hooks run around every forward
@@ -131,11 +133,11 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         from skyrl_host.errors import UserError
 
         cfg = self.config
-        targets = cfg.lora_targets if cfg.lora_targets is not None else list(getattr(loaded, "lora_targets", ()) or ())
+        targets = cfg.lora_targets if cfg.lora_targets is not None else list(loaded.lora_targets)
         if not targets:
             raise UserError(
                 f"[backend] lora_rank = {cfg.lora_rank} needs lora_targets: the model family "
-                f"{getattr(loaded, 'family', '') or '?'!r} declares none; set [backend] lora_targets = [\"q_proj\", ...]"
+                f"{loaded.family or '?'!r} declares none; set [backend] lora_targets = [\"q_proj\", ...]"
             )
         memo: dict[int, Any] = {}
         for t in list(model.parameters()) + list(model.buffers()):

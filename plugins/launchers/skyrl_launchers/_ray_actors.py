@@ -104,10 +104,11 @@ class EngineWorker:
 
         if request.threads:
             torch.set_num_threads(request.threads)
+        precision = request.precision.create()  # first: it may decide what the model code imports
         self.family = request.model.create()
         self.loaded = self.family.load(alphabet=request.alphabet, seed=request.seed)
         self.sampler = request.sampler.create()
-        self.engine = start_engine(request, self.loaded, request.precision.create(), self.sampler)
+        self.engine = start_engine(request, self.loaded, precision, self.sampler)
         self.transport = request.weight_sync.create()
         self.receiver: Any = None
         self.group: Any = None
@@ -159,6 +160,7 @@ class BackendWorker:
             torch.set_num_threads(request.threads)
         self.request = request
         self.rank, self.world = rank, world
+        self.precision = request.precision.create()  # first: it may decide what the model code imports
         self.family = request.model.create()
         self.loaded = self.family.load(alphabet=request.alphabet, seed=request.seed)
         self.transport = request.weight_sync.create() if request.weight_sync is not None else None
@@ -186,8 +188,7 @@ class BackendWorker:
             dist.init_process_group(_dist_backend(), init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
         request = self.request
-        precision = request.precision.create()
-        self.backend = start_backend(request, self.loaded, request.algorithm, precision)
+        self.backend = start_backend(request, self.loaded, request.algorithm, self.precision)
         if self.transport is not None and self.transport.rendezvous:
             require(self.backend, ShardedWeights, who=describe(request.backend),
                     needed_by=f"transport {request.weight_sync.name!r}")

@@ -17,6 +17,10 @@ def keep_option() -> Any:
 
 def create(name: str) -> Any:
     def factory(config: Any) -> Any:
+        if name == "bf16":  # wherever the job builds its models (the driver, each Ray actor): no torchao
+            from skyrl_precisions._torchao import hide_from_transformers
+
+            hide_from_transformers()
         from skyrl_precisions._precision import Precision
 
         return Precision(name, config)

@@ -28,7 +28,7 @@ class RoutingReplay:
         self._last_of: tuple[Any, np.ndarray] | None = None  # (batch, bool [T]: last token of its sequence)
 
     def bind(self, model: Any, loaded: LoadedModel) -> None:
-        routers = list(getattr(loaded, "routers", ()) or ())
+        routers = list(loaded.routers)
         if not routers:
             raise ValueError(
                 f"replay strategy 'r3' needs a mixture-of-experts model, but model family {loaded.family or '?'!r} "

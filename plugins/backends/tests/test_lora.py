@@ -5,6 +5,7 @@ weights, adapter export and checkpoints; options and target errors."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ import torch
 from skyrl_backends.torch import TorchBackendConfig
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel
+from skyrl_host.testing import run_gloo_ranks
+
+HERE = pathlib.Path(__file__).resolve().parent
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
@@ -247,46 +251,13 @@ def test_lora_options_are_validated() -> None:
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp2_train_the_adapters_like_one_process(tiny, tmp_path) -> None:
+def test_ddp_and_fsdp2_train_the_adapters_like_one_process(dp_worker, lora_dp_worker) -> None:
     """Two gloo processes (the data-parallel test's uneven shards, float64): the adapters,
     merged weights and metrics equal the one-process run, and a checkpoint written under
     DDP/FSDP2 (rank 0's state) restores the adapters exactly."""
-    import pathlib
-    import socket
-    import subprocess
-    import sys
+    got = run_gloo_ranks(HERE / "lora_dp_worker.py", "train", 2, timeout=150)[0]
 
-    here = pathlib.Path(__file__).resolve().parent
-    sys.path.insert(0, str(here))
-    try:
-        import dp_worker
-        import lora_dp_worker
-    finally:
-        sys.path.remove(str(here))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "rank0.pt"
-    procs = [
-        subprocess.Popen([sys.executable, str(here / "lora_dp_worker.py"), str(rank), "2", str(port), str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(2)
-    ]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=150)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
-    got = torch.load(out, weights_only=False)
-
-    be = tiny.make_backend(**dict(dp_worker.OPTIONS, **lora_dp_worker.LORA))
-    be.start(tiny.loaded(0, dtype=torch.float64), seed=0, total_steps=4, reference=True)
-    algo = tiny.TokenMean(needs_reference=True, metrics=True)
-    want_metrics = [be.train_step(b, a, algo, temperature=0.9, max_new_tokens=8) for b, a in dp_worker.global_batches()]
+    be, want_metrics = dp_worker.trained(**lora_dp_worker.LORA)
     want_adapters, want_weights = dict(be.named_adapters()), dict(be.named_weights())
     for mode in ("ddp", "fsdp2"):
         run = got[mode]

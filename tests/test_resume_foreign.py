@@ -11,42 +11,16 @@ import shutil
 import pytest
 
 from skyrl_host.checkpoints import load_backend_state, resume_mismatches
+from skyrl_host.config import locate_keys
 from skyrl_host.errors import UserError
-
-JOB = """\
-[job]
-kind = "rl"
-seed = 3
-steps = 2
-batch_size = 4
-n_samples = 2
-max_new_tokens = 4
-threads = 1
-output_dir = "{out}"
-
-[model]
-family = "qwen"
-preset = "{preset}"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-
-[algorithm]
-name = "grpo"
-
-[backend]
-name = "torch"
-lr = 1e-3
-micro_batch_tokens = 128
-"""
-
+from skyrl_host.testing import tiny_rl_job
 
 def write_job(tmp_path: pathlib.Path, name: str, out: pathlib.Path, preset: str = "tiny") -> pathlib.Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(JOB.format(out=out, preset=preset))
-    return path
+    """The tiny RL job (2 steps, a checkpoint at the end) in ``out``, with model ``preset``."""
+    job = tiny_rl_job(tmp_path, name, job={"steps": 2, "batch_size": 4, "n_samples": 2, "max_new_tokens": 4,
+                                           "output_dir": out}, model={"preset": preset},
+                      algorithm={"name": "grpo"}, backend={"lr": 1e-3, "micro_batch_tokens": 128})
+    return job.path
 
 
 def user_error(result) -> str:
@@ -88,7 +62,8 @@ def test_resume_with_another_model_size_or_family_is_a_user_error(skyrl_cli, fin
     # The job file itself names another size: its line is given.
     other = write_job(tmp_path, "other", out, preset="tiny-moe")
     located = skyrl_cli("run", str(other), "--resume")
-    assert user_error(located).startswith(f"error: {other}:13: model.preset: --resume: checkpoint '{ckpt}' ")
+    line = locate_keys(other.read_text())["model.preset"]  # the error points at the key's line in the file
+    assert user_error(located).startswith(f"error: {other}:{line}: model.preset: --resume: checkpoint '{ckpt}' ")
 
     # The refusals left the run as it was: the job that wrote it still resumes.
     again = skyrl_cli("run", str(path), "--resume", "--set", "job.steps=3")

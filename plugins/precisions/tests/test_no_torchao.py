@@ -10,36 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-JOB = """\
-[job]
-kind = "rl"
-seed = 3
-steps = 2
-batch_size = 4
-n_samples = 2
-max_new_tokens = 4
-threads = 1
-output_dir = "{out}"
-
-[model]
-family = "qwen"
-preset = "tiny"
-
-[dataset]
-name = "reverse_digits"
-min_len = 3
-max_len = 4
-
-[algorithm]
-name = "grpo"
-
-[precision]
-name = "bf16"
-
-[backend]
-name = "torch"
-micro_batch_tokens = 128
-"""
+from skyrl_host.testing import tiny_rl_job
 
 RUN = """
 import json, sys
@@ -55,8 +26,8 @@ def python(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
 
 
 def test_a_bf16_job_prints_nothing_of_torchao_and_never_imports_it(tmp_path) -> None:
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(out=tmp_path / "out"))
+    job = tiny_rl_job(tmp_path, job={"steps": 2, "batch_size": 4, "n_samples": 2, "max_new_tokens": 4},
+                      algorithm={"name": "grpo"}, precision={"name": "bf16"}, backend={"micro_batch_tokens": 128}).path
     proc = python(RUN.format(job=str(job)), tmp_path)
     probe = json.loads(proc.stdout.split("PROBE ", 1)[1]) if "PROBE " in proc.stdout else None
     assert probe == {"rc": 0, "torchao": False, "transformers": True}, proc.stderr

@@ -5,7 +5,9 @@ Each feature is one module here with its own ``skyrl`` entry point.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import importlib
+import types
+from typing import Any, Callable, Iterable, Mapping
 
 
 def weights_to_serve(backend: Any) -> Iterable[tuple[str, Any]]:
@@ -37,3 +39,17 @@ def wire_dtype_problem(spec: Any, transport_name: str, hint: str = "") -> list[t
             f"keeps its own copy{hint}",
         )]
     return []
+
+
+def lazy_exports(module: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) giving each name of ``exports`` from the module
+    it maps to, imported on first use: an entry-point module offers its transport's halves
+    by public names while discovering the plugin imports nothing heavy."""
+    exports = types.MappingProxyType(dict(exports))
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(exports[name]), name)
+
+    return __getattr__

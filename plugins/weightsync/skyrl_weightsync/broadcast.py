@@ -10,31 +10,24 @@ only once every bucket arrived. A one-process job has no engine process to broad
 
 from __future__ import annotations
 
-import importlib
-import types
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import gt, option
+from skyrl_weightsync import lazy_exports
 
 
 # The transport's halves, for programs that drive them themselves (benchmarks): imported
 # on first use (PEP 562), so that discovering this plugin does not import torch.
-_EXPORTS = types.MappingProxyType({
+__getattr__ = lazy_exports(__name__, {
     "BroadcastSender": "skyrl_weightsync._broadcast",
     "BroadcastReceiver": "skyrl_weightsync._broadcast",
 })
 
 if TYPE_CHECKING:
     from skyrl_weightsync._broadcast import BroadcastReceiver, BroadcastSender
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 @attrs.frozen

@@ -22,21 +22,19 @@ This module is light: the factory imports :mod:`skyrl_weightsync._delta`; the ha
 
 from __future__ import annotations
 
-import importlib
-import types
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_weightsync import wire_dtype_problem
 from skyrl_host.options import ge, in_interval, option
+from skyrl_weightsync import lazy_exports, wire_dtype_problem
 
 
 # The transport's halves, for programs that drive them themselves (benchmarks, other
 # distributions' tests): imported on first use (PEP 562), so that discovering this plugin
 # imports none of numpy, zstandard, xxhash, fsspec. ``version_dir``: where a version's files are.
-_EXPORTS = types.MappingProxyType({
+__getattr__ = lazy_exports(__name__, {
     "DeltaSender": "skyrl_weightsync._delta.sender",
     "DeltaReceiver": "skyrl_weightsync._delta.receiver",
     "DeltaError": "skyrl_weightsync._delta.store",
@@ -47,12 +45,6 @@ if TYPE_CHECKING:
     from skyrl_weightsync._delta.receiver import DeltaReceiver
     from skyrl_weightsync._delta.sender import DeltaSender
     from skyrl_weightsync._delta.store import DeltaError, version_dir
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 def _check_uri(_inst: Any, _attr: Any, value: str) -> None:

@@ -23,17 +23,15 @@ halves (``NixlSender``, ``NixlReceiver``, ``NixlError``) and the agent helpers
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import types
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.options import gt, option
 from skyrl_host.errors import UserError
-from skyrl_weightsync import weights_to_serve, wire_dtype_problem
+from skyrl_host.options import gt, option
+from skyrl_weightsync import lazy_exports, weights_to_serve, wire_dtype_problem
 
 INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it works without a GPU)"
 
@@ -42,7 +40,7 @@ INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it wo
 # distributions' tests), and for raw NIXL transfers an agent (``make_agent``) and the
 # ``Poller`` that serves its reads: imported on first use (PEP 562), so that discovering
 # this plugin imports neither torch nor NIXL.
-_EXPORTS = types.MappingProxyType({
+__getattr__ = lazy_exports(__name__, {
     "NixlSender": "skyrl_weightsync._nixl.sender",
     "NixlReceiver": "skyrl_weightsync._nixl.receiver",
     "NixlError": "skyrl_weightsync._nixl.agent",
@@ -54,12 +52,6 @@ if TYPE_CHECKING:
     from skyrl_weightsync._nixl.agent import NixlError, Poller, make_agent
     from skyrl_weightsync._nixl.receiver import NixlReceiver
     from skyrl_weightsync._nixl.sender import NixlSender
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 @attrs.frozen

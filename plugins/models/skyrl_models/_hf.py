@@ -146,10 +146,13 @@ def load_folder(
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise UserError(Problem(f"cannot load a tokenizer from {path!r}: {exc}", key=key)) from None
+    from skyrl_models._checkpoint_files import check_safetensors, load_error, load_errors
+
+    check_safetensors(path, key=key)  # a truncated, corrupt or missing weight file, named (headers only)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
-    except OSError as exc:  # missing or unreadable weight files
-        raise UserError(Problem(f"cannot load the model from {path!r}: {exc}", key=key)) from None
+    except load_errors() as exc:  # missing or unreadable weight files (OSError, SafetensorError)
+        raise load_error(path, exc, key=key) from None
     return model.eval(), tokenizer
 
 

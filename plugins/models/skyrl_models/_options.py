@@ -8,10 +8,12 @@ from typing import Any, Iterable
 
 from skyrl_host.options import OptionError
 from skyrl_host.errors import did_you_mean
+from skyrl_models._checkpoint_files import safetensors_problem
 
 
 def check_hf_folder(_inst: Any, _attr: Any, value: str | None) -> None:
-    """``[model] path``: a local Hugging Face folder (with config.json), or None."""
+    """``[model] path``: a local Hugging Face folder (with config.json), or None; its
+    safetensors files (if any) must be whole: their headers are read, no tensor data."""
     if value is None:
         return
     p = pathlib.Path(value).expanduser()
@@ -22,6 +24,9 @@ def check_hf_folder(_inst: Any, _attr: Any, value: str | None) -> None:
     elif not (p / "config.json").is_file():
         found = f"a folder without config.json {value!r}"
     else:
+        problem = safetensors_problem(p)
+        if problem:
+            raise ValueError(problem)
         return
     raise ValueError(f"expected a folder with config.json, found {found}")
 

@@ -13,8 +13,9 @@ built, checked and started alike.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from skyrl_host import hookimpl
 from skyrl_host.contracts import describe, has, require
@@ -87,18 +88,76 @@ def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any,
 
 def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, trained: dict[str, Any] | None = None) -> None:
     """The backend's trained weights as a Hugging Face folder at ``path`` (through the
-    family, into ``loaded``'s model), with a LoRA backend's adapters beside it.
+    family's ``save`` of ``loaded``'s model), in the model's own dtype: the family
+    config's ``dtype`` (``[model] dtype``; a family without one keeps the trained
+    weights' dtype). The weights are converted on the way out, into ``loaded``'s module
+    tree only while it is saved: neither the backend's tensors nor ``loaded``'s change.
+
+    With a LoRA backend also the adapters, as a PEFT adapter in ``path/adapter``
+    (``path`` itself stays the merged model that ``from_pretrained`` loads), and the
+    frozen base they were trained on, which the adapter's ``base_model_name_or_path``
+    names: ``[model] path`` when the job loaded a folder (the base is that folder loaded
+    in ``[model] dtype``), otherwise (a preset) a copy saved in ``path/base``.
     ``trained``: the backend's ``named_weights()`` when the caller already gathered them."""
+    import os
+
     import torch
 
     trained = dict(backend.named_weights()) if trained is None else trained
-    with torch.no_grad():
-        for name, param in loaded.model.state_dict().items():
-            if name in trained and trained[name].data_ptr() != param.data_ptr():
-                param.copy_(trained[name])
-    family.save(loaded, path)
-    if trains_adapters(backend):  # LoRA: the adapters beside the merged model
-        backend.save_adapters(path)
+    config = getattr(family, "config", None)  # the family's options: [model] dtype and path
+    name = getattr(config, "dtype", None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    with _weights_held(loaded.model, trained, dtype):
+        family.save(loaded, path)
+    if not trains_adapters(backend):
+        return
+    base = getattr(config, "resolved_path", None)
+    if not isinstance(base, str):  # a preset: save the frozen base the adapters were trained on
+        base = os.path.join(os.path.abspath(path), "base")
+        with _weights_held(loaded.model, {}, dtype):
+            family.save(loaded, base)
+    adapter = os.path.join(path, "adapter")
+    if "base_model" in inspect.signature(backend.save_adapters).parameters:
+        backend.save_adapters(adapter, base_model=base)
+    else:
+        backend.save_adapters(adapter)
+
+
+@contextlib.contextmanager
+def _weights_held(model: Any, weights: Mapping[str, Any], dtype: Any) -> Iterator[None]:
+    """Inside the block ``model``'s parameters and persistent buffers are ``weights[name]``
+    (its own tensor where ``weights`` has no entry), floating-point ones in ``dtype``
+    (None: as they are; a converted tensor is a CPU copy); tied parameters stay tied.
+    The module tree gets its own tensors (and config dtype) back after the block."""
+    import torch
+
+    persistent = set(model.state_dict())
+    held: dict[int, Any] = {}  # id(own tensor) -> the tensor in its place (tied ones share)
+    undo: list[tuple[dict[str, Any], str, Any]] = []
+    for prefix, module in model.named_modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for key, own in list(table.items()):
+                full = f"{prefix}.{key}" if prefix else key
+                if own is None or (not is_param and full not in persistent):
+                    continue
+                if id(own) not in held:
+                    value = weights.get(full, own)
+                    value = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+                    if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+                        value = value.to("cpu", dtype)
+                    held[id(own)] = torch.nn.Parameter(value, requires_grad=False) if is_param else value
+                undo.append((table, key, own))
+                table[key] = held[id(own)]
+    hf_config = getattr(model, "config", None)
+    config_dtype = getattr(hf_config, "dtype", None)
+    try:
+        yield
+    finally:
+        for table, key, own in reversed(undo):
+            table[key] = own
+        if hf_config is not None:
+            hf_config.dtype = config_dtype  # save_pretrained writes the saved dtype into the live config
 
 
 def trains_adapters(backend: Any) -> bool:

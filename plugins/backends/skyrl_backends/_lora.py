@@ -18,6 +18,8 @@ Why not peft: its wrappers rename the base weights (``base_layer.weight``), whic
 leak into the names the engine, checkpoints and ``save_final`` use, and it gives no
 handle for the engine's atomic adapter swap. transformers' routed experts are fused 3-D
 parameters (``experts.gate_up_proj``), not ``nn.Linear`` modules, so they get no adapter.
+The adapters are nonetheless PEFT's LoRA, term for term (:meth:`LoraAdapters.peft_config`):
+``save_adapters`` writes them as a PEFT adapter that ``peft`` and vLLM load.
 """
 
 from __future__ import annotations
@@ -124,6 +126,40 @@ class LoraAdapters:
     def config(self) -> dict[str, Any]:
         """What a receiver needs to apply the adapters: rank, alpha and targets."""
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    def peft_config(self, model: torch.nn.Module, base_model: str | None = None) -> dict[str, Any]:
+        """These adapters as PEFT's LoRA config (the ``adapter_config.json`` of a PEFT
+        adapter of ``model``, this module tree): PEFT's LoRA layer adds
+        ``lora_B(lora_A(dropout(x))) * lora_alpha / r`` to the base layer's output
+        (``use_rslora`` false), exactly this module's hook. ``target_modules``: the
+        targets, unless PEFT's matching (a module named a target or ending in
+        ``.<target>``) would pick a module not adapted here; then the adapted paths."""
+        picked = {
+            name for name, _ in model.named_modules()
+            if name and any(name == t or name.endswith("." + t) for t in self.targets)
+        }
+        targets = list(self.targets) if picked == set(self.modules) else list(self.modules)
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "revision": None,
+            "r": self.rank,
+            "lora_alpha": int(self.alpha) if self.alpha.is_integer() else self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": targets,
+            "bias": "none",
+            "use_rslora": False,
+            "use_dora": False,
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "modules_to_save": None,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "inference_mode": True,
+        }
 
     def parameter_names(self) -> list[str]:
         """``<module>.lora_A``, ``<module>.lora_B`` for every adapted module, in module order."""

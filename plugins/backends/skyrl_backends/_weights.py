@@ -121,12 +121,25 @@ class WeightsAndCheckpoints:
             out.append((name, p))
         return iter(out)
 
-    def save_adapters(self, path: str) -> None:
-        """Write the adapters as ``<path>/lora_adapters.safetensors`` (the tensors of
-        :meth:`named_adapters`, float32) and ``<path>/lora_config.json`` (rank, alpha,
-        targets, the adapted modules), e.g. beside the merged final model. (Not PEFT's
-        ``adapter_config.json``/``adapter_model.safetensors``: transformers would take a
-        folder holding those for a PEFT adapter, and the names differ from PEFT's.)"""
+    def save_adapters(self, path: str, *, base_model: str | None = None) -> None:
+        """Write the adapters into the folder ``path`` as a PEFT LoRA adapter, which
+        ``peft.PeftModel.from_pretrained(base, path)`` and vLLM load:
+
+        - ``adapter_model.safetensors``: every tensor of :meth:`named_adapters` (float32)
+          under PEFT's name, ``base_model.model.<module path>.lora_A.weight`` ``[rank, in]``
+          and ``...lora_B.weight`` ``[out, rank]``;
+        - ``adapter_config.json``: ``peft_type = "LORA"``, ``task_type = "CAUSAL_LM"``,
+          ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``use_rslora = false``
+          (PEFT then scales by ``lora_alpha / r``, as :mod:`skyrl_backends._lora` does),
+          ``bias = "none"`` and ``base_model_name_or_path`` = ``base_model`` (the folder of
+          the frozen base the adapters were trained on; None when not given).
+
+        ``target_modules`` are the adapted modules' last name components (what the
+        ``lora_targets`` option takes), unless PEFT's rule (a module whose name ends in a
+        target) would pick modules this backend did not adapt: then the adapted modules'
+        full paths. Under DDP/FSDP2 a collective (every rank calls it); rank 0 writes.
+        Not beside a merged model in one folder: transformers takes a folder holding
+        ``adapter_config.json`` for a PEFT adapter (the final save uses ``final/adapter/``)."""
         import json
         import pathlib
 
@@ -134,14 +147,17 @@ class WeightsAndCheckpoints:
 
         if self.lora is None:
             raise RuntimeError("save_adapters: this backend has no adapters ([backend] lora_rank = 0)")
-        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.named_adapters()}
+        tensors = {
+            f"base_model.model.{k}.weight": v.detach().to("cpu", torch.float32).contiguous()
+            for k, v in self.named_adapters()
+        }
         if self._dp and self.rank != 0:
             return
         folder = pathlib.Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "lora_adapters.safetensors"))
-        config = dict(self.lora.config(), modules=list(self.lora.modules), dropout=self.lora.dropout)
-        (folder / "lora_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = self.lora.peft_config(self.module, base_model)
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     def state_dict(self) -> Mapping[str, Any]:
         """Model, optimizer (keyed by parameter name), scheduler and step counts, on CPU.

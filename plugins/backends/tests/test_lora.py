@@ -138,19 +138,20 @@ def test_gradient_checkpointing_and_bf16_autocast_train_the_adapters(tiny) -> No
     assert all(n > 0 for ns in norms.values() for n in ns)
 
 
-def test_save_adapters_writes_safetensors_and_config(tiny, tmp_path) -> None:
+def test_save_adapters_writes_a_peft_adapter(tiny, tmp_path) -> None:
     from safetensors.torch import load_file
 
     be, _ = start(tiny, lr=1e-2)
     batch = tiny.tiny_batch(0)
     be.train_step(batch, tiny.tiny_advantages(batch), tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
-    be.save_adapters(str(tmp_path / "final"))
-    tensors = load_file(str(tmp_path / "final" / "lora_adapters.safetensors"))
+    be.save_adapters(str(tmp_path / "adapter"))
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     ad = dict(be.named_adapters())
-    assert tensors.keys() == ad.keys() and all(torch.equal(tensors[k], ad[k]) for k in ad)
-    config = json.loads((tmp_path / "final" / "lora_config.json").read_text())
-    assert config["rank"] == 4 and config["alpha"] == 16.0 and config["targets"] == TARGETS
-    assert config["modules"][0] == "model.layers.0.self_attn.q_proj"
+    assert tensors.keys() == {f"base_model.model.{k}.weight" for k in ad}
+    assert all(torch.equal(tensors[f"base_model.model.{k}.weight"], ad[k]) for k in ad)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16
+    assert config["target_modules"] == TARGETS  # (peft loads it: test_peft_format.py)
 
 
 def test_checkpoint_round_trip_is_exact(tiny) -> None:
@@ -251,11 +252,14 @@ def test_lora_options_are_validated() -> None:
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp2_train_the_adapters_like_one_process(dp_worker, lora_dp_worker) -> None:
+def test_ddp_and_fsdp2_train_the_adapters_like_one_process(dp_worker, lora_dp_worker, tmp_path) -> None:
     """Two gloo processes (the data-parallel test's uneven shards, float64): the adapters,
-    merged weights and metrics equal the one-process run, and a checkpoint written under
-    DDP/FSDP2 (rank 0's state) restores the adapters exactly."""
-    got = run_gloo_ranks(HERE / "lora_dp_worker.py", "train", 2, timeout=150)[0]
+    merged weights and metrics equal the one-process run, a checkpoint written under
+    DDP/FSDP2 (rank 0's state) restores the adapters exactly, and the saved PEFT adapter
+    holds the full adapters."""
+    from safetensors.torch import load_file
+
+    got = run_gloo_ranks(HERE / "lora_dp_worker.py", "train", 2, str(tmp_path), timeout=150)[0]
 
     be, want_metrics = dp_worker.trained(**lora_dp_worker.LORA)
     want_adapters, want_weights = dict(be.named_adapters()), dict(be.named_weights())
@@ -267,6 +271,12 @@ def test_ddp_and_fsdp2_train_the_adapters_like_one_process(dp_worker, lora_dp_wo
             assert torch.equal(run["reloaded"][name], run["adapters"][name]), f"{mode} {name}"
         for name, w in want_weights.items():
             torch.testing.assert_close(run["weights"][name], w, atol=1e-12, rtol=0, msg=f"{mode} {name}")
+        saved = load_file(str(tmp_path / mode / "adapter_model.safetensors"))
+        assert saved.keys() == {f"base_model.model.{k}.weight" for k in want_adapters}
+        for name, a in run["adapters"].items():  # float32, the full (gathered) tensors
+            assert torch.equal(saved[f"base_model.model.{name}.weight"], a.float()), f"{mode} {name}"
+        config = json.loads((tmp_path / mode / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["target_modules"] == lora_dp_worker.LORA["lora_targets"]
         for m, ref in zip(run["metrics"], want_metrics):
             for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean"):
                 assert m[key] == pytest.approx(ref[key], rel=1e-10, abs=1e-12), (mode, key)

@@ -18,11 +18,18 @@ import attrs
 
 @attrs.frozen
 class Task:
-    """One prompt of a dataset, with what its reward function needs to score it."""
+    """One prompt of a dataset, with what its reward function needs to score it.
+
+    A plain task has ``prompt`` only: the ``rl`` driver encodes it as it is. A chat task
+    also has ``messages`` (``{"role": ..., "content": ...}`` mappings, oldest first; the
+    last is not the assistant's): the driver renders them with the tokenizer's chat
+    template and an opened assistant turn (``add_generation_prompt=True``), and
+    ``prompt`` is then the last user message's text (for rewards and logs)."""
 
     prompt: str
     answer: str | None = None  # a reference completion that earns the maximal reward, if known
     meta: Mapping[str, Any] = attrs.field(factory=dict)
+    messages: Sequence[Mapping[str, str]] | None = None  # a chat task's conversation so far
 
 
 @runtime_checkable

@@ -56,12 +56,50 @@ def step_seed(seed: int, step: int, round_: int = 0) -> int:
     return (seed * 1_000_003 + step * 9_973 + round_ * 101) % (2**63 - 1)
 
 
+def encode_task(tokenizer: Any, task: Any) -> list[int]:
+    """A task's prompt ids: a plain task's ``prompt`` encoded as it is; a chat task's
+    ``messages`` rendered with the tokenizer's chat template, the assistant's turn opened
+    (``add_generation_prompt=True``)."""
+    if task.messages is None:
+        return list(tokenizer.encode(task.prompt))
+    ids = tokenizer.apply_chat_template([dict(m) for m in task.messages], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return [int(i) for i in ids]
+
+
+def check_chat_template(tokenizer: Any, messages: Any) -> None:
+    """Raise a UserError naming the tokenizer's folder unless its chat template renders
+    ``messages`` and opens the assistant's turn (``add_generation_prompt`` adds text)."""
+    messages = [dict(m) for m in messages]
+    name = str(tokenizer.name_or_path or "")
+    where = f"the tokenizer of [model] path {name!r}" if name else "the model's tokenizer (a preset's, built for characters)"
+    if not tokenizer.chat_template:
+        fix = ("add a chat template to that folder (a chat_template.jinja file, or the chat_template key of "
+               "tokenizer_config.json)") if name else "set [model] path to a checkpoint with a chat template"
+        raise UserError(
+            f"[dataset]: the prompts are chats (messages), but {where} has no chat template; {fix}, "
+            "or give the dataset plain-text prompts"
+        )
+    try:
+        opened = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template that fails to render (a jinja error, raise_exception)
+        raise UserError(f"[dataset]: the chat template of {where} cannot render the prompt's messages: {exc}") from None
+    if opened == closed:
+        raise UserError(
+            f"[dataset]: the chat template of {where} renders no generation prompt (add_generation_prompt=True adds "
+            "nothing, so the model would not start the assistant's turn); use a template that opens it, e.g. ending "
+            "with {% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
+        )
+
+
 class RLDriver:
     def __init__(self, run: Any):
         self.run_ = run
         self.cfg: RLConfig = run.spec.kind_config
         self.seed = run.spec.job.seed
         self.placement: Any = None
+        self._chat_checked = False  # the tokenizer's chat template is checked at the first chat prompt
 
     # -- set-up ----------------------------------------------------------------
 
@@ -105,12 +143,15 @@ class RLDriver:
 
     # -- one step ----------------------------------------------------------------
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        return [list(self.tokenizer.encode(p)) for p in prompts]
+    def _encode(self, tasks: list[Any]) -> list[list[int]]:
+        if not self._chat_checked and any(t.messages is not None for t in tasks):
+            check_chat_template(self.tokenizer, next(t.messages for t in tasks if t.messages is not None))
+            self._chat_checked = True
+        return [encode_task(self.tokenizer, t) for t in tasks]
 
     def _generate(self, step: int, round_: int, tasks: list[Any], group_offset: int) -> Any:
         return self.engine.generate(
-            self._encode([t.prompt for t in tasks]),
+            self._encode(tasks),
             n=self.cfg.n_samples,
             sampler=self.sampler,
             max_new_tokens=self.cfg.max_new_tokens,

@@ -1,7 +1,12 @@
 """jsonl: prompts (and answers) from a JSON-lines file, with a choice of reward.
 
-Each non-blank line of the file is a JSON object holding at least the prompt
-(``prompt_key``); the answer (``answer_key``) is needed by the ``exact`` and
+Each non-blank line of the file is a JSON object holding at least the prompt: plain
+text (``prompt_key``) or a chat (``messages_key``: a list of ``{"role", "content"}``
+objects, oldest first, not ending with the assistant's), rendered by the ``rl`` driver
+with the model's chat template (:attr:`Task.messages`; :attr:`Task.prompt` is then the
+last user message). ``system_prompt`` makes every record a chat that opens with that
+system message (a plain prompt becomes the user's message; a chat that has its own
+system message keeps it). The answer (``answer_key``) is needed by the ``exact`` and
 ``regex`` rewards. Every other field is kept in :attr:`Task.meta`.
 
 Batches walk an endless sequence of epochs. Each epoch is every record once: a
@@ -88,6 +93,17 @@ class JsonlConfig:
         validator=_check_path,
     )
     prompt_key: str = option("prompt", help="the field holding the prompt text", validator=_check_key)
+    messages_key: str = option(
+        "messages",
+        help="the field holding a chat prompt instead: a list of {role, content} objects, rendered with the "
+        "model's chat template",
+        validator=_check_key,
+    )
+    system_prompt: str | None = option(
+        None,
+        help="a system message opening every prompt (plain prompts become the user's message of a chat); "
+        "records with their own system message keep theirs",
+    )
     answer_key: str = option(
         "answer", help="the field holding the answer (a regular expression when reward = 'regex')", validator=_check_key
     )
@@ -109,6 +125,9 @@ class JsonlConfig:
     def __attrs_post_init__(self) -> None:
         if self.prompt_key == self.answer_key:
             raise ValueError(f"prompt_key and answer_key must differ, both are {self.prompt_key!r}")
+        for other in ("prompt_key", "answer_key"):
+            if self.messages_key == getattr(self, other):
+                raise ValueError(f"messages_key and {other} must differ, both are {self.messages_key!r}")
 
 
 def _load_reward(spec: str) -> Callable[[Task, str], Any]:
@@ -146,7 +165,13 @@ class Jsonl:
         self._orders: dict[int, list[int]] = {}
         # Every character of a prompt or an answer, for character-level tokenizers.
         self.alphabet = "".join(
-            sorted({c for t in self.tasks for c in t.prompt + (t.answer or "") + str(t.meta.get(config.answer_key, ""))})
+            sorted({
+                c
+                for t in self.tasks
+                for text in (t.prompt, t.answer or "", str(t.meta.get(config.answer_key, "")),
+                             *(m["content"] for m in t.messages or ()))
+                for c in text
+            })
         )
 
     # -- reading ---------------------------------------------------------------
@@ -190,11 +215,22 @@ class Jsonl:
             raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
         if not isinstance(record, dict):
             raise ValueError(f"expected a JSON object, found {type(record).__name__}")
-        if cfg.prompt_key not in record:
+        messages = None
+        if cfg.messages_key in record:
+            if cfg.prompt_key in record:
+                raise ValueError(f"give either the prompt {cfg.prompt_key!r} or the messages {cfg.messages_key!r}, not both")
+            messages = self._messages(record.pop(cfg.messages_key))
+            prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+        elif cfg.prompt_key not in record:
             raise ValueError(f"missing the prompt key {cfg.prompt_key!r}; keys: {', '.join(map(repr, record)) or '(none)'}")
-        prompt = record.pop(cfg.prompt_key)
-        if not isinstance(prompt, str):
-            raise ValueError(f"expected the prompt {cfg.prompt_key!r} to be a string, found {json.dumps(prompt)}")
+        else:
+            prompt = record.pop(cfg.prompt_key)
+            if not isinstance(prompt, str):
+                raise ValueError(f"expected the prompt {cfg.prompt_key!r} to be a string, found {json.dumps(prompt)}")
+            if cfg.system_prompt is not None:
+                messages = ({"role": "user", "content": prompt},)
+        if messages is not None and cfg.system_prompt is not None and messages[0]["role"] != "system":
+            messages = ({"role": "system", "content": cfg.system_prompt}, *messages)
         answer = record.pop(cfg.answer_key, None)
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = json.dumps(answer)  # a number answer is compared as its JSON text: 42 -> "42"
@@ -210,7 +246,23 @@ class Jsonl:
             # A pattern is not a completion that earns the reward, so it goes to meta, not to Task.answer.
             record[cfg.answer_key] = answer
             answer = None
-        return Task(prompt=prompt, answer=answer, meta=record)
+        return Task(prompt=prompt, answer=answer, meta=record, messages=messages)
+
+    def _messages(self, value: Any) -> tuple[dict[str, str], ...]:
+        key = self.config.messages_key
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"expected the messages {key!r} to be a non-empty list of {{role, content}} objects, "
+                             f"found {json.dumps(value)}")
+        out = []
+        for i, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"expected {key}[{i}] to be an object with string 'role' and 'content', "
+                                 f"found {json.dumps(m)}")
+            out.append({"role": m["role"], "content": m["content"]})
+        if out[-1]["role"] == "assistant":
+            raise ValueError(f"the last of the messages {key!r} is the assistant's; a prompt ends with the user's turn "
+                             f"(drop the answer, or move it to {self.config.answer_key!r})")
+        return tuple(out)
 
     # -- the Dataset protocol ------------------------------------------------------
 

@@ -13,6 +13,9 @@ from typing import Any, Mapping
 
 import fsspec
 
+from skyrl_host.errors import Problem, UserError
+from skyrl_host.remote_errors import endpoint_of, remote_error
+
 FORMAT = 1
 LATEST = "LATEST"
 _INFLIGHT_BYTES = 256 << 20  # payload bytes a sender may have queued for writing
@@ -30,9 +33,14 @@ class Store:
     """The fsspec target: ``uri`` plus options; writes whole objects, atomically."""
 
     def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None):
-        self.fs, root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
-        self.root = root.rstrip("/")
         self.uri = uri.rstrip("/")
+        self.endpoint = endpoint_of(dict(storage_options or {}))
+        try:
+            self.fs, root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+        except TypeError as exc:
+            self._user_error(exc)
+            raise
+        self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.local = "file" in protocols
         # Threads for payload reads and writes: object stores answer each request after a
@@ -45,6 +53,19 @@ class Store:
     def url(self, *parts: str) -> str:
         return "/".join([self.uri, *parts])
 
+    def _user_error(self, exc: BaseException) -> None:
+        """Raise the user's mistake behind ``exc`` (no or wrong credentials, an endpoint that
+        does not answer, a missing bucket, an option the filesystem does not take) as one line
+        naming the URL; else return."""
+        if isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc):  # s3fs: on first use
+            message = f"the filesystem of {self.uri} refuses these options: {' '.join(str(exc).split())}"
+            raise UserError(Problem(message, key="weight_sync.storage_options")) from None
+        if not getattr(self, "local", False):
+            error = remote_error(self.uri, exc, key="weight_sync.uri", options="weight_sync.storage_options",
+                                 endpoint=self.endpoint)
+            if error is not None:
+                raise error from None
+
     def write(self, rel: str, data: bytes) -> None:
         path = self.path(rel)
         if self.local:
@@ -54,13 +75,25 @@ class Store:
                 f.write(data)
             os.replace(tmp, path)  # readers see the old object or the whole new one
         else:
-            self.fs.pipe_file(path, data)  # one PUT: atomic for readers on object stores
+            try:
+                self.fs.pipe_file(path, data)  # one PUT: atomic for readers on object stores
+            except Exception as exc:
+                self._user_error(exc)
+                raise
 
     def read(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        try:
+            return self.fs.cat_file(self.path(rel))
+        except Exception as exc:  # a missing bucket is a FileNotFoundError too: told apart here
+            self._user_error(exc)
+            raise
 
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        try:
+            return self.fs.exists(self.path(rel))
+        except Exception as exc:
+            self._user_error(exc)
+            raise
 
     def latest(self) -> tuple[int, int] | None:
         """(epoch, version) of the newest complete version, or None before the first."""

@@ -35,7 +35,10 @@ VALID_TABLES = (
     "valid tables: 'algorithm', 'backend', 'cluster', 'corpus', 'data', 'dataset', 'engine', 'job', 'model', "
     "'precision', 'replay', 'sampler', 'weight_sync'"
 )
-JOB_KEYS = "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps', 'tensorboard'"
+JOB_KEYS = (
+    "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'mlflow', 'mlflow_experiment', 'mlflow_tracking_uri', "
+    "'name', 'output_dir', 'seed', 'steps', 'tensorboard', 'wandb', 'wandb_mode', 'wandb_project'"
+)
 DATASET_KEYS = "valid keys: 'alphabet', 'max_len', 'min_len', 'name', 'partial_credit', 'seed_offset'"
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "transformers", "ray", "vllm", "nixl", "megatron", "tensorflow", "jax")
+HEAVY = ("torch", "transformers", "ray", "vllm", "nixl", "megatron", "tensorflow", "jax", "wandb", "mlflow")
 
 PROBE = """
 import json, sys

@@ -560,7 +560,13 @@ def _open(prefix_or_url: str, storage_options: dict[str, Any] | None, cache_dir:
 
         fs, path = fsspec.core.url_to_fs(prefix, **(storage_options or {}))
         if not isinstance(fs, LocalFileSystem):
-            return _open_remote(fs, path, prefix, cache_dir, block_size)
+            try:
+                return _open_remote(fs, path, prefix, cache_dir, block_size)
+            except UserError:
+                raise
+            except Exception as exc:  # no or wrong credentials, an endpoint that does not answer, ...
+                _raise_remote_error(prefix, exc, storage_options)
+                raise
         prefix = path
     return _open_local(prefix)
 
@@ -606,6 +612,20 @@ def _fetch_whole(fs: Any, path: str, local: pathlib.Path, size: int) -> None:
     os.replace(tmp, local)
 
 
+def _raise_remote_error(url: str, exc: BaseException, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Raise the user's mistake behind ``exc`` (see :mod:`skyrl_host.remote_errors`: no or
+    wrong credentials, a missing bucket, an unreachable endpoint, an option the filesystem
+    does not take) as one line naming ``url`` and the fix; return if it is none of those."""
+    from skyrl_host.remote_errors import endpoint_of, remote_message
+
+    if isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc):  # s3fs: on first use
+        message = f"the filesystem of {url} refuses these storage_options: {' '.join(str(exc).split())}"
+    else:
+        message = remote_message(url, exc, endpoint=endpoint_of(dict(storage_options or {})))
+    if message is not None:
+        raise UserError(Problem(message)) from None  # the message names the URL
+
+
 def _remote_size(fs: Any, path: str) -> int | None:
     try:
         return int(fs.info(path)["size"])
@@ -617,7 +637,8 @@ def _open_remote(fs: Any, path: str, url: str, cache_dir: Any, block_size: int) 
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
         raw = fs.cat_file(path + HEADER_SUFFIX)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        _raise_remote_error(url, exc)  # a missing bucket is a FileNotFoundError too
         raw = None
     if raw is not None:
         header = _parse_header(raw, url + HEADER_SUFFIX)

@@ -68,6 +68,31 @@ def wants_support(sampler: Any) -> bool:
     return False
 
 
+def cut_at_stop_strings(tokenizer: Any, stop_strings: Sequence[str], resp: np.ndarray, resp_len: np.ndarray,
+                        stopped: np.ndarray) -> None:
+    """Cut each response (``resp[i, :resp_len[i]]``) after the token whose decoded text
+    completes the first occurrence of any of ``stop_strings``: ``resp_len`` shortened and
+    ``stopped`` set in place. A response without a stop string is left as it is."""
+    for i in range(len(resp_len)):
+        ids = resp[i, : resp_len[i]].tolist()
+
+        def hit(k: int) -> bool:
+            text = tokenizer.decode(ids[:k], skip_special_tokens=False)
+            return any(s in text for s in stop_strings)
+
+        if not ids or not hit(len(ids)):
+            continue
+        lo, hi = 1, len(ids)  # the shortest prefix holding a stop string (a longer prefix holds it too)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hit(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        resp_len[i] = lo
+        stopped[i] = True
+
+
 class EmbeddedEngine:
     """The ``embedded`` engine (see the module docstring)."""
 
@@ -106,6 +131,9 @@ class EmbeddedEngine:
                                     source=source)
         self.adapters.bind(self.model, dtype, self.device)
         self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
+        self.tokenizer = loaded.tokenizer  # stop_strings are found in its decoded text
+        if self.config.stop_strings and self.tokenizer is None:
+            raise ValueError("[engine] stop_strings needs the model's tokenizer, and this engine was started without one")
         self._stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
         pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
         vocab = self.model.get_input_embeddings().num_embeddings
@@ -310,9 +338,17 @@ class EmbeddedEngine:
         finally:
             if not self._own_module:
                 model.train(training)
+        generated = resp_len.copy()
+        if self.config.stop_strings:
+            cut_at_stop_strings(self.tokenizer, self.config.stop_strings, resp, resp_len, stopped)
         batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         if want_support:
-            batch.side_channels["sample_support"] = support_csr(support_parts)
+            support = support_csr(support_parts)
+            if not np.array_equal(generated, resp_len):  # keep the rows of the tokens left after the cut
+                starts = np.concatenate([[0], np.cumsum(generated)[:-1]])
+                support = support.take(np.concatenate(
+                    [np.arange(a, a + k, dtype=np.int64) for a, k in zip(starts, resp_len)]))
+            batch.side_channels["sample_support"] = support
         if hooks is not None:
             batch.side_channels["routed_experts"] = routes_channel(batch, prompt_routes, resp_routes, n)
         batch.validate()

@@ -22,6 +22,12 @@ from skyrl_host import hookimpl
 from skyrl_host.options import gt, option
 
 
+def _check_stop_strings(_inst: Any, _attr: Any, value: Any) -> None:
+    for v in value:
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"expected a list of non-empty strings, found {v!r}")
+
+
 @attrs.frozen
 class EmbeddedConfig:
     """Options of ``[engine]`` when ``name = "embedded"``."""
@@ -38,6 +44,12 @@ class EmbeddedConfig:
     )
     threads: int | None = option(
         None, help="torch CPU threads to use (torch.set_num_threads); unset = leave as is", validator=gt(0)
+    )
+    stop_strings: tuple[str, ...] = option(
+        factory=tuple,
+        help="texts that end a response: a response is cut after the token that completes the first of them "
+        "(it stays in the response); tokens and logprobs are cut alike",
+        validator=_check_stop_strings,
     )
 
 

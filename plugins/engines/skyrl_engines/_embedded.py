@@ -341,6 +341,9 @@ class EmbeddedEngine:
         generated = resp_len.copy()
         if self.config.stop_strings:
             cut_at_stop_strings(self.tokenizer, self.config.stop_strings, resp, resp_len, stopped)
+            if hooks is not None:  # a cut response's last token is never fed back: its routes row is 0, as at a stop token
+                for i in np.flatnonzero(resp_len < generated):
+                    resp_routes[i, resp_len[i] - 1 :] = 0
         batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         if want_support:
             support = support_csr(support_parts)

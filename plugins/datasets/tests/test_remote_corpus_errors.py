@@ -126,8 +126,8 @@ def run(skyrl_cli, tmp_path, url: str, options: dict[str, Any]) -> tuple[Any, st
 def test_no_credentials(skyrl_cli, tmp_path, skyrl_s3_server, remote_corpus) -> None:
     options = {"client_kwargs": {"endpoint_url": skyrl_s3_server}, "config_kwargs": FAST}
     _, message, seconds = run(skyrl_cli, tmp_path, remote_corpus, options)
-    assert message == (f'no credentials to reach {remote_corpus}: set storage_options = {{key = "...", secret = "..."}}, '
-                       f"or {ENV_FIX}")
+    assert message == (f"no credentials to reach {remote_corpus}: "
+                       f'set storage_options = {{key = "...", secret = "..."}}, or {ENV_FIX}')
     assert seconds < 60
     assert step_rows(tmp_path / "out") == []  # refused before the first step
     end = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -164,7 +164,8 @@ def test_unreachable_endpoint_fails_in_seconds(skyrl_cli, tmp_path) -> None:
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
-def test_a_good_url_still_opens_and_data_info_says_the_same(skyrl_cli, tmp_path, skyrl_s3_server, remote_corpus) -> None:
+def test_a_good_url_still_opens_and_data_info_says_the_same(skyrl_cli, tmp_path, skyrl_s3_server,
+                                                            remote_corpus) -> None:
     from skyrl_datasets.corpus import open_corpus
 
     good = {**CREDENTIALS, "client_kwargs": {"endpoint_url": skyrl_s3_server}}

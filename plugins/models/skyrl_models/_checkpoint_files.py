@@ -83,7 +83,8 @@ def safetensors_problem(folder: str | os.PathLike[str]) -> str | None:
         except (UnicodeDecodeError, ValueError):
             return f"{index!r} is corrupt: not valid JSON; {FIX}"
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        if (not isinstance(weight_map, dict) or not weight_map
+                or not all(isinstance(v, str) for v in weight_map.values())):
             return f"{index!r} is corrupt: it has no weight_map of tensor names to shard files; {FIX}"
         shards = sorted(set(weight_map.values()))
         for shard in shards:

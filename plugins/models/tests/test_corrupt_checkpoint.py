@@ -101,7 +101,8 @@ def test_overwritten_header_bytes(folder, tmp_path, skyrl_cli, skyrl_tiny_rl_job
     corrupt = corrupt[:8] + b"\x00\xff" + corrupt[10:]  # the JSON's first bytes
     file.write_bytes(corrupt)
     assert_one_line(skyrl_cli("run", str(tiny.path)),
-                    f"error: {tiny.path}:15: model.path: {str(file)!r} is corrupt: its header is not a JSON object; {FIX}")
+                    f"error: {tiny.path}:15: model.path: {str(file)!r} is corrupt: its header is not a JSON object; "
+                    f"{FIX}")
     file.write_bytes(b"\xff" * 8 + bytes(data[8:]))  # the header length
     assert_one_line(skyrl_cli("validate", str(tiny.path)),
                     f"error: {tiny.path}:15: model.path: {str(file)!r} is not a safetensors file (corrupt): its first "
@@ -123,7 +124,8 @@ def test_sharded_checkpoint_missing_truncated_or_bad_index(folder, tmp_path, sky
     size = last.stat().st_size
     os.truncate(last, size - 1)
     assert_one_line(skyrl_cli("run", str(tiny.path)),
-                    f"{where} {str(last)!r} is truncated: the header promises {size} bytes, the file has {size - 1}; {FIX}")
+                    f"{where} {str(last)!r} is truncated: the header promises {size} bytes, the file has {size - 1}; "
+                    f"{FIX}")
     last.unlink()
     assert_one_line(skyrl_cli("run", str(tiny.path)),
                     f"{where} {str(last)!r} is missing: model.safetensors.index.json names {len(names)} shards; {FIX}")
@@ -161,5 +163,6 @@ def test_a_header_safetensors_itself_rejects_is_a_user_error(folder) -> None:
     with pytest.raises(UserError) as info:
         make_family(QwenConfig(path=str(path))).load(alphabet=None, seed=0)
     message = str(info.value)
-    assert message.startswith(f"error: model.path: cannot load the model from {str(path)!r}: Error while deserializing header")
+    assert message.startswith(f"error: model.path: cannot load the model from {str(path)!r}: "
+                              "Error while deserializing header")
     assert message.endswith(f"; {FIX}") and "\n" not in message

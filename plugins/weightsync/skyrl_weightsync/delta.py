@@ -62,7 +62,8 @@ def _check_uri(_inst: Any, _attr: Any, value: str) -> None:
         raise ValueError(f"protocol {protocol!r} needs a package that is not installed: {exc}") from None
     bucket = value.split("://", 1)[1].split("/", 1)[0] if "://" in value else "?"
     if protocol in ("s3", "s3a", "gs", "gcs") and not bucket:
-        raise ValueError(f"no bucket in {value!r}: expected {protocol}://bucket/prefix, e.g. '{protocol}://my-bucket/run-1'")
+        raise ValueError(f"no bucket in {value!r}: expected {protocol}://bucket/prefix, "
+                         f"e.g. '{protocol}://my-bucket/run-1'")
 
 
 _check_uri.__doc__ = "a URL fsspec can open"

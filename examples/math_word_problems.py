@@ -6,11 +6,11 @@ Each problem takes two to three arithmetic steps (shopping, discounts, speed and
 distance, travel time, sharing, percentages, wages, recipes) and has an integer,
 decimal, fractional or percentage answer. Every line is one record::
 
-    {"messages": [{"role": "user", "content": Q}], "prompt": Q, "answer": "7/4",
+    {"messages": [{"role": "user", "content": Q}], "answer": "7/4",
      "solution": "3 + 4 = 7. 7 / 4 = 7/4. The answer is \\boxed{7/4}.", "template": "sharing"}
 
-``messages`` (the chat form) and ``prompt`` (the plain form) hold the same question;
-``solution`` is the worked steps, each ``expression = value`` with exact arithmetic,
+``messages`` holds the question as a chat (the jsonl dataset takes a record's prompt or
+its messages, not both; ``system_prompt`` prepends a system turn); ``solution`` is the worked steps, each ``expression = value`` with exact arithmetic,
 ending in the boxed answer. Use it with the jsonl dataset and ``reward = "math"``
 (or ``"math_format"``): docs/datasets.md. The output is a pure function of ``--seed``
 and ``--n``; plugins/datasets/tests/test_rewards.py regenerates it and compares.
@@ -286,7 +286,6 @@ def generate(n: int = DEFAULT_N, seed: int = DEFAULT_SEED) -> list[dict]:
         solution = " ".join(steps.lines) + f" The answer is \\boxed{{{answer}}}."
         records.append({
             "messages": [{"role": "user", "content": content}],
-            "prompt": content,
             "answer": answer,
             "solution": solution,
             "template": name,

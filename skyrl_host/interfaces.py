@@ -58,6 +58,17 @@ class CharacterAlphabet(Protocol):
 
 
 @runtime_checkable
+class RewardMetrics(Protocol):
+    """A dataset whose reward keeps counters worth watching (answers the verifier could
+    not parse, completions without an answer): the ``rl`` driver adds them to every
+    step's metrics."""
+
+    def reward_metrics(self) -> Mapping[str, float]:
+        """The reward's counters so far, by metric name (counts since the dataset was made)."""
+        ...
+
+
+@runtime_checkable
 class JobDriver(Protocol):
     """The loop of one job kind. Made by ``factory(run)``; reports each step with
     ``run.report(step, metrics)``."""
@@ -462,7 +473,10 @@ class AdapterTraining(Protocol):
         ...
 
     def save_adapters(self, path: str) -> None:
-        """Write the adapters into the folder ``path`` (rank 0 writes)."""
+        """Write the adapters into the folder ``path`` in PEFT's format (``adapter_config.json``
+        + ``adapter_model.safetensors``, which ``peft`` and vLLM load); rank 0 writes. A
+        backend may take ``base_model=`` (the folder of the frozen base the adapters apply
+        to, for ``base_model_name_or_path``)."""
         ...
 
 

@@ -23,7 +23,7 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
-from skyrl_host.interfaces import CharacterAlphabet, PlacementRequest, RewardKL
+from skyrl_host.interfaces import CharacterAlphabet, PlacementRequest, RewardKL, RewardMetrics
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
 from skyrl_host.options import ge, gt, option
 
@@ -225,6 +225,8 @@ class RLDriver:
             "kept_groups": float(n_groups),
             "refill_rounds": float(rounds),
         }
+        if has(self.dataset, RewardMetrics):  # e.g. answers the math verifier could not parse
+            metrics.update({k: float(v) for k, v in self.dataset.reward_metrics().items()})
         if batch.n_sequences > 0 and self.kl_in_reward:
             # KL against the reference policy as a reward penalty (instead of a loss term).
             ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)

@@ -309,7 +309,7 @@ class Jsonl:
     def reward_metrics(self) -> dict[str, float]:
         """The reward object's counters since this dataset was made (``math_unparsed``,
         ``math_scored``, ... for the math rewards; a class reward's own ``metrics()``); {} otherwise."""
-        metrics = getattr(self._custom, "metrics", None)
+        metrics = getattr(self._custom, "metrics", None)  # a user's reward class may keep counters
         return dict(metrics()) if callable(metrics) else {}
 
 

@@ -79,7 +79,8 @@ def test_malformed_chat_records_are_user_errors_naming_file_and_line(tmp_path) -
 def test_a_malformed_chat_file_stops_the_job_with_exit_code_2(skyrl_cli, tmp_path) -> None:
     data = write(tmp_path, [{"messages": [], "answer": "a"}])
     job = tmp_path / "job.toml"
-    job.write_text(f'[job]\nkind = "rl"\nsteps = 1\n[model]\nfamily = "qwen"\npreset = "tiny"\n'
+    job.write_text(f'[job]\nkind = "rl"\nsteps = 1\noutput_dir = {json.dumps(str(tmp_path / "out"))}\n'
+                   f'[model]\nfamily = "qwen"\npreset = "tiny"\n'
                    f'[dataset]\nname = "jsonl"\npath = {json.dumps(data)}\n')
     result = skyrl_cli("run", str(job))
     assert result.exit_code == 2 and "Traceback" not in result.stderr

@@ -257,14 +257,14 @@ def test_the_data_file_is_what_the_generator_writes(tmp_path) -> None:
 
 def test_every_answer_checks_by_hand_and_by_the_math_reward() -> None:
     records = [json.loads(line) for line in DATA.read_text().splitlines()]
-    assert len(records) == 200 and len({r["prompt"] for r in records}) == 200
+    assert len(records) == 200 and len({r["messages"][0]["content"] for r in records}) == 200
     assert len({r["template"] for r in records}) >= 8
     kinds = {"/" in r["answer"] or "frac" in r["answer"] for r in records} | {"%" in r["answer"] for r in records}
     assert kinds == {True, False}
     assert any(r["answer"].isdigit() for r in records) and any("." in r["answer"] for r in records)
     reward = MathReward()
     for r in records:
-        assert r["messages"] == [{"role": "user", "content": r["prompt"]}]
+        assert [m["role"] for m in r["messages"]] == ["user"] and "prompt" not in r
         worked = r["solution"].split(" The answer is")[0]
         steps = [line.split(" = ") for line in worked.removesuffix(".").split(". ")]  # "expr = value. expr = value."
         assert 2 <= len(steps) <= 3, r["solution"]
@@ -272,7 +272,7 @@ def test_every_answer_checks_by_hand_and_by_the_math_reward() -> None:
             assert exact(expr) == exact(value), (expr, value, r["solution"])
         truth = exact(steps[-1][1])
         assert answer_value(r["answer"]) == truth, r
-        t = Task(prompt=r["prompt"], answer=r["answer"])
+        t = Task(prompt=r["messages"][0]["content"], answer=r["answer"])
         right = r["solution"].split(" The answer is")[0] + f" The answer is \\boxed{{{r['answer']}}}."
         wrong = f"The answer is \\boxed{{{float(truth + 1):g}}}."
         assert reward(t, right) == 1.0, r

@@ -193,6 +193,27 @@ def skyrl_register_commands(cli: click.Group) -> None:
             weights = "random (tiny)" if r["weights"] else "none (config only)"
             click.echo(f"{r['name']:<{w}}  {r['family']:<8}  {r['model_type']:<{t}}  {weights}")
 
+    @models.command(name="real-shaped")
+    @click.argument("path", type=click.Path(file_okay=False))
+    @click.option("--kind", type=click.Choice(["qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"]), default="qwen3",
+                  show_default=True, help="The architecture (real widths, 2 layers).")
+    @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+    def real_shaped_cmd(path: str, kind: str, seed: int) -> None:
+        """Write a real-shaped checkpoint to PATH: random weights in a real family's
+        configuration scaled to a CPU (Qwen3-0.6B's widths with 2 layers, ...), a
+        byte-level BPE tokenizer trained here and a Qwen3-style chat template; jobs load
+        it with [model] path = PATH, as a downloaded checkpoint."""
+        import pathlib
+
+        from skyrl_models.checkpoints import FAMILY, build_checkpoint
+
+        out = pathlib.Path(path)
+        if out.exists() and any(out.iterdir()):
+            raise click.UsageError(f"{path!r} is not empty: choose a new folder")
+        build_checkpoint(out, kind, seed)
+        click.echo(f"wrote a real-shaped {kind} checkpoint to {out} (load it with [model] family = "
+                   f"{FAMILY[kind]!r}, path = {str(out)!r})")
+
     @models.command(name="show")
     @click.argument("name")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")

@@ -180,6 +180,8 @@ def _flatten(spec: Any) -> dict[str, str]:
     walk("job", desc["job"])
     walk("job", desc["kind"]["config"])
     walk("cluster", desc["cluster"])
+    if desc.get("launcher"):
+        walk("cluster", desc["launcher"]["config"])
     from skyrl_host.config import SLOTS
 
     for table, entries in desc["plugins"].items():

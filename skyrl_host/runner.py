@@ -67,16 +67,19 @@ class Run:
 def describe_spec(spec: JobSpec) -> dict[str, Any]:
     """A JSON-able record of the resolved job: configs and plugin origins."""
     conv = cattrs.Converter()
-    plugins: dict[str, Any] = {}
-    for choice in spec.choices():
-        entry = {
+
+    def entry(choice: PluginChoice) -> dict[str, Any]:
+        return {
             "name": choice.name,
             "plugin": choice.registration.origin.plugin,
             "distribution": choice.registration.origin.distribution,
             "version": choice.registration.origin.version,
             "config": conv.unstructure(choice.config) if choice.config is not None else {},
         }
-        plugins.setdefault(choice.slot, []).append(entry)
+
+    plugins: dict[str, Any] = {}
+    for choice in spec.choices():
+        plugins.setdefault(choice.slot, []).append(entry(choice))
     return {
         "file": str(spec.path),
         "name": spec.name,
@@ -89,6 +92,7 @@ def describe_spec(spec: JobSpec) -> dict[str, Any]:
             "config": conv.unstructure(spec.kind_config) if spec.kind_config is not None else {},
         },
         "cluster": conv.unstructure(spec.cluster),
+        "launcher": entry(spec.launcher) if spec.launcher is not None else None,  # [cluster] launcher, its own keys
         "plugins": plugins,
     }
 

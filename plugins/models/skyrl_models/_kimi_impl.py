@@ -19,9 +19,22 @@ from skyrl_models.kimi import (
     INITIALIZER_RANGE,
     MAX_POSITION_EMBEDDINGS,
     MODEL_TYPES,
+    PRESET_MODEL_TYPES,
     PRESETS,
     KimiConfig,
 )
+
+_CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+}
+
+
+def _classes(model_type: str) -> tuple[Any, Any]:
+    import transformers
+
+    cfg_name, model_name = _CLASSES[model_type]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name)
 
 # Linear layers LoRA adapts: MLA attention projections, the dense MLP and the
 # shared experts (the routed experts are fused 3-D parameters, not nn.Linear).
@@ -38,10 +51,9 @@ LORA_TARGETS: tuple[str, ...] = (
 
 
 def preset_config(config: KimiConfig, tokenizer: Any) -> Any:
-    """The ``DeepseekV3Config`` of a tiny preset."""
-    from transformers import DeepseekV3Config
-
-    hf = DeepseekV3Config(
+    """The ``DeepseekV3Config`` (or ``DeepseekV32Config``) of a tiny preset."""
+    cfg_cls, _ = _classes(PRESET_MODEL_TYPES[config.preset])  # type: ignore[index]
+    hf = cfg_cls(
         **PRESETS[config.preset],  # type: ignore[index]
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INITIALIZER_RANGE,
@@ -144,9 +156,7 @@ class KimiFamily(_hf.HFFamily):
         return preset_config(self.config, tokenizer)
 
     def model_class(self, hf_config: Any) -> Any:
-        from transformers import DeepseekV3ForCausalLM
-
-        return DeepseekV3ForCausalLM
+        return _classes(hf_config.model_type if hf_config.model_type in _CLASSES else "deepseek_v3")[1]
 
     def routers(self, model: Any) -> list[RouterInfo]:
         return routers(model)

@@ -32,6 +32,7 @@ _CLASSES = {  # model_type -> (config class, causal-LM class) names in transform
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 
 # Routers that renormalise their top-k weights whatever the config says:
@@ -47,8 +48,8 @@ def _classes(model_type: str) -> tuple[Any, Any]:
 
 
 def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
-    """The transformers config of a preset (Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
-    or Qwen3_5MoeTextConfig), for the tokenizer's vocabulary."""
+    """The transformers config of a preset (Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig,
+    Qwen3_5MoeTextConfig or Qwen3_5TextConfig), for the tokenizer's vocabulary."""
     arch = config.architecture()
     model_type = config.model_type
     assert model_type is not None  # a preset
@@ -76,9 +77,9 @@ def preset_config(config: QwenConfig, tokenizer: Any) -> Any:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
-        common.update(HYBRID_PRESETS.get(config.preset, {}))  # type: ignore[arg-type]
     else:
         common.update(intermediate_size=arch["intermediate_size"])
+    common.update(HYBRID_PRESETS.get(config.preset, {}))  # type: ignore[arg-type]
     cfg_cls, _ = _classes(model_type)
     hf = cfg_cls(**common)
     hf._attn_implementation = config.attn_implementation
@@ -132,7 +133,7 @@ def routers(model: Any) -> list[RouterInfo]:
 
 
 class QwenFamily(_hf.HFFamily):
-    """A :class:`skyrl_host.interfaces.ModelFamily` for Qwen3, Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE."""
+    """A :class:`skyrl_host.interfaces.ModelFamily` for Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE."""
 
     name = "qwen"
     model_types = MODEL_TYPES

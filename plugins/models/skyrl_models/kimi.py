@@ -26,7 +26,7 @@ from skyrl_host import hookimpl
 from skyrl_host.options import option
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k25")
+MODEL_TYPES = ("deepseek_v3", "kimi_k25", "deepseek_v32")
 """The transformers ``model_type`` values this family loads from a path
 (``kimi_k25``: the vision-language Kimi K2.5+, of which the text model is loaded)."""
 
@@ -59,6 +59,19 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+# DeepSeek-V3.2 (``deepseek_v32``): tiny-kimi's numbers plus the sparse-attention
+# indexer (DSA), which keeps the best ``index_topk`` keys of each query.
+PRESETS = {
+    **PRESETS,
+    "tiny-deepseek-v3.2": {
+        **PRESETS["tiny-kimi"],
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 8,
+    },
+}
+PRESET_MODEL_TYPES: Mapping[str, str] = {"tiny-kimi": "deepseek_v3", "tiny-deepseek-v3.2": "deepseek_v32"}
+"""The transformers ``model_type`` each preset builds (and saves)."""
 
 # Kimi K2 (moonshotai/Kimi-K2-Instruct config.json, as published): ~1.04T
 # parameters, ~32B active per token. K2.6 and K2.7 are taken to reuse the K2 text
@@ -119,11 +132,12 @@ class KimiConfig(PresetOrPath):
     """Options of ``[model]`` when ``family = "kimi"``: exactly one of ``preset`` and ``path``."""
 
     preset: str | None = option(
-        None, help="a tiny model with random weights: 'tiny-kimi' (DeepSeek-V3 / Kimi K2 architecture)",
+        None, help="a tiny model with random weights: 'tiny-kimi' (DeepSeek-V3 / Kimi K2 architecture) or "
+        "'tiny-deepseek-v3.2' (DeepSeek-V3.2: with the sparse-attention indexer)",
         validator=_check_preset,
     )
     path: str | None = option(
-        None, help="a local Hugging Face folder (deepseek_v3 or kimi_k25; config.json, *.safetensors, tokenizer files)",
+        None, help="a local Hugging Face folder (deepseek_v3, deepseek_v32 or kimi_k25; config.json, *.safetensors, tokenizer files)",
         validator=_check_path,
     )
     dtype: Literal["float32", "bfloat16"] = option("float32", help="dtype of the weights")
@@ -146,5 +160,5 @@ def skyrl_register_models(register: Any) -> None:
         "kimi",
         make_family,
         config=KimiConfig,
-        description="Kimi K2 models (deepseek_v3, kimi_k25's text model): a tiny preset or a local Hugging Face folder",
+        description="Kimi K2 and DeepSeek-V3.2 models (deepseek_v3, kimi_k25's text model, deepseek_v32): a tiny preset or a local Hugging Face folder",
     )

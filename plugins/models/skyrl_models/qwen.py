@@ -1,6 +1,7 @@
 """qwen: the Qwen3 model family: dense (``qwen3``), mixture-of-experts (``qwen3_moe``),
-and the hybrid linear-attention MoE models Qwen3-Next (``qwen3_next``) and Qwen3.5-MoE
-(``qwen3_5_moe``, whose text model is ``qwen3_5_moe_text``).
+the hybrid linear-attention MoE models Qwen3-Next (``qwen3_next``) and Qwen3.5-MoE
+(``qwen3_5_moe``, whose text model is ``qwen3_5_moe_text``), and the hybrid dense
+Qwen3.5 text model (``qwen3_5_text``).
 
 ``[model] family = "qwen"`` with either ``preset`` (a tiny model with random
 weights from the job's seed and a character-level tokenizer for the dataset's
@@ -32,7 +33,7 @@ from skyrl_host import hookimpl
 from skyrl_host.options import OptionError, gt, option
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
-MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text")
 """The transformers ``model_type`` values this family loads from a path (``qwen3_5_moe``:
 the vision-language Qwen3.5-MoE checkpoint, of which the text model is loaded)."""
 
@@ -105,6 +106,15 @@ PRESETS: Mapping[str, Mapping[str, int]] = {
         "num_experts": 8,
         "top_k": 2,
     },
+    # Qwen3.5 dense: the same hybrid layer pattern, every MLP dense
+    "tiny-qwen3.5": {
+        "hidden_size": 64,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 128,
+    },
 }
 MOE_PRESETS = ("tiny-moe", "tiny-qwen3.5-moe", "tiny-qwen3-next")
 
@@ -113,24 +123,25 @@ PRESET_MODEL_TYPES: Mapping[str, str] = {
     "tiny-moe": "qwen3_moe",
     "tiny-qwen3.5-moe": "qwen3_5_moe_text",
     "tiny-qwen3-next": "qwen3_next",
+    "tiny-qwen3.5": "qwen3_5_text",
 }
 """The transformers ``model_type`` each preset builds (and saves)."""
 
 # The hybrid presets' fixed numbers (not overridable): Gated DeltaNet heads, the shared
 # expert, the layer pattern (``full_attention_interval``: every 4th layer is full
 # attention) and an untied output head (as in the published models).
+_HYBRID_LINEAR: Mapping[str, Any] = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": False,
+}
 HYBRID_PRESETS: Mapping[str, Mapping[str, Any]] = {
-    name: {
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "shared_expert_intermediate_size": 64,
-        "full_attention_interval": 4,
-        "tie_word_embeddings": False,
-    }
-    for name in ("tiny-qwen3.5-moe", "tiny-qwen3-next")
+    **{name: dict(_HYBRID_LINEAR, shared_expert_intermediate_size=64) for name in ("tiny-qwen3.5-moe", "tiny-qwen3-next")},
+    "tiny-qwen3.5": dict(_HYBRID_LINEAR),  # dense: no shared expert
 }
 MAX_POSITION_EMBEDDINGS = 512  # of the presets
 INITIALIZER_RANGE = 0.02  # std of the presets' random weights
@@ -239,7 +250,7 @@ class QwenConfig(PresetOrPath):
     preset: str | None = option(
         None,
         help="a tiny model with random weights: 'tiny' (Qwen3), 'tiny-moe' (Qwen3-MoE), "
-        "'tiny-qwen3.5-moe' (Qwen3.5-MoE) or 'tiny-qwen3-next' (Qwen3-Next)",
+        "'tiny-qwen3.5-moe' (Qwen3.5-MoE), 'tiny-qwen3-next' (Qwen3-Next) or 'tiny-qwen3.5' (Qwen3.5 dense)",
         validator=_check_preset,
     )
     path: str | None = option(
@@ -330,6 +341,6 @@ def skyrl_register_models(register: Any) -> None:
         "qwen",
         make_family,
         config=QwenConfig,
-        description="Qwen3 dense and MoE, Qwen3-Next and Qwen3.5-MoE models (qwen3, qwen3_moe, qwen3_next, "
-        "qwen3_5_moe): tiny presets or a local Hugging Face folder",
+        description="Qwen3 dense and MoE, Qwen3-Next, Qwen3.5 dense and Qwen3.5-MoE models (qwen3, qwen3_moe, "
+        "qwen3_next, qwen3_5_text, qwen3_5_moe): tiny presets or a local Hugging Face folder",
     )

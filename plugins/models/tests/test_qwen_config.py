@@ -105,7 +105,7 @@ def test_overrides_change_the_preset_and_kv_heads_follow_heads() -> None:
             "",
             [
                 "error: {path}:4: model.preset: missing: give preset = 'tiny' or 'tiny-moe' or 'tiny-qwen3.5-moe' "
-                "or 'tiny-qwen3-next', or path = a local"
+                "or 'tiny-qwen3-next' or 'tiny-qwen3.5', or path = a local"
             ],
             id="neither",
         ),
@@ -113,7 +113,7 @@ def test_overrides_change_the_preset_and_kv_heads_follow_heads() -> None:
             'preset = "tiny-mo"\n',
             [
                 "error: {path}:6: model.preset: expected one of 'tiny', 'tiny-moe', 'tiny-qwen3.5-moe', "
-                "'tiny-qwen3-next', found 'tiny-mo' (did you mean 'tiny-moe'?)"
+                "'tiny-qwen3-next', 'tiny-qwen3.5', found 'tiny-mo' (did you mean 'tiny-moe'?)"
             ],
             id="unknown-preset",
         ),

@@ -8,7 +8,9 @@ The process group is the launcher's (gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,16 +27,63 @@ def require_process_group(mode: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def pick_device(data_parallel: bool) -> torch.device:
-    """This rank's device: its CUDA device (``LOCAL_RANK`` under data parallel), or
-    the CPU when there is none or the process group is gloo."""
-    if torch.cuda.is_available() and (not data_parallel or dist.get_backend() != "gloo"):
-        import os
+_REQUESTED: contextvars.ContextVar[str] = contextvars.ContextVar("skyrl_backend_device", default="auto")
 
-        index = int(os.environ.get("LOCAL_RANK", "0")) if data_parallel else torch.cuda.current_device()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+
+@contextlib.contextmanager
+def requested_device(device: str) -> Iterator[None]:
+    """Within: :func:`pick_device` without a ``device`` follows ``device`` (the
+    backend's ``device`` option; ``skyrl_backends.torch.create`` sets it around ``start``)."""
+    token = _REQUESTED.set(device)
+    try:
+        yield
+    finally:
+        _REQUESTED.reset(token)
+
+
+def resolve_device(requested: str, *, data_parallel: bool, cuda: bool, group_backend: str | None,
+                   local_rank: int, current: int) -> torch.device:
+    """The device for the ``device`` option, as a pure function of what the machine has
+    (``cuda``: CUDA available; ``group_backend``: the process group's backend under data
+    parallel; ``local_rank``; ``current``: the current CUDA device). ``"auto"``: CUDA
+    when present (``local_rank``'s device under data parallel), unless the group is gloo;
+    else the CPU. Raises UserError for CUDA without CUDA, or with a gloo group."""
+    from skyrl_host.errors import UserError
+
+    if requested == "cpu":
+        return torch.device("cpu")
+    gloo = data_parallel and group_backend == "gloo"
+    if requested == "auto":
+        if cuda and not gloo:
+            return torch.device("cuda", local_rank if data_parallel else current)
+        return torch.device("cpu")
+    if not cuda:
+        raise UserError(f"[backend] device {requested!r} needs CUDA, and torch finds no CUDA device on this machine; "
+                        "use \"auto\" or \"cpu\"")
+    if gloo:
+        raise UserError(f"[backend] device {requested!r}: the data-parallel group is gloo (CPU); start it with NCCL")
+    if ":" in requested:
+        return torch.device("cuda", int(requested.split(":", 1)[1]))
+    return torch.device("cuda", local_rank if data_parallel else current)
+
+
+def pick_device(data_parallel: bool, device: str | None = None) -> torch.device:
+    """This rank's device under ``device`` (default: the backend's ``device`` option,
+    see :func:`requested_device`; ``"auto"``): its CUDA device (``LOCAL_RANK`` under
+    data parallel), or the CPU when there is none or the process group is gloo."""
+    import os
+
+    requested = _REQUESTED.get() if device is None else device
+    cuda = torch.cuda.is_available()
+    chosen = resolve_device(
+        requested, data_parallel=data_parallel, cuda=cuda,
+        group_backend=dist.get_backend() if data_parallel else None,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        current=torch.cuda.current_device() if cuda else 0,
+    )
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen.index)
+    return chosen
 
 
 def broadcast_from_rank0(model: torch.nn.Module) -> None:

@@ -14,6 +14,7 @@ factory; other distributions reach it through ``skyrl_backends.torch_backend``).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import attrs
@@ -28,6 +29,28 @@ def _betas(_inst: Any, _attr: Any, value: tuple[float, float]) -> None:
 
 
 _betas.__doc__ = "each in [0, 1)"
+
+
+def _device(_inst: Any, _attr: Any, value: Any) -> None:
+    if not isinstance(value, str) or not (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value)):
+        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', found {value!r}")
+
+
+_device.__doc__ = "one of auto, cpu, cuda, cuda:N"
+
+
+def cuda_problem(device: str) -> str | None:
+    """Why ``device`` cannot be used on this machine (None when it can). Imports torch
+    only for a CUDA device."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"device {device!r} needs CUDA, and torch finds no CUDA device on this machine; use \"auto\" or \"cpu\""
+    if ":" in device and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
+        return f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 @attrs.frozen
@@ -61,6 +84,12 @@ class TorchBackendConfig:
     )
     mini_batches: int = option(1, help="optimizer updates per step: the batch's sequences are split into this many", validator=gt(0))
     gradient_checkpointing: bool = option(False, help="recompute activations in the backward pass to save memory")
+    device: str = option(
+        "auto",
+        help="where the trainer computes: 'auto' (CUDA when present, else the CPU; a rank's own GPU under data "
+        "parallel with NCCL), 'cpu', 'cuda' or 'cuda:N'",
+        validator=_device,
+    )
     compute_dtype: Literal["float32", "bfloat16"] = option(
         "float32", help="'bfloat16': autocast the forward in bf16 with float32 master weights"
     )
@@ -98,16 +127,34 @@ class TorchBackendConfig:
 
 
 def create(config: TorchBackendConfig) -> Any:
-    """The factory: a :class:`skyrl_host.interfaces.Backend` (imports torch)."""
+    """The factory: a :class:`skyrl_host.interfaces.Backend` (imports torch). Its
+    ``start`` picks the device under ``config.device``."""
+    import functools
+
+    from skyrl_backends import _parallel
     from skyrl_backends._trainer import TorchBackend
 
-    return TorchBackend(config)
+    backend = TorchBackend(config)
+    start = backend.start
+
+    @functools.wraps(start)
+    def start_on_device(*args: Any, **kwargs: Any) -> Any:
+        with _parallel.requested_device(getattr(config, "device", "auto")):
+            return start(*args, **kwargs)
+
+    backend.start = start_on_device
+    return backend
 
 
 def check(spec: Any) -> list[tuple[str, str]]:
-    """Several backend ranks train data parallel: ``data_parallel`` must say how."""
+    """Several backend ranks train data parallel: ``data_parallel`` must say how; a
+    CUDA ``device`` needs CUDA on this machine."""
     choice = spec.plugins.get("backend")
     ranks = spec.cluster.trainer_ranks
+    if choice is not None and getattr(spec.cluster, "launcher", "local") != "ray":  # ray: each actor checks its own
+        problem = cuda_problem(choice.config.device)
+        if problem is not None:
+            return [("backend.device", problem)]
     if ranks > 1 and choice is not None and choice.config.data_parallel == "none":
         return [("backend.data_parallel", f"[cluster] trainer_ranks = {ranks} trains data parallel: "
                  "set data_parallel = \"ddp\" or \"fsdp2\"")]

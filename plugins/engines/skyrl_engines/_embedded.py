@@ -48,7 +48,7 @@ import torch
 from skyrl_engines._adapters import EngineAdapters
 from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment
 from skyrl_engines._kv_cache import make_cache, select_rows
-from skyrl_engines._served_model import copy_weights, engine_model
+from skyrl_engines._served_model import copy_weights, engine_model, resolve_device
 from skyrl_host.contracts import has
 from skyrl_host.interfaces import LoadedModel, Sampler, SupportSampling
 from skyrl_host.rollout import RolloutBatch
@@ -119,12 +119,13 @@ class EmbeddedEngine:
         source = loaded.model
         first = next(source.parameters())
         dtype = first.dtype if self.config.dtype == "auto" else _DTYPES[self.config.dtype]
-        self.model, self.shares_weights = engine_model(source, dtype)
+        device = resolve_device(getattr(self.config, "device", "auto"), first.device)
+        self.model, self.shares_weights = engine_model(source, dtype, device)
         self._own_module = self.model is not source
         if self._own_module:
             self.model.eval()
         self.dtype = dtype
-        self.device = first.device
+        self.device = device
         self.precision = precision
         if precision is not None:  # (an engine serving the trainer's own tensors shares its fake-quantized forward)
             precision.prepare_model(self.model, keep=tuple(loaded.precision_keep), train=False,

@@ -14,25 +14,56 @@ from typing import Any, Iterable, Mapping
 import torch
 
 
-def engine_model(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, bool]:
-    """A module to serve ``model`` in ``dtype``: the module tree is copied (so the
-    engine has its own eval/train flags and never changes the caller's), the
-    parameters and buffers are the caller's own tensors when their dtype already
-    is ``dtype``, converted copies otherwise. Returns (module, shares_all_params)."""
+def resolve_device(requested: str, model_device: torch.device) -> torch.device:
+    """The engine's device for its ``device`` option: ``"auto"`` = the model's own device
+    when it is CUDA already, else CUDA when present, else the model's device (on a
+    machine without CUDA: exactly today's engine); ``"cpu"``; ``"cuda"`` (the current
+    CUDA device) or ``"cuda:N"``. A CUDA device without CUDA raises UserError."""
+    from skyrl_host.errors import UserError
+
+    from skyrl_engines.embedded import cuda_problem
+
+    if requested == "auto":
+        if model_device.type == "cuda" or not torch.cuda.is_available():
+            return torch.device(model_device)
+        return torch.device("cuda", torch.cuda.current_device())
+    if requested == "cpu":
+        return torch.device("cpu")
+    problem = cuda_problem(requested)
+    if problem is not None:
+        raise UserError(f"[engine] {problem}")
+    return torch.device("cuda", int(requested.split(":", 1)[1]) if ":" in requested else torch.cuda.current_device())
+
+
+def engine_model(model: torch.nn.Module, dtype: torch.dtype,
+                 device: torch.device | None = None) -> tuple[torch.nn.Module, bool]:
+    """A module to serve ``model`` in ``dtype`` on ``device`` (default: where its
+    parameters are): the module tree is copied (so the engine has its own eval/train
+    flags and never changes the caller's), the parameters and buffers are the caller's
+    own tensors when their dtype and device already are ``dtype`` and ``device``,
+    converted copies otherwise. Returns (module, shares_all_params)."""
     memo: dict[int, Any] = {}
     shared = True
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        dev = p.device if device is None else device
+        if (p.is_floating_point() and p.dtype != dtype) or p.device != dev:
+            to = dtype if p.is_floating_point() else p.dtype
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(device=dev, dtype=to), requires_grad=False)
             shared = False
         else:
             memo[id(p)] = p
     for name, b in model.named_buffers(remove_duplicate=False):
         if id(b) in memo:
             continue
+        dev = b.device if device is None else device
         # Rotary frequencies stay in float32 (the rotary embedding computes in float32 anyway).
         convert = b.is_floating_point() and b.dtype != dtype and not name.endswith("inv_freq")
-        memo[id(b)] = b.detach().to(dtype) if convert else b
+        if convert:
+            memo[id(b)] = b.detach().to(device=dev, dtype=dtype)
+        elif b.device != dev:
+            memo[id(b)] = b.detach().to(dev)
+        else:
+            memo[id(b)] = b
     try:
         served = copy.deepcopy(model, memo)
     except Exception:  # noqa: BLE001 - an exotic module that cannot be deep-copied

@@ -14,6 +14,7 @@ the factory (see :mod:`skyrl_engines._embedded`), so ``skyrl plugins`` stays fas
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import attrs
@@ -28,6 +29,28 @@ def _check_stop_strings(_inst: Any, _attr: Any, value: Any) -> None:
             raise ValueError(f"expected a list of non-empty strings, found {v!r}")
 
 
+def _check_device(_inst: Any, _attr: Any, value: Any) -> None:
+    if not isinstance(value, str) or not (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value)):
+        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', found {value!r}")
+
+
+_check_device.__doc__ = "one of auto, cpu, cuda, cuda:N"
+
+
+def cuda_problem(device: str) -> str | None:
+    """Why ``device`` cannot be used on this machine (None when it can): ``"cuda"`` or
+    ``"cuda:N"`` without CUDA, or without device N. Imports torch only for a CUDA device."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"device {device!r} needs CUDA, and torch finds no CUDA device on this machine; use \"auto\" or \"cpu\""
+    if ":" in device and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
+        return f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 @attrs.frozen
 class EmbeddedConfig:
     """Options of ``[engine]`` when ``name = "embedded"``."""
@@ -35,6 +58,12 @@ class EmbeddedConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
         help="dtype the engine computes in; 'auto' = the model's own (then its parameters are shared, not copied)",
+    )
+    device: str = option(
+        "auto",
+        help="where the engine builds its model and generates: 'auto' (CUDA when present, else the model's own "
+        "device), 'cpu', 'cuda' or 'cuda:N'",
+        validator=_check_device,
     )
     max_batch_size: int = option(256, help="most sequences decoded together in one batch", validator=gt(0))
     return_routed_experts: bool = option(
@@ -61,11 +90,19 @@ def Embedded(config: EmbeddedConfig | None = None) -> Any:
 
 
 def check(spec: Any) -> list[tuple[str, str]]:
-    """Job-level check (``skyrl validate``): routing capture needs a model with MoE layers."""
+    """Job-level check (``skyrl validate``): a CUDA device needs CUDA here (in the
+    driver's process: with ``launcher = "ray"`` the engine actor checks it on its own
+    node); routing capture needs a model with MoE layers."""
     from skyrl_host.routing import model_is_moe
 
     engine, model = spec.plugins.get("engine"), spec.plugins.get("model")
-    if engine is None or model is None or not engine.config.return_routed_experts:
+    if engine is None:
+        return []
+    if getattr(spec.cluster, "launcher", "local") != "ray":
+        problem = cuda_problem(engine.config.device)
+        if problem is not None:
+            return [("engine.device", problem)]
+    if model is None or not engine.config.return_routed_experts:
         return []
     if model_is_moe(model) is False:
         what = getattr(model.config, "path", None) or getattr(model.config, "preset", None)

@@ -1,7 +1,7 @@
 """The ``broadcast`` transport's halves (imports torch).
 
 The trainer's rank (``src``) and the engine processes share a ``torch.distributed``
-group (gloo on CPU, NCCL on GPU) that the launcher created. For each version:
+group that the launcher created (NCCL when every member is on CUDA, gloo otherwise). For each version:
 
 1. ``broadcast_object_list`` of a small header: the version, the layout of the tensors
    (names, dtypes, shapes) when it changed since the last version, the total bytes;
@@ -47,8 +47,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class BroadcastSender:
-    def __init__(self, *, group: Any = None, src: int = 0, bucket_bytes: int = 64 << 20, dtype: str = "bfloat16"):
+    def __init__(self, *, group: Any = None, src: int = 0, bucket_bytes: int = 64 << 20, dtype: str = "bfloat16",
+                 device: Any = None):
+        """``device``: where the buckets live (None: the first tensor's device)."""
         self.group, self.src, self.bucket_bytes, self.dtype = group, src, int(bucket_bytes), dtype
+        self.device = torch.device(device) if device is not None else None
         self._layout: list[tuple[str, str, tuple[int, ...]]] | None = None
         self._bucket: torch.Tensor | None = None
 
@@ -67,7 +70,7 @@ class BroadcastSender:
                   "total": sum(int(b.numel()) for b in tensors)}
         dist.broadcast_object_list([header], src=self.src, group=self.group)
         self._layout = layout
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = self.device or (tensors[0].device if tensors else torch.device("cpu"))
         if self._bucket is None or self._bucket.device != device:
             self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         calls = 0

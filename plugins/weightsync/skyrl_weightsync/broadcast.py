@@ -1,5 +1,6 @@
 """``transport = "broadcast"``: torch.distributed broadcast from the trainer's rank to the
-engine processes, in reused flat buckets (gloo on CPU, NCCL on GPU).
+engine processes, in reused flat buckets (NCCL only when the sender and every receiver
+are on CUDA, gloo otherwise: the launcher decides once for the whole group).
 
 The halves (:mod:`skyrl_weightsync._broadcast`): ``BroadcastSender.publish(version,
 named_tensors)`` on the trainer's rank, ``BroadcastReceiver.sync(engine)`` in each engine
@@ -46,12 +47,17 @@ class Broadcast:
     def __init__(self, config: BroadcastConfig):
         self.config = config
 
-    def sender(self, *, group: Any = None, src: int = 0) -> Any:
+    def sender(self, *, group: Any = None, src: int = 0, device: Any = None) -> Any:
+        """``device``: where the buckets live (None: the weights' own device); the
+        launcher passes "cpu" for a gloo group, the backend's device for NCCL."""
         from skyrl_weightsync._broadcast import BroadcastSender
 
-        return BroadcastSender(group=group, src=src, bucket_bytes=self.config.bucket_mb << 20, dtype=self.config.dtype)
+        return BroadcastSender(group=group, src=src, bucket_bytes=self.config.bucket_mb << 20, dtype=self.config.dtype,
+                               device=device)
 
     def receiver(self, *, group: Any = None, src: int = 0, device: Any = "cpu") -> Any:
+        """``device``: where the buckets and received tensors live (the engine's device
+        under NCCL, "cpu" under gloo)."""
         from skyrl_weightsync._broadcast import BroadcastReceiver
 
         return BroadcastReceiver(group=group, src=src, bucket_bytes=self.config.bucket_mb << 20, device=device)

@@ -27,6 +27,7 @@ from skyrl_models.kimi import (
 _CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM"),
 }
 
 
@@ -47,17 +48,27 @@ LORA_TARGETS: tuple[str, ...] = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    # Kimi Linear: MLA without q_lora, and Kimi Delta Attention
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "f_a_proj",
+    "f_b_proj",
+    "b_proj",
+    "g_a_proj",
+    "g_b_proj",
 )
 
 
 def preset_config(config: KimiConfig, tokenizer: Any) -> Any:
     """The ``DeepseekV3Config`` (or ``DeepseekV32Config``) of a tiny preset."""
     cfg_cls, _ = _classes(PRESET_MODEL_TYPES[config.preset])  # type: ignore[index]
+    extra = {} if cfg_cls.__name__ == "KimiLinearConfig" else {"num_mtp_layers": 0}
     hf = cfg_cls(
         **PRESETS[config.preset],  # type: ignore[index]
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INITIALIZER_RANGE,
-        num_mtp_layers=0,
+        **extra,
         **_hf.vocab_ids(tokenizer),
     )
     hf._attn_implementation = config.attn_implementation
@@ -105,10 +116,21 @@ def routers(model: Any) -> list[RouterInfo]:
         gate = getattr(layer.mlp, "gate", None)
         if gate is None or not hasattr(gate, "e_score_correction_bias"):
             continue  # a dense MLP (its gate_proj is not a router)
-        out.append(
-            _hf.group_topk_router(i, names[id(gate)], cfg)
-        )
+        info = _hf.group_topk_router(i, names[id(gate)], _RouterConfig(cfg))
+        out.append(info)
     return out
+
+
+class _RouterConfig:
+    """A config view with ``n_routed_experts`` (Kimi Linear names it ``num_local_experts``)."""
+
+    def __init__(self, cfg: Any):
+        self._cfg = cfg
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "n_routed_experts" and not hasattr(self._cfg, name):
+            return self._cfg.num_local_experts
+        return getattr(self._cfg, name)
 
 
 def _text_model_of_kimi_k25(path: str, cfg: KimiConfig) -> Any:

@@ -43,7 +43,7 @@ def _family_presets(family: str) -> Iterator[tuple[str, str, bool]]:
             yield name, model_type, False
     elif family == "kimi":
         for name in mod.PRESETS:
-            yield name, "deepseek_v3", True
+            yield name, mod.PRESET_MODEL_TYPES[name], True
         for name in mod.FULL_PRESETS:
             yield name, "deepseek_v3", False
     elif family == "nemotron":

@@ -26,7 +26,7 @@ from skyrl_host import hookimpl
 from skyrl_host.options import option
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k25", "deepseek_v32")
+MODEL_TYPES = ("deepseek_v3", "kimi_k25", "deepseek_v32", "kimi_linear")
 """The transformers ``model_type`` values this family loads from a path
 (``kimi_k25``: the vision-language Kimi K2.5+, of which the text model is loaded)."""
 
@@ -69,8 +69,38 @@ PRESETS = {
         "index_head_dim": 32,
         "index_topk": 8,
     },
+    # Kimi Linear (``kimi_linear``): 3 Kimi Delta Attention (linear attention) layers, then
+    # one MLA layer (without q_lora); layer 0's MLP is dense, the others MoE as in tiny-kimi.
+    "tiny-kimi-linear": {
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "linear_num_heads": 4,
+        "linear_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.446,
+        "tie_word_embeddings": False,
+    },
 }
-PRESET_MODEL_TYPES: Mapping[str, str] = {"tiny-kimi": "deepseek_v3", "tiny-deepseek-v3.2": "deepseek_v32"}
+PRESET_MODEL_TYPES: Mapping[str, str] = {
+    "tiny-kimi": "deepseek_v3",
+    "tiny-deepseek-v3.2": "deepseek_v32",
+    "tiny-kimi-linear": "kimi_linear",
+}
 """The transformers ``model_type`` each preset builds (and saves)."""
 
 # Kimi K2 (moonshotai/Kimi-K2-Instruct config.json, as published): ~1.04T
@@ -133,11 +163,12 @@ class KimiConfig(PresetOrPath):
 
     preset: str | None = option(
         None, help="a tiny model with random weights: 'tiny-kimi' (DeepSeek-V3 / Kimi K2 architecture) or "
-        "'tiny-deepseek-v3.2' (DeepSeek-V3.2: with the sparse-attention indexer)",
+        "'tiny-deepseek-v3.2' (DeepSeek-V3.2: with the sparse-attention indexer) or 'tiny-kimi-linear' "
+        "(Kimi Linear: Kimi Delta Attention and MLA layers)",
         validator=_check_preset,
     )
     path: str | None = option(
-        None, help="a local Hugging Face folder (deepseek_v3, deepseek_v32 or kimi_k25; config.json, *.safetensors, tokenizer files)",
+        None, help="a local Hugging Face folder (deepseek_v3, deepseek_v32, kimi_linear or kimi_k25; config.json, *.safetensors, tokenizer files)",
         validator=_check_path,
     )
     dtype: Literal["float32", "bfloat16"] = option("float32", help="dtype of the weights")
@@ -160,5 +191,6 @@ def skyrl_register_models(register: Any) -> None:
         "kimi",
         make_family,
         config=KimiConfig,
-        description="Kimi K2 and DeepSeek-V3.2 models (deepseek_v3, kimi_k25's text model, deepseek_v32): a tiny preset or a local Hugging Face folder",
+        description="Kimi K2, Kimi Linear and DeepSeek-V3.2 models (deepseek_v3, kimi_k25's text model, kimi_linear, "
+        "deepseek_v32): a tiny preset or a local Hugging Face folder",
     )

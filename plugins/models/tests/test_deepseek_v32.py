@@ -75,7 +75,7 @@ def test_forward_backward_routers_and_lora_targets() -> None:
     # the indexer's top-k selection is not differentiable: the LM loss trains everything else
     assert no_grad and all(".self_attn.indexer." in n for n in no_grad)
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert set(_kimi_impl.LORA_TARGETS) <= names
+    assert set(_kimi_impl.LORA_TARGETS[:8]) <= names  # the DeepSeek-V3 targets (the rest are Kimi Linear's)
 
 
 def test_save_then_load_gives_identical_logits(tmp_path: pathlib.Path) -> None:

@@ -114,7 +114,7 @@ def test_forward_backward_and_routers() -> None:
     assert moe.experts.gate_up_proj.grad.abs().sum() > 0
     assert moe.shared_experts.up_proj.weight.grad.abs().sum() > 0
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert set(_kimi_impl.LORA_TARGETS) <= names
+    assert set(_kimi_impl.LORA_TARGETS[:8]) <= names  # the DeepSeek-V3 targets (the rest are Kimi Linear's)
 
 
 def test_save_then_from_pretrained_identical_logits_and_load_through_family(tmp_path: pathlib.Path) -> None:

@@ -64,16 +64,36 @@ def _address() -> str:
     return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
 
-def _dist_backend() -> str:
+def _dist_backend(device: str = "auto") -> str:
+    """The data-parallel group's backend for ranks whose ``device`` option is ``device``:
+    NCCL when CUDA is available (and the ranks do not ask for the CPU), gloo otherwise."""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
 
 
-def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0) -> Any:
+def group_backend(devices: Sequence[str]) -> str:
+    """The one backend of the weight group, from every member's device (backend rank 0
+    first, then the engines): NCCL only when all of them are on CUDA, gloo otherwise."""
+    return "nccl" if devices and all(str(d).startswith("cuda") for d in devices) else "gloo"
+
+
+def comm_device(device: str, backend: str) -> str:
+    """Where a member's buckets live: its own device under NCCL, the CPU under gloo."""
+    return str(device) if backend == "nccl" else "cpu"
+
+
+def gpu_bundles(n: int, available: Mapping[str, float]) -> int:
+    """GPUs per bundle for ``n`` actors: 1 when the cluster's free GPUs
+    (``ray.available_resources()``) give each one its own, else 0."""
+    return 1 if n > 0 and float(available.get("GPU", 0) or 0) >= n else 0
+
+
+def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0, backend: str | None = None) -> Any:
     """A ``torch.distributed`` process group of its own for moving weights (backend rank
     0 = group rank 0, the engines 1..n), beside any default group the process has (the
-    backend ranks' data-parallel group). Usable with ``dist.broadcast(..., group=...)``."""
+    backend ranks' data-parallel group). Usable with ``dist.broadcast(..., group=...)``.
+    ``backend``: the group's, decided once for all members (:func:`group_backend`)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -81,7 +101,8 @@ def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0) 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore("skyrl-weights/", dist.TCPStore(host, int(port), world, rank == 0, timeout=timeout))
     group, _ = c10d._new_process_group_helper(
-        world, rank, [], c10d.Backend(_dist_backend()), store, group_name=f"skyrl-weights-{port}", timeout=timeout
+        world, rank, [], c10d.Backend(backend or _dist_backend()), store, group_name=f"skyrl-weights-{port}",
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
     return group
@@ -116,12 +137,18 @@ class EngineWorker:
     def ready(self) -> str:
         return socket.gethostname()
 
-    def init_receiver(self, group: tuple[str, int, int] | None = None) -> None:
-        """``group``: (address, rank, world) of the weight group, for collective transports."""
+    def device(self) -> str:
+        """The engine's device ("cpu", "cuda:0", ...)."""
+        return str(getattr(self.engine, "device", "cpu"))
+
+    def init_receiver(self, group: tuple[str, int, int] | None = None, backend: str | None = None) -> None:
+        """``group``: (address, rank, world) of the weight group, for collective
+        transports; ``backend``: the group's (decided by the driver from every member's device)."""
         context: dict[str, Any] = {}
         if group is not None:
-            self.group = weight_group(*group)
-            context = {"group": self.group, "src": 0}
+            backend = backend or _dist_backend()
+            self.group = weight_group(*group, backend=backend)
+            context = {"group": self.group, "src": 0, "device": comm_device(self.device(), backend)}
         self.receiver = self.transport.receiver(**context)
 
     def connect(self, endpoints: Sequence[Any]) -> None:
@@ -185,7 +212,8 @@ class BackendWorker:
             import torch.distributed as dist
 
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
-            dist.init_process_group(_dist_backend(), init_method=dp_address, rank=self.rank, world_size=self.world)
+            device = str(getattr(self.request.backend.config, "device", "auto"))
+            dist.init_process_group(_dist_backend(device), init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
         request = self.request
         self.backend = start_backend(request, self.loaded, request.algorithm, self.precision)
@@ -193,13 +221,18 @@ class BackendWorker:
             require(self.backend, ShardedWeights, who=describe(request.backend),
                     needed_by=f"transport {request.weight_sync.name!r}")
 
-    def init_sender(self, group: tuple[str, int, int] | None = None) -> None:
+    def device(self) -> str:
+        """The backend's device ("cpu", "cuda:0", ...)."""
+        return str(getattr(self.backend, "device", "cpu"))
+
+    def init_sender(self, group: tuple[str, int, int] | None = None, backend: str | None = None) -> None:
         if self.transport.rendezvous:  # every rank serves its own shards
             self.sender = self.transport.sender(rank=self.rank, world=self.world)
         elif self.rank == 0:
             if group is not None:
-                self.group = weight_group(*group)
-                self.sender = self.transport.sender(group=self.group, src=0)
+                backend = backend or _dist_backend()
+                self.group = weight_group(*group, backend=backend)
+                self.sender = self.transport.sender(group=self.group, src=0, device=comm_device(self.device(), backend))
             else:
                 self.sender = self.transport.sender()
 
@@ -372,8 +405,12 @@ class RaySync:
         if self.collective:  # backend rank 0 and every engine in a group of their own
             address = ray_get(self.backends[0].address.remote())
             world = 1 + len(self.engines)
-            ray_get([e.init_receiver.remote((address, 1 + i, world)) for i, e in enumerate(self.engines)]
-                    + [self.backends[0].init_sender.remote((address, 0, world))]
+            # One backend for the whole group, from every member's device (a per-process choice could mismatch).
+            devices = ray_get([self.backends[0].device.remote()] + [e.device.remote() for e in self.engines])
+            self.group_backend = group_backend(devices)
+            ray_get([e.init_receiver.remote((address, 1 + i, world), self.group_backend)
+                     for i, e in enumerate(self.engines)]
+                    + [self.backends[0].init_sender.remote((address, 0, world), self.group_backend)]
                     + [b.init_sender.remote() for b in self.backends[1:]])
         else:
             ray_get([e.init_receiver.remote() for e in self.engines] + [b.init_sender.remote() for b in self.backends])
@@ -413,13 +450,13 @@ class Actors:
     def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0) -> list[Any]:
         """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
         placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
-        enough to give each one); waits until all are built."""
+        enough free ones to give each one: :func:`gpu_bundles`); waits until all are built."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         n = len(args)
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
+        gpus = gpu_bundles(n, ray.available_resources())  # the free GPUs: earlier actors may hold some
         bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
         group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ready, _ = ray.wait([group.ready()], timeout=120)

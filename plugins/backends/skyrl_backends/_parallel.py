@@ -8,9 +8,7 @@ The process group is the launcher's (gloo on CPU, NCCL on GPU).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,20 +23,6 @@ def require_process_group(mode: str) -> tuple[int, int]:
             "(init_process_group with gloo on CPU or nccl on GPU) before the backend starts"
         )
     return dist.get_rank(), dist.get_world_size()
-
-
-_REQUESTED: contextvars.ContextVar[str] = contextvars.ContextVar("skyrl_backend_device", default="auto")
-
-
-@contextlib.contextmanager
-def requested_device(device: str) -> Iterator[None]:
-    """Within: :func:`pick_device` without a ``device`` follows ``device`` (the
-    backend's ``device`` option; ``skyrl_backends.torch.create`` sets it around ``start``)."""
-    token = _REQUESTED.set(device)
-    try:
-        yield
-    finally:
-        _REQUESTED.reset(token)
 
 
 def resolve_device(requested: str, *, data_parallel: bool, cuda: bool, group_backend: str | None,
@@ -67,13 +51,13 @@ def resolve_device(requested: str, *, data_parallel: bool, cuda: bool, group_bac
     return torch.device("cuda", local_rank if data_parallel else current)
 
 
-def pick_device(data_parallel: bool, device: str | None = None) -> torch.device:
-    """This rank's device under ``device`` (default: the backend's ``device`` option,
-    see :func:`requested_device`; ``"auto"``): its CUDA device (``LOCAL_RANK`` under
-    data parallel), or the CPU when there is none or the process group is gloo."""
+def pick_device(data_parallel: bool, device: str = "auto") -> torch.device:
+    """This rank's device under ``device`` (the backend's ``device`` option): with
+    ``"auto"`` its CUDA device (``LOCAL_RANK`` under data parallel), or the CPU when there
+    is none or the process group is gloo."""
     import os
 
-    requested = _REQUESTED.get() if device is None else device
+    requested = device
     cuda = torch.cuda.is_available()
     chosen = resolve_device(
         requested, data_parallel=data_parallel, cuda=cuda,

@@ -71,7 +71,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self._dp = cfg.data_parallel != "none"
         if self._dp:
             self.rank, self.world = _parallel.require_process_group(cfg.data_parallel)
-        self.device = _parallel.pick_device(self._dp)
+        self.device = _parallel.pick_device(self._dp, cfg.device)
         self.seed = seed
 
         # float32 master weights (float64 stays float64, e.g. for exactness tests).

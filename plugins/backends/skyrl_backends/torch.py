@@ -127,23 +127,10 @@ class TorchBackendConfig:
 
 
 def create(config: TorchBackendConfig) -> Any:
-    """The factory: a :class:`skyrl_host.interfaces.Backend` (imports torch). Its
-    ``start`` picks the device under ``config.device``."""
-    import functools
-
-    from skyrl_backends import _parallel
+    """The factory: a :class:`skyrl_host.interfaces.Backend` (imports torch)."""
     from skyrl_backends._trainer import TorchBackend
 
-    backend = TorchBackend(config)
-    start = backend.start
-
-    @functools.wraps(start)
-    def start_on_device(*args: Any, **kwargs: Any) -> Any:
-        with _parallel.requested_device(getattr(config, "device", "auto")):
-            return start(*args, **kwargs)
-
-    backend.start = start_on_device
-    return backend
+    return TorchBackend(config)
 
 
 def check(spec: Any) -> list[tuple[str, str]]:

@@ -52,11 +52,17 @@ def test_explicit_devices() -> None:
 def test_pick_device_follows_the_option_here() -> None:
     assert _parallel.pick_device(False) == (torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
     assert _parallel.pick_device(False, "cpu") == torch.device("cpu")
-    with _parallel.requested_device("cpu"):
-        assert _parallel.pick_device(False) == torch.device("cpu")
     if not cuda:
-        with _parallel.requested_device("cuda"), pytest.raises(UserError, match="needs CUDA"):
-            _parallel.pick_device(False)
+        with pytest.raises(UserError, match="needs CUDA"):
+            _parallel.pick_device(False, "cuda")
+
+
+def test_the_backend_trains_on_its_device_option(tiny) -> None:
+    """The option reaches the device the backend trains on (``cpu`` here)."""
+    backend = create(TorchBackendConfig(device="cpu"))
+    backend.start(tiny.loaded(), seed=0, total_steps=1, reference=False)
+    assert backend.device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in backend.module.parameters())
 
 
 def test_the_factory_keeps_starts_signature() -> None:

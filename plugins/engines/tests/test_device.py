@@ -81,11 +81,3 @@ def test_another_dtype_is_a_copy_on_the_device() -> None:
     assert not shared
     assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in served.parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())
-
-
-@pytest.mark.skipif(not cuda, reason="needs CUDA")
-def test_cuda_engine_builds_its_copy_on_cuda() -> None:
-    model = _tiny()
-    served, shared = engine_model(model, torch.bfloat16, torch.device("cuda", 0))
-    assert not shared and all(p.device.type == "cuda" for p in served.parameters())
-    assert resolve_device("auto", torch.device("cpu")).type == "cuda"

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("ray")
-
-from skyrl_launchers._ray_actors import comm_device, gpu_bundles, group_backend  # noqa: E402
+from skyrl_launchers._ray_actors import comm_device, gpu_bundles, group_backend
 
 
 def test_gpu_bundles_count_the_free_gpus() -> None:

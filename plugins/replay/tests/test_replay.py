@@ -95,6 +95,8 @@ MOE_PRESETS = [
         ),
     ),
     ("glm", "tiny-glm5-next"),
+    ("kimi", "tiny-deepseek-v3.2"),
+    ("kimi", "tiny-kimi-linear"),
     ("kimi", "tiny-kimi"),
     ("nemotron", "tiny-nemotron-h"),
 ]

@@ -116,6 +116,18 @@ def skyrl_s3_server() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture
+def skyrl_no_ambient_aws(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    """No AWS credentials or settings from the environment, the shared files or the EC2
+    metadata address for this test: S3 access uses only what the job gives."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+
+
 # -- the tiny RL job ---------------------------------------------------------------------
 
 #: The tiny RL job most end-to-end tests run: a few steps of the qwen "tiny" preset on

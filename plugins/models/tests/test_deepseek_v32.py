@@ -20,14 +20,6 @@ VOCAB = 3 + len(set(ALPHABET))  # 19
 PRESET = "tiny-deepseek-v3.2"
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(seed: int = 0) -> LoadedModel:
     return make_family(KimiConfig(preset=PRESET)).load(alphabet=ALPHABET, seed=seed)
 

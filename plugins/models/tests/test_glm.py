@@ -30,14 +30,6 @@ EXPECTED = {  # preset -> (model type, class)
 MOE_LAYERS = {"tiny-glm5-next": (1, 2, 3)}  # the others: (1, 2)
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(preset: str, seed: int = 0, **options: Any) -> LoadedModel:
     return make_family(GlmConfig(preset=preset, **options)).load(alphabet=ALPHABET, seed=seed)
 

@@ -23,14 +23,6 @@ ALPHABET = "0123456789reverse :"
 VOCAB = 3 + len(set(ALPHABET))
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(seed: int = 0, **options: Any) -> LoadedModel:
     options.setdefault("preset", "tiny-kimi")
     return make_family(KimiConfig(**options)).load(alphabet=ALPHABET, seed=seed)

@@ -24,14 +24,6 @@ VOCAB = 3 + len(set(ALPHABET))  # <pad>, <eos>, <unk> + 16 characters = 19
 PRESET = "tiny-nemotron-h"
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(seed: int = 0, **options: Any) -> LoadedModel:
     options.setdefault("preset", PRESET)
     return make_family(NemotronConfig(**options)).load(alphabet=ALPHABET, seed=seed)

@@ -20,14 +20,6 @@ VOCAB = 3 + len(set(ALPHABET))  # 19
 PRESET = "tiny-qwen3.5"
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(seed: int = 0, **options: Any) -> LoadedModel:
     return make_family(QwenConfig(preset=PRESET, **options)).load(alphabet=ALPHABET, seed=seed)
 

@@ -31,14 +31,6 @@ EXPECTED = {  # preset -> (model type, class, linear-attention projections)
 }
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(preset: str, seed: int = 0, **options: Any) -> LoadedModel:
     return make_family(QwenConfig(preset=preset, **options)).load(alphabet=ALPHABET, seed=seed)
 

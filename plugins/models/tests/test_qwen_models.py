@@ -21,14 +21,6 @@ ALPHABET = "0123456789reverse :"  # what reverse_digits prompts and answers are 
 VOCAB = 3 + len(set(ALPHABET))  # <pad>, <eos>, <unk> + 16 characters = 19
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def load(seed: int = 0, alphabet: str | None = ALPHABET, **options: Any) -> LoadedModel:
     options.setdefault("preset", "tiny")
     return make_family(QwenConfig(**options)).load(alphabet=alphabet, seed=seed)

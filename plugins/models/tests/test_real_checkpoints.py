@@ -19,14 +19,6 @@ FAMILIES: dict[str, Any] = {"qwen": (qwen.QwenConfig, qwen.make_family), "glm": 
 MESSAGES = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 12 + 30?"}]
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_the_qwen3_folder_has_qwen3_0_6b_widths_and_loads_with_auto_classes(skyrl_real_checkpoint) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -30,14 +30,6 @@ MODULES = {  # family -> (registered module, its options class)
 }
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def weights_from(info: RouterInfo, logits: Any, indices: Any) -> Any:
     """The chosen experts' weights from the router's logits, by the RouterInfo fields only."""
     if info.kind == "softmax_topk":

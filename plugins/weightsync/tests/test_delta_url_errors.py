@@ -26,14 +26,8 @@ DENIED_FIX = ("check the credentials (weight_sync.storage_options key and secret
 
 
 @pytest.fixture(autouse=True)
-def _no_ambient_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """Credentials come only from the job: none from the environment, files or 169.254.169.254."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+def _no_ambient_credentials(skyrl_no_ambient_aws: None) -> None:
+    """Credentials come only from the job (skyrl_host.testing)."""
 
 
 def s3(endpoint: str) -> Any:

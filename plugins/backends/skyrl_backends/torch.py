@@ -14,12 +14,12 @@ factory; other distributions reach it through ``skyrl_backends.torch_backend``).
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
+from skyrl_host.devices import check_device, cuda_problem
 from skyrl_host.options import OptionError, ge, gt, in_interval, option
 
 
@@ -29,28 +29,6 @@ def _betas(_inst: Any, _attr: Any, value: tuple[float, float]) -> None:
 
 
 _betas.__doc__ = "each in [0, 1)"
-
-
-def _device(_inst: Any, _attr: Any, value: Any) -> None:
-    if not isinstance(value, str) or not (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value)):
-        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', found {value!r}")
-
-
-_device.__doc__ = "one of auto, cpu, cuda, cuda:N"
-
-
-def cuda_problem(device: str) -> str | None:
-    """Why ``device`` cannot be used on this machine (None when it can). Imports torch
-    only for a CUDA device."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return f"device {device!r} needs CUDA, and torch finds no CUDA device on this machine; use \"auto\" or \"cpu\""
-    if ":" in device and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
-        return f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-    return None
 
 
 @attrs.frozen
@@ -88,7 +66,7 @@ class TorchBackendConfig:
         "auto",
         help="where the trainer computes: 'auto' (CUDA when present, else the CPU; a rank's own GPU under data "
         "parallel with NCCL), 'cpu', 'cuda' or 'cuda:N'",
-        validator=_device,
+        validator=check_device,
     )
     compute_dtype: Literal["float32", "bfloat16"] = option(
         "float32", help="'bfloat16': autocast the forward in bf16 with float32 master weights"

@@ -14,12 +14,12 @@ the factory (see :mod:`skyrl_engines._embedded`), so ``skyrl plugins`` stays fas
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
+from skyrl_host.devices import check_device, cuda_problem
 from skyrl_host.options import gt, option
 
 
@@ -27,28 +27,6 @@ def _check_stop_strings(_inst: Any, _attr: Any, value: Any) -> None:
     for v in value:
         if not isinstance(v, str) or not v:
             raise ValueError(f"expected a list of non-empty strings, found {v!r}")
-
-
-def _check_device(_inst: Any, _attr: Any, value: Any) -> None:
-    if not isinstance(value, str) or not (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value)):
-        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', found {value!r}")
-
-
-_check_device.__doc__ = "one of auto, cpu, cuda, cuda:N"
-
-
-def cuda_problem(device: str) -> str | None:
-    """Why ``device`` cannot be used on this machine (None when it can): ``"cuda"`` or
-    ``"cuda:N"`` without CUDA, or without device N. Imports torch only for a CUDA device."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return f"device {device!r} needs CUDA, and torch finds no CUDA device on this machine; use \"auto\" or \"cpu\""
-    if ":" in device and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
-        return f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-    return None
 
 
 @attrs.frozen
@@ -63,7 +41,7 @@ class EmbeddedConfig:
         "auto",
         help="where the engine builds its model and generates: 'auto' (CUDA when present, else the model's own "
         "device), 'cpu', 'cuda' or 'cuda:N'",
-        validator=_check_device,
+        validator=check_device,
     )
     max_batch_size: int = option(256, help="most sequences decoded together in one batch", validator=gt(0))
     return_routed_experts: bool = option(

@@ -93,6 +93,29 @@ def cut_at_stop_strings(tokenizer: Any, stop_strings: Sequence[str], resp: np.nd
         stopped[i] = True
 
 
+class StopStringScan:
+    """Finds, during decoding, the sequences whose response text has just come to hold one
+    of ``stop_strings``, so that they stop there instead of decoding to ``max_new_tokens``.
+
+    Only the last ``window`` tokens of a response are decoded at each step: a stop string
+    of L characters that the newest token completes lies within its last 4L + 4 tokens (a
+    token decodes to at least one character, or to one of the at most four bytes of one).
+    The cut after generation (``cut_at_stop_strings``, over the whole text) stays the
+    authority on where a response ends; this scan only spares the decode steps after it."""
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+        self.window = 4 * max(len(s) for s in self.stop_strings) + 4
+
+    def hits(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+        """``tokens``: [rows, >= t + 1] response ids of the live rows; a bool per row."""
+        tail = tokens[:, max(0, t + 1 - self.window) : t + 1].tolist()
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=False)
+        return torch.tensor([any(s in text for s in self.stop_strings) for text in texts], dtype=torch.bool,
+                            device=tokens.device)
+
+
 class EmbeddedEngine:
     """The ``embedded`` engine (see the module docstring)."""
 
@@ -136,6 +159,7 @@ class EmbeddedEngine:
         if self.config.stop_strings and self.tokenizer is None:
             raise ValueError("[engine] stop_strings needs the model's tokenizer, and this engine was started without one")
         self._stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
+        self._stop_scan = StopStringScan(self.tokenizer, self.config.stop_strings) if self.config.stop_strings else None
         pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
         vocab = self.model.get_input_embeddings().num_embeddings
         # Padding is never attended to, so any id the embedding has will do.
@@ -453,6 +477,8 @@ class EmbeddedEngine:
             out_lp[live_seq, t] = sample.logprobs.to(device=dev, dtype=torch.float32).reshape(-1)
             out_len[live_seq] = t + 1
             hit = torch.isin(tok, self._stops)
+            if self._stop_scan is not None:  # a response whose text now holds a stop string ends here too
+                hit |= self._stop_scan.hits(out_tok.index_select(0, live_seq), t)
             any_hit = bool(hit.any())
             if any_hit:
                 out_stop[live_seq[hit]] = True

@@ -55,7 +55,7 @@ class EmbeddedConfig:
     stop_strings: tuple[str, ...] = option(
         factory=tuple,
         help="texts that end a response: a response is cut after the token that completes the first of them "
-        "(it stays in the response); tokens and logprobs are cut alike",
+        "(it stays in the response) and that sequence stops decoding; tokens and logprobs are cut alike",
         validator=_check_stop_strings,
     )
 

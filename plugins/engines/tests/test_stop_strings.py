@@ -34,33 +34,67 @@ def responses(batch):
 
 
 def test_responses_are_cut_after_the_token_completing_a_stop_string(tokenizer) -> None:
-    prompts = [tokenizer.encode("What is 3 plus 4?"), tokenizer.encode("Alice has apples")]
+    prompts = [tokenizer.encode("What is 3 plus 4?")]
     sampler = processing.TruncatedSampler(temperature=1.0, top_k=50, return_support=True)
-    free = engine(tokenizer).generate(prompts, n=2, sampler=sampler, max_new_tokens=8, seed=5)
-    full = responses(free)
-    assert all(len(r) == 8 for r in full) and free.truncated.all()
-    # the stop string: the text of sequence 0's tokens 2 and 3, straddling a token boundary
-    text = tokenizer.decode(full[0][:4])
-    stop = text[len(tokenizer.decode(full[0][:2])) - 1:]
-    assert len(tokenizer.decode(full[0][:3])) < len(text)
-    cut = engine(tokenizer, stop_strings=[stop, "never in any response \x00"]).generate(
-        prompts, n=2, sampler=sampler, max_new_tokens=8, seed=5)
+    free = engine(tokenizer).generate(prompts, n=1, sampler=sampler, max_new_tokens=8, seed=5)
+    full = responses(free)[0]
+    assert len(full) == 8 and free.truncated.all()
+    # the stop string: the text of tokens 2 and 3, straddling a token boundary
+    text = tokenizer.decode(full[:4])
+    stop = text[len(tokenizer.decode(full[:2])) - 1:]
+    assert len(tokenizer.decode(full[:3])) < len(text)
+    k = next(k for k in range(1, 9) if stop in tokenizer.decode(full[:k]))
+    assert k <= 4
+    eng = engine(tokenizer, stop_strings=[stop, "never in any response \x00"])
+    calls = count_forwards(eng)
+    cut = eng.generate(prompts, n=1, sampler=sampler, max_new_tokens=8, seed=5)
+    cut.validate()
+    assert responses(cut)[0] == full[:k] and not cut.truncated[0]  # the same tokens up to the completing one
+    # decoding stopped there: the prompt's forward and one per token fed back, not 8 decode steps
+    assert calls == [1 + (k - 1)], calls
+    lp_free = free.logprobs[free.prompt_lens[0]:free.cu_seqlens[1]]
+    lp_cut = cut.logprobs[cut.prompt_lens[0]:cut.cu_seqlens[1]]
+    np.testing.assert_array_equal(lp_cut, lp_free[:k])
+    s_free, s_cut = free.side_channels["sample_support"], cut.side_channels["sample_support"]
+    assert s_cut.n_rows == int(cut.loss_mask.sum()) == k
+    assert all(np.array_equal(s_cut.row(j), s_free.row(j)) for j in range(k))
+
+
+def count_forwards(eng) -> list[int]:
+    """A list whose one entry counts the forward passes of ``eng``'s model from now on."""
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+
+    eng.model.register_forward_hook(hook)
+    return calls
+
+
+def test_every_response_of_a_batch_ends_at_its_first_stop_string(tokenizer) -> None:
+    """Rows stop as they meet a stop string (the others decode on): each response either
+    ends with the token completing its first stop string, or runs to max_new_tokens
+    without one; a batch whose rows all stop early stops decoding early."""
+    prompts = [tokenizer.encode("What is 3 plus 4?"), tokenizer.encode("Alice has apples")]
+    sampler = processing.TruncatedSampler(temperature=1.0, top_k=50)
+    free = responses(engine(tokenizer).generate(prompts, n=4, sampler=sampler, max_new_tokens=12, seed=3))
+    texts = [tokenizer.decode(r) for r in free]
+    # stop strings every response holds early: each response's own 2nd-3rd character, common ones first
+    stops = sorted({t[1:3] for t in texts if len(t) >= 3}, key=lambda s: -sum(s in t for t in texts))
+    eng = engine(tokenizer, stop_strings=stops)
+    calls = count_forwards(eng)
+    cut = eng.generate(prompts, n=4, sampler=sampler, max_new_tokens=12, seed=3)
     cut.validate()
     got = responses(cut)
-    for i, (before, after) in enumerate(zip(full, got)):
-        k = next((k for k in range(1, 9) if stop in tokenizer.decode(before[:k])), 8)
-        assert after == before[:k], i  # the same tokens up to the one completing the stop string
-        assert bool(cut.truncated[i]) == (k == 8 and stop not in tokenizer.decode(before))
-    assert len(got[0]) <= 4 and not cut.truncated[0]
-    lp_free = [free.logprobs[free.cu_seqlens[i] + free.prompt_lens[i]:free.cu_seqlens[i + 1]] for i in range(4)]
-    lp_cut = [cut.logprobs[cut.cu_seqlens[i] + cut.prompt_lens[i]:cut.cu_seqlens[i + 1]] for i in range(4)]
-    for a, b in zip(lp_free, lp_cut):
-        np.testing.assert_array_equal(b, a[: len(b)])
-    s_free, s_cut = free.side_channels["sample_support"], cut.side_channels["sample_support"]
-    assert s_cut.n_rows == int(cut.loss_mask.sum())
-    starts = np.concatenate([[0], np.cumsum([len(r) for r in full])])
-    kept = [starts[i] + t for i, r in enumerate(got) for t in range(len(r))]
-    assert all(np.array_equal(s_cut.row(j), s_free.row(r)) for j, r in enumerate(kept))
+    assert any(len(r) < 12 for r in got)
+    for i, r in enumerate(got):
+        ends = any(s in tokenizer.decode(r) for s in stops)
+        if ends:
+            assert not any(s in tokenizer.decode(r[:-1]) for s in stops), i  # the first occurrence
+            assert not cut.truncated[i]
+        else:
+            assert len(r) == 12 and cut.truncated[i], i
+    assert calls[0] == 1 + max(len(r) for r in got) - 1
 
 
 def test_stop_strings_must_be_non_empty_strings() -> None:

@@ -27,14 +27,17 @@ def group_advantages(
     *,
     baseline: str = "mean",
     scale_by_std: bool = True,
+    std: str = "population",
     eps: float = 1e-6,
 ) -> np.ndarray:
     """float32 [S]: one advantage per sequence.
 
     ``baseline="mean"``: ``r_i - mean_g``; ``"leave_one_out"``: ``r_i`` minus the mean of
     the other samples of its group (0 for a group of one, which has no other sample).
-    ``scale_by_std``: divide by ``std_g + eps``, ``std_g`` the population standard
-    deviation (ddof = 0) of the group's rewards.
+    ``scale_by_std``: divide by ``std_g + eps``, ``std_g`` the standard deviation of
+    the group's rewards: ``std="population"`` divides the squared deviations by ``n``
+    (ddof = 0), ``std="unbiased"`` by ``n - 1`` (ddof = 1, ``torch.std``'s default, what
+    TRL and verl use); a group of one has std 0 either way (never NaN).
     """
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1 or len(r) != len(np.asarray(group_ids)):
@@ -52,8 +55,14 @@ def group_advantages(
         adv = r - others
     else:
         raise ValueError(f"unknown baseline {baseline!r}")
+    if std not in ("population", "unbiased"):
+        raise ValueError(f"unknown std {std!r}: expected 'population' or 'unbiased'")
     if scale_by_std:
-        var = np.bincount(g, weights=(r - mean[g]) ** 2, minlength=len(counts)) / counts
+        squares = np.bincount(g, weights=(r - mean[g]) ** 2, minlength=len(counts))
+        if std == "population":
+            var = squares / counts
+        else:  # n - 1; a group of one has no spread (its squares sum to 0): std 0, not 0/0
+            var = squares / np.maximum(counts - 1, 1)
         adv = adv / (np.sqrt(var)[g] + eps)
     return adv.astype(np.float32)
 

@@ -107,7 +107,9 @@ class PolicyGradient:
         from skyrl_algorithms._advantages import group_advantages
 
         c = self.config
-        return group_advantages(rewards, batch.group_ids, baseline=c.baseline, scale_by_std=c.scale_by_std, eps=c.eps)
+        return group_advantages(
+            rewards, batch.group_ids, baseline=c.baseline, scale_by_std=c.scale_by_std, std=c.std, eps=c.eps
+        )
 
     def advantages(self, batch: Any, rewards: Any) -> Any:
         """float32 [T]: each sequence's advantage on its loss tokens, 0 elsewhere."""

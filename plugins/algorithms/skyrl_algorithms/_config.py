@@ -20,6 +20,7 @@ from skyrl_host.options import ge, gt, in_interval, option
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlEstimator = Literal["k1", "k2", "k3"]
 Baseline = Literal["mean", "leave_one_out"]
+StdKind = Literal["population", "unbiased"]
 RatioLevel = Literal["token", "sequence"]
 
 
@@ -72,7 +73,13 @@ OPTIONS: Mapping[str, Spec] = MappingProxyType({  # read-only: the table every a
         "mean",
         "'mean': subtract the group's mean reward; 'leave_one_out': subtract the mean of the group's other samples",
     ),
-    "scale_by_std": Spec(bool, True, "divide advantages by the group's (population) reward std + eps"),
+    "scale_by_std": Spec(bool, True, "divide advantages by the group's reward std + eps"),
+    "std": Spec(
+        StdKind,
+        "population",
+        "which group std scale_by_std divides by: 'population' (ddof 0, divide by n) or 'unbiased' "
+        "(ddof 1, divide by n - 1: torch.std's default, as TRL and verl); a group of one has std 0",
+    ),
     "eps": Spec(float, 1e-6, "added to the group std before dividing", gt(0)),
     # -- KL against a frozen reference policy -------------------------------
     "kl_coef": Spec(float, 0.0, "weight of the KL penalty against the reference policy (0 = no reference)", ge(0)),

@@ -1,7 +1,8 @@
 """grpo: Group Relative Policy Optimization (Shao et al., 2024, DeepSeekMath).
 
 Advantages are group-normalised rewards, ``(r - mean_g) / (std_g + eps)`` with the
-population std of the prompt's group; the loss is PPO-clip (0.2 / 0.2) averaged
+population std of the prompt's group (``std = "unbiased"``: the ``n - 1`` std TRL and
+verl use); the loss is PPO-clip (0.2 / 0.2) averaged
 over each sequence's tokens, then over sequences (``seq-mean-token-mean``).
 """
 

@@ -99,6 +99,53 @@ def test_leave_one_out_with_std_scaling() -> None:
     assert algo.sequence_advantages(batch, batch.rewards) == pytest.approx([-1.99999, 1.99999], abs=1e-5)
 
 
+# GRPO with std = "unbiased" (divide the squared deviations by n - 1, as torch.std, TRL and verl):
+#   group 7: squares 0.5, var = 0.5 / 2 = 0.25, std 0.5 -> 0.5 / 0.500001 = 0.999998, -0.999998, 0
+#   group 3: squares 0.08, var = 0.08 / 1, std 0.2828427 -> 0.2 / 0.2828437 = 0.7071043, -0.7071043
+#   group 5: std 0 -> 0, 0;   group 9 (one reward): std 0 (not 0/0) -> 0
+GRPO_UNBIASED_SEQ = [0.999998, -0.7071043, -0.999998, 0.7071043, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("cls", [Grpo, Dapo, Gspo], ids=["grpo", "dapo", "gspo"])
+def test_unbiased_std(cls) -> None:
+    algo = cls(cls.config_class(std="unbiased"))
+    batch = make_batch()
+    got = algo.sequence_advantages(batch, batch.rewards)
+    assert got.dtype == np.float32 and not np.isnan(got).any()
+    assert got == pytest.approx(GRPO_UNBIASED_SEQ, abs=2e-6)
+    # The same as torch.std (unbiased) on every group of two or more.
+    torch = pytest.importorskip("torch")
+    r = torch.tensor(REWARDS, dtype=torch.float64)
+    for gid in (7, 3, 5):
+        idx = [i for i, g in enumerate(GROUPS) if g == gid]
+        expected = (r[idx] - r[idx].mean()) / (r[idx].std() + 1e-6)
+        assert got[idx] == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_unbiased_std_group_of_one_and_leave_one_out() -> None:
+    # Only groups of one: std 0 with either convention, advantages 0, no NaN, no warning.
+    batch = make_batch().select([7])
+    for std in ("population", "unbiased"):
+        got = Grpo(GrpoConfig(std=std)).sequence_advantages(batch, batch.rewards)
+        assert got.tolist() == [0.0]
+    # RLOO's baseline with the unbiased std, group 7: (0.75, -0.75, 0) / (0.5 + 1e-6).
+    batch = make_batch().select([0, 2, 4])
+    algo = Rloo(skyrl_algorithms.rloo.RlooConfig(scale_by_std=True, std="unbiased"))
+    assert algo.sequence_advantages(batch, batch.rewards) == pytest.approx([1.499997, -1.499997, 0.0], abs=2e-6)
+
+
+def test_population_std_is_still_the_default_and_std_off_ignores_it() -> None:
+    batch = make_batch()
+    assert GrpoConfig().std == "population"
+    default = Grpo().sequence_advantages(batch, batch.rewards)
+    explicit = Grpo(GrpoConfig(std="population")).sequence_advantages(batch, batch.rewards)
+    assert default.tobytes() == explicit.tobytes()
+    # Without std scaling the choice changes nothing (Dr. GRPO's r - mean).
+    dr = skyrl_algorithms.dr_grpo
+    off = DrGrpo(dr.DrGrpoConfig(std="unbiased")).sequence_advantages(batch, batch.rewards)
+    assert off == pytest.approx(DR_GRPO_SEQ, abs=1e-7)
+
+
 def test_unscored_rewards_are_an_error() -> None:
     batch = make_batch()
     batch.rewards[2] = np.nan

@@ -50,7 +50,7 @@ DEFAULTS = {
     "rloo": dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean", baseline="leave_one_out", scale_by_std=False,
                  ratio_level="token", dynamic_sampling=False, overlong_shaping=False),
 }
-SHARED = dict(dual_clip_c=0.0, tis_cap=0.0, eps=1e-6, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
+SHARED = dict(dual_clip_c=0.0, tis_cap=0.0, std="population", eps=1e-6, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
               overlong_buffer=None, overlong_penalty=1.0, max_refill_rounds=10)
 
 
@@ -69,18 +69,22 @@ def check(data: dict, cls=skyrl_algorithms.grpo.GrpoConfig):
 
 
 def test_valid_table() -> None:
-    inst, problems = check({"name": "grpo", "clip_high": 0.28, "kl_coef": 0, "loss_agg": "token-mean", "tis_cap": 2})
+    inst, problems = check(
+        {"name": "grpo", "clip_high": 0.28, "kl_coef": 0, "loss_agg": "token-mean", "tis_cap": 2, "std": "unbiased"}
+    )
     assert problems == []
+    assert inst.std == "unbiased"
     assert inst.clip_high == 0.28 and inst.kl_coef == 0.0 and inst.loss_agg == "token-mean" and inst.tis_cap == 2.0
 
 
 def test_bad_choices_are_named_with_a_suggestion() -> None:
-    _, problems = check({"kl_estimator": "k4", "loss_agg": "token_mean", "ratio_level": "seq"})
+    _, problems = check({"kl_estimator": "k4", "loss_agg": "token_mean", "ratio_level": "seq", "std": "sample"})
     # In the order of the options.
     assert problems[0].startswith("algorithm.ratio_level: expected one of 'token', 'sequence', found string 'seq'")
     assert problems[1].startswith("algorithm.loss_agg: expected one of 'token-mean'")
     assert "did you mean 'token-mean'" in problems[1]
-    assert problems[2].startswith("algorithm.kl_estimator: expected one of 'k1', 'k2', 'k3', found string 'k4'")
+    assert problems[2].startswith("algorithm.std: expected one of 'population', 'unbiased', found string 'sample'")
+    assert problems[3].startswith("algorithm.kl_estimator: expected one of 'k1', 'k2', 'k3', found string 'k4'")
 
 
 def test_bounds() -> None:

@@ -23,9 +23,11 @@ from skyrl_models.nemotron import (
     layer_types,
 )
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj",
+                "fc1_latent_proj", "fc2_latent_proj")
 """Names of the ``nn.Linear`` modules LoRA adapts: attention projections, the Mamba2
-input/output projections, and the dense MLPs (shared experts, ``mlp`` layers). The
+input/output projections, the dense MLPs (shared experts, ``mlp`` layers) and the
+latent MoE's projections into and out of the experts' space (Nemotron 3 Super). The
 routers (``mixer.gate``) are left alone, and the routed experts are fused 3-D
 parameters (``mixer.experts.up_proj`` / ``down_proj``), not modules, so no name here
 reaches them."""

@@ -57,6 +57,36 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
         "routed_scaling_factor": 2.5,
         "max_position_embeddings": 512,
     },
+    # The larger Nemotron 3 models (Super, Ultra) route their experts in a latent space:
+    # the MoE input is projected down to ``moe_latent_size`` before the routed experts and
+    # back up after them (``fc1_latent_proj`` / ``fc2_latent_proj``; the router and the
+    # shared expert see the full hidden state), with group-limited top-k routing. Their
+    # multi-token-prediction layers are not part of transformers' forward (it skips
+    # ``mtp.*`` weights when loading), so they are not here either.
+    "tiny-nemotron-3-super": {
+        "pattern": "ME*EME",  # Mamba2, latent MoE, attention, latent MoE, Mamba2, latent MoE
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "intermediate_size": 128,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32,
+        "moe_latent_size": 32,
+        "moe_shared_expert_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 512,
+    },
 }
 
 # Full-size architectures: config only, never built with weights here. Numbers of the
@@ -108,7 +138,9 @@ class NemotronConfig(PresetOrPath):
 
     preset: str | None = option(
         None,
-        help="a tiny model with random weights: 'tiny-nemotron-h' (Mamba2, MoE, attention, MoE layers)",
+        help="a tiny model with random weights: 'tiny-nemotron-h' (Mamba2, MoE, attention, MoE layers) or "
+        "'tiny-nemotron-3-super' (the larger Nemotron 3 models' latent MoE: experts in a projected space, "
+        "group-limited routing)",
         validator=_check_preset,
     )
     path: str | None = option(

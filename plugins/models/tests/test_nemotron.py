@@ -143,8 +143,9 @@ def test_routers_one_per_moe_layer_returning_logits_weights_indices() -> None:
         assert weights.shape == indices.shape == (ids.numel(), 2)
         torch.testing.assert_close(weights.sum(-1), torch.full((ids.numel(),), 2.5))  # renormalised x scaling factor
     linears = [n for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)]
-    for target in family.lora_targets:
-        assert any(n.endswith("." + target) for n in linears), target
+    for target in family.lora_targets:  # the latent MoE's projections are in the Super preset (below)
+        if "latent" not in target:
+            assert any(n.endswith("." + target) for n in linears), target
     assert not any(n.endswith(".gate") for n in linears if n.split(".")[-1] in family.lora_targets)
 
 
@@ -216,3 +217,56 @@ def test_greedy_generation_through_the_embedded_engine() -> None:
                 if ids[-1] in lm.stop_token_ids:
                     break
         assert out.response(2 * i).tolist() == out.response(2 * i + 1).tolist() == ids[len(prompt) :]
+
+
+# -- the larger Nemotron 3 models: latent MoE ------------------------------------------
+
+SUPER = "tiny-nemotron-3-super"
+
+
+def test_super_preset_routes_its_experts_in_a_latent_space() -> None:
+    """The routed experts work on a projection of the hidden state (64 -> 32 -> 64), the
+    router and the shared expert on the hidden state itself; routing is group-limited
+    (4 groups, the best 2 kept) over 16 experts, 4 per token."""
+    lm = load(preset=SUPER)
+    cfg = lm.model.config
+    assert cfg.layers_block_type == ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "moe"]
+    assert (cfg.moe_latent_size, cfg.n_group, cfg.topk_group) == (32, 4, 2)
+    mixer = lm.model.model.layers[1].mixer
+    assert (mixer.fc1_latent_proj.in_features, mixer.fc1_latent_proj.out_features) == (64, 32)
+    assert (mixer.fc2_latent_proj.in_features, mixer.fc2_latent_proj.out_features) == (32, 64)
+    assert tuple(mixer.experts.up_proj.shape) == (16, 32, 32)  # [experts, intermediate, latent]
+    assert mixer.gate.weight.shape == (16, 64) and mixer.shared_experts.up_proj.in_features == 64
+    assert [(r.path, r.n_experts, r.top_k) for r in lm.routers] == [
+        (f"model.layers.{i}.mixer.gate", 16, 4) for i in (1, 3, 5)
+    ]
+    # the latent projections are dense linear layers: LoRA adapts them with the other projections
+    assert {"fc1_latent_proj", "fc2_latent_proj"} <= set(impl.LORA_TARGETS)
+
+
+def test_super_preset_trains_and_its_routes_stay_in_the_kept_groups() -> None:
+    lm = load(preset=SUPER)
+    model = lm.model
+    ids, mask = batch()
+    seen: list[Any] = []
+    gate = model.get_submodule(lm.routers[0].path)
+    hook = gate.register_forward_hook(lambda _m, _i, out: seen.append(out[2]))
+    model.train()
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    hook.remove()
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []  # latent projections and experts included
+    picked = seen[0]  # [tokens, 4] expert ids; 16 experts in 4 groups of 4, 2 groups kept per token
+    groups = {tuple(sorted(set((row // 4).tolist()))) for row in picked}
+    assert all(len(g) <= 2 for g in groups) and any(len(g) == 2 for g in groups)
+
+
+def test_super_preset_saves_and_loads_by_path_with_identical_logits(tmp_path) -> None:
+    family = make_family(NemotronConfig(preset=SUPER))
+    lm = family.load(alphabet=ALPHABET, seed=3)
+    family.save(lm, tmp_path / "super")
+    again = make_family(NemotronConfig(path=str(tmp_path / "super"))).load(alphabet=None, seed=0)
+    assert again.model.config.moe_latent_size == 32
+    ids, mask = batch()
+    torch.testing.assert_close(logits(again.model, ids, mask), logits(lm.model, ids, mask), rtol=0, atol=0)

@@ -93,6 +93,23 @@ def test_a_chat_template_without_a_generation_prompt_is_a_user_error(skyrl_cli, 
     assert f"the chat template of the tokenizer of [model] path '{folder}' renders no generation prompt" in result.stderr
 
 
+def test_the_chat_template_is_checked_before_any_model_is_read(skyrl_host, skyrl_tiny_rl_job,
+                                                              skyrl_real_checkpoint, tmp_path) -> None:
+    """The driver checks the first chat against the tokenizer alone: the error comes before
+    the launcher places anything (no model built, no process started)."""
+    from skyrl_host.config import load_job
+    from skyrl_host.jobs.rl import RLDriver
+    from skyrl_host.runner import Run
+
+    folder = copy_checkpoint(skyrl_real_checkpoint("qwen3"), tmp_path / "no-template")
+    (folder / "chat_template.jinja").unlink()
+    spec = load_job(str(real_job(skyrl_tiny_rl_job, tmp_path, folder, CHATS).path), skyrl_host)
+    driver = RLDriver(Run(spec=spec, host=skyrl_host, output_dir=tmp_path / "out", total_steps=2))
+    with pytest.raises(UserError, match="has no chat template"):
+        driver.build()
+    assert driver.placement is None and not hasattr(driver, "loaded")
+
+
 def test_a_preset_with_chats_is_a_user_error_pointing_to_path(skyrl_real_checkpoint) -> None:
     from skyrl_models.qwen import QwenConfig, make_family
 

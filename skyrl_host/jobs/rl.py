@@ -23,7 +23,7 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
-from skyrl_host.interfaces import CharacterAlphabet, PlacementRequest, RewardKL, RewardMetrics
+from skyrl_host.interfaces import CharacterAlphabet, PlacementRequest, RewardKL, RewardMetrics, TokenizerLoading
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
 from skyrl_host.options import ge, gt, option
 
@@ -115,6 +115,7 @@ class RLDriver:
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
         alphabet = self.dataset.alphabet if has(self.dataset, CharacterAlphabet) else None
+        self._check_chats_first(alphabet)
         request = PlacementRequest(
             model=run.plugin("model"), backend=run.plugin("backend"), precision=run.plugin("precision"),
             alphabet=alphabet, seed=self.seed, total_steps=run.total_steps, algorithm=self.algorithm,
@@ -131,6 +132,19 @@ class RLDriver:
             self._load_checkpoint(run.resume_path)
             self.start_step = run.resume_step + 1
         self._publish(self.start_step - 1)
+
+    def _check_chats_first(self, alphabet: str | None) -> None:
+        """Check the tokenizer's chat template against the first step's first chat before
+        any model is read or any process started (a family that can load its tokenizer
+        alone: TokenizerLoading); later batches' first chat is checked in ``_encode``."""
+        tasks = self.dataset.batch(1, self.cfg.batch_size)
+        chat = next((t.messages for t in tasks if t.messages is not None), None)
+        if chat is None:
+            return
+        family = self.run_.plugin("model").create()
+        if has(family, TokenizerLoading):
+            check_chat_template(family.load_tokenizer(alphabet=alphabet).tokenizer, chat)
+            self._chat_checked = True
 
     def _publish(self, version: int) -> Mapping[str, float]:
         return self.placement.publish(version)

@@ -1,6 +1,13 @@
 """A local S3 API for tests and benchmarks: moto's server (``pip install "moto[server]"``)
 on a free port of 127.0.0.1, so fsspec/s3fs code runs against a real S3 protocol with
-no network. The pytest fixture ``skyrl_s3_server`` (skyrl_host.testing) wraps it."""
+no network. The pytest fixture ``skyrl_s3_server`` (skyrl_host.testing) wraps it.
+
+moto keeps objects in Python and is slow at big ones: completing a multipart upload copies
+the whole object several times (~17 s for 1 GiB here, ~8 s for 0.5 GiB, ~5.6 GiB of server
+memory). s3fs gives each request 15 s to answer (``read_timeout``), then botocore retries
+it, and a retried ``CompleteMultipartUpload`` finds the upload already consumed by the
+first attempt ("The specified upload does not exist"). :func:`client_options` are the
+fsspec options for this server, with a read timeout long enough for such objects."""
 
 from __future__ import annotations
 
@@ -14,6 +21,16 @@ import sys
 import time
 import urllib.request
 from typing import Iterator
+
+
+READ_TIMEOUT_S = 600.0  # seconds a request to the local server may take to answer (see above)
+
+
+def client_options(url: str) -> dict:
+    """fsspec/s3fs storage options for the server at ``url``: any credentials, its endpoint,
+    and a read timeout that covers moto completing a multipart upload of several GiB."""
+    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": url},
+            "config_kwargs": {"read_timeout": READ_TIMEOUT_S}}
 
 
 def moto_server_path() -> str | None:

@@ -13,7 +13,7 @@ import numpy as np
 import zstandard
 
 from .codec import checksum, fill, from_bytes, sparse_raw, xor_payload, xor_sparse
-from .store import DeltaError, Store, version_dir
+from .store import DeltaError, Store, entry_parts, version_dir
 
 
 class DeltaReceiver:
@@ -65,25 +65,25 @@ class DeltaReceiver:
             return None
         fetched = []
         for m in self._plan(epoch, target):
-            todo = [e for e in m["tensors"] if "payload" in e]
+            todo = [(e, p) for e in m["tensors"] for p in entry_parts(e) if "payload" in p]
             if self.store.workers and len(todo) > 1:  # all at once, then the first failure in manifest order
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.store.workers, thread_name_prefix="delta-read")
-                got: Iterable[Any] = list(self._pool.map(lambda e, m=m: self._read(m, e), todo))
+                got: Iterable[Any] = list(self._pool.map(lambda ep, m=m: self._read(m, *ep), todo))
             else:
-                got = (self._read(m, e) for e in todo)
-            payloads: dict[str, bytes] = {}
-            for entry, data in zip(todo, got):
+                got = (self._read(m, e, p) for e, p in todo)
+            payloads: dict[str, bytes] = {}  # by payload file
+            for (_, part), data in zip(todo, got):
                 if isinstance(data, BaseException):
                     raise data
-                payloads[entry["name"]] = data
+                payloads[part["payload"]] = data
             fetched.append((m, payloads))
         self._fetched = fetched
         return target
 
-    def _read(self, m: dict, entry: dict) -> bytes | BaseException:
-        """A payload, checked against the manifest, or the error to raise."""
-        rel = f"{version_dir(m['epoch'], m['version'])}/{entry['payload']}"
+    def _read(self, m: dict, entry: dict, part: Mapping[str, Any]) -> bytes | BaseException:
+        """A payload (``part`` of tensor ``entry``), checked against the manifest, or the error to raise."""
+        rel = f"{version_dir(m['epoch'], m['version'])}/{part['payload']}"
         try:
             data = self.store.read(rel)
         except FileNotFoundError:
@@ -91,7 +91,7 @@ class DeltaReceiver:
                               f"(tensor {entry['name']!r}) is missing")
         except Exception as exc:  # noqa: BLE001 - raised by fetch, in manifest order
             return exc
-        if len(data) != entry["payload_bytes"] or checksum(data) != entry["payload_xxh3"]:
+        if len(data) != part["payload_bytes"] or checksum(data) != part["payload_xxh3"]:
             return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
                               f"(tensor {entry['name']!r}) fails its checksum")
         return data
@@ -111,9 +111,9 @@ class DeltaReceiver:
 
     # -- applying ----------------------------------------------------------------
 
-    def _apply_one(self, m: dict, payloads: dict[str, bytes]) -> list[tuple[str, str, bytes]]:
-        """Apply one manifest to the buffers; returns the undo list (name, encoding, payload)."""
-        undo: list[tuple[str, str, bytes]] = []
+    def _apply_one(self, m: dict, payloads: dict[str, bytes]) -> list[tuple[str, int, int, str, bytes]]:
+        """Apply one manifest to the buffers; returns the undo list (name, offset, size, encoding, payload)."""
+        undo: list[tuple[str, int, int, str, bytes]] = []
         version, epoch = m["version"], m["epoch"]
         keyframe = m["base"] is None
         if not keyframe and (m["base"] != self.version or epoch != self.epoch):
@@ -122,34 +122,43 @@ class DeltaReceiver:
         try:
             for entry in m["tensors"]:
                 name = entry["name"]
-                enc = entry["encoding"]
+                parts = entry_parts(entry)
+                self._check_parts(m, entry, parts)
                 if keyframe:
-                    out = np.empty(entry["nbytes"], dtype=np.uint8)
-                    if entry["nbytes"]:
-                        self._decompress_into(payloads[name], out, m, entry)
-                    new_bufs[name] = out
-                    buf = out
+                    buf = np.empty(entry["nbytes"], dtype=np.uint8)
+                    new_bufs[name] = buf
                 else:
                     buf = self._bufs.get(name)
                     if buf is None or buf.size != entry["nbytes"]:
                         raise DeltaError(f"version {version}: tensor {name!r} does not match the receiver's version {self.version}")
+                for part in parts:
+                    enc, a = part["encoding"], part["offset"]
+                    view = buf[a:a + part["nbytes"]]
+                    if keyframe:
+                        if enc != "full":
+                            raise DeltaError(f"version {version}: keyframe tensor {name!r} has encoding {enc!r}")
+                        if view.size:
+                            self._decompress_into(payloads[part["payload"]], view, m, entry, part)
+                        continue
                     if enc == "unchanged":
                         continue
-                    file = self.store.url(version_dir(epoch, version), entry.get("payload", "?"))
+                    file = self.store.url(version_dir(epoch, version), part.get("payload", "?"))
                     if enc not in ("xor", "sparse_xor"):
                         raise DeltaError(f"version {version}: tensor {name!r} has unknown encoding {enc!r}")
+                    payload = payloads[part["payload"]]
                     if enc == "xor":
-                        xor = self._scratch_buffer(buf.size)
-                        self._decompress_into(payloads[name], xor, m, entry)
-                        np.bitwise_xor(buf, xor, out=buf)
+                        xor = self._scratch_buffer(view.size)
+                        self._decompress_into(payload, xor, m, entry, part)
+                        np.bitwise_xor(view, xor, out=view)
                     else:
                         try:
-                            xor_sparse(buf, sparse_raw(self.decompressor, payloads[name], self._scratch_buffer))
+                            xor_sparse(view, sparse_raw(self.decompressor, payload, self._scratch_buffer))
                         except (ValueError, zstandard.ZstdError) as exc:
                             raise DeltaError(f"version {version}: payload {file} (tensor {name!r}): {exc}") from None
-                    undo.append((name, enc, payloads[name]))  # undone by applying it again
+                    undo.append((name, a, view.size, enc, payload))  # undone by applying it again
                 if checksum(buf) != entry["result_xxh3"]:
-                    file = f"{version_dir(epoch, version)}/{entry.get('payload', 'manifest.json')}"
+                    where = entry.get("payload", "manifest.json") if len(parts) == 1 else "manifest.json"
+                    file = f"{version_dir(epoch, version)}/{where}"
                     raise DeltaError(f"version {version}: tensor {name!r} from {self.store.url(file)} does not give "
                                      "the published bytes (checksum mismatch)")
         except BaseException:
@@ -161,20 +170,34 @@ class DeltaReceiver:
         self.version, self.epoch = version, epoch
         return undo
 
-    def _undo(self, undo: list[tuple[str, str, bytes]]) -> None:
+    def _check_parts(self, m: dict, entry: dict, parts: list[Mapping[str, Any]]) -> None:
+        """The parts must cover the tensor's bytes end to end, in order."""
+        at = 0
+        for part in parts:
+            if part.get("offset") != at or not isinstance(part.get("nbytes"), int) or part["nbytes"] < 0:
+                break
+            at += part["nbytes"]
+        else:
+            if at == entry["nbytes"]:
+                return
+        file = self.store.url(version_dir(m["epoch"], m["version"]), "manifest.json")
+        raise DeltaError(f"version {m['version']}: the parts of tensor {entry['name']!r} in {file} do not cover "
+                         f"its {entry['nbytes']} bytes")
+
+    def _undo(self, undo: list[tuple[str, int, int, str, bytes]]) -> None:
         """XOR is its own inverse: apply the same payloads again, newest first."""
-        for name, encoding, payload in reversed(undo):
-            xor_payload(self._bufs[name], encoding, payload, self.decompressor, self._scratch_buffer)
+        for name, a, n, encoding, payload in reversed(undo):
+            xor_payload(self._bufs[name][a:a + n], encoding, payload, self.decompressor, self._scratch_buffer)
 
     def _scratch_buffer(self, n: int) -> np.ndarray:
         if self._scratch.size < n:
             self._scratch = np.empty(n, dtype=np.uint8)
         return self._scratch[:n]
 
-    def _decompress_into(self, payload: bytes, out: np.ndarray, m: dict, entry: dict) -> None:
+    def _decompress_into(self, payload: bytes, out: np.ndarray, m: dict, entry: dict, part: Mapping[str, Any]) -> None:
         """Decompress a payload straight into ``out`` (no intermediate buffer); it must fill it exactly."""
         version = m["version"]
-        file = self.store.url(version_dir(m["epoch"], version), entry.get("payload", "?"))
+        file = self.store.url(version_dir(m["epoch"], version), part.get("payload", "?"))
         try:
             full = fill(self.decompressor, payload, out)
         except zstandard.ZstdError as exc:
@@ -199,7 +222,7 @@ class DeltaReceiver:
         if not fetched:
             return {"sync_applied": 0.0}
         saved = (self.version, self.epoch, dict(self._bufs), dict(self._meta))
-        undos: list[list[tuple[str, str, bytes]]] = []
+        undos: list[list[tuple[str, int, int, str, bytes]]] = []
         try:
             for m, payloads in fetched:
                 undos.append(self._apply_one(m, payloads))

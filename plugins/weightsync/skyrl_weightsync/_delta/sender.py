@@ -11,7 +11,7 @@ import numpy as np
 import zstandard
 
 from .codec import SPARSE_MAX_FRACTION, checksum, scan, scan_buffers, sparse_blob, to_bytes, xor_payload
-from .store import FORMAT, PayloadWrites, Store, version_dir
+from .store import FORMAT, PayloadWrites, Store, parts_of, version_dir
 
 
 class DeltaSender:
@@ -37,23 +37,24 @@ class DeltaSender:
             self._dense = np.empty(n, np.uint8)
         return self._dense[:n]
 
-    def _encode_delta(self, src: np.ndarray, last: np.ndarray) -> tuple[Any, str]:
-        """(compressed payload or None, encoding) of ``src`` against ``last``, which is
-        updated to ``src`` in place."""
+    def _encode_delta(self, src: np.ndarray, last: np.ndarray) -> tuple[Any, str, int]:
+        """(compressed payload or None, encoding, changed 16-bit words) of ``src`` against
+        ``last``, which is updated to ``src`` in place."""
         n = src.size
         if n % 2 == 0:
             found = scan(src, last, self._bufs, (n // 2) * SPARSE_MAX_FRACTION)
             if found is not None:
                 gaps, values, count = found
                 if not count:
-                    return None, "unchanged"
-                return self.compressor.compress(sparse_blob(gaps, values, count)), "sparse_xor"
+                    return None, "unchanged", 0
+                return self.compressor.compress(sparse_blob(gaps, values, count)), "sparse_xor", count
         xor = np.bitwise_xor(src, last, out=self._dense_buffer(n))
         if not xor.any():
-            return None, "unchanged"
+            return None, "unchanged", 0
         payload = self.compressor.compress(xor)
         np.copyto(last, src)
-        return payload, "xor"
+        words = xor[: n - n % 2].view(np.uint16)
+        return payload, "xor", int(np.count_nonzero(words)) + int(n % 2 == 1 and xor[-1] != 0)
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
         version = int(version)
@@ -66,7 +67,7 @@ class DeltaSender:
         keyframe = self._last is None or (self.keyframe_every > 0 and self._since_keyframe >= self.keyframe_every)
         t0 = time.perf_counter()
         entries, new_last = [], {}
-        total = payload_total = 0
+        total = payload_total = changed_words = 0
         encode_s = 0.0
         seen: set[str] = set()
         # A delta updates the last published bytes in place; ``undo`` (buffer, encoding,
@@ -92,25 +93,42 @@ class DeltaSender:
                         buf = np.empty(src.size, np.uint8)
                     np.copyto(buf, src)
                     new_last[name] = buf
-                    payload, encoding = self.compressor.compress(buf if buf.size else b""), "full"
                 else:
                     buf = self._last.get(name)  # type: ignore[union-attr]
                     if buf is None or buf.size != src.size:
                         raise ValueError(f"tensor {name!r} is new or changed size since version {self._last_version}")
                     encoding_into = buf  # an error inside leaves it half-updated: the next version is a keyframe
-                    payload, encoding = self._encode_delta(src, buf)
-                    encoding_into = None
+                # A tensor above PART_BYTES goes as parts, each encoded and written on its own:
+                # every object stays one PUT (no multipart upload), and parts write in parallel.
+                spans = parts_of(src.size)
+                parts: list[dict[str, Any]] = []
+                for k, (a, b) in enumerate(spans):
+                    if keyframe:
+                        payload, encoding = self.compressor.compress(buf[a:b] if b > a else b""), "full"
+                    else:
+                        payload, encoding, count = self._encode_delta(src[a:b], buf[a:b])
+                        changed_words += count
+                        if payload is not None:
+                            undo.append((buf[a:b], encoding, payload))
+                    part: dict[str, Any] = {"offset": a, "nbytes": b - a, "encoding": encoding}
                     if payload is not None:
-                        undo.append((buf, encoding, payload))
+                        rel = f"{version_dir(epoch, version)}/t{i:05d}" + (f".p{k:04d}" if len(spans) > 1 else "") + ".zst"
+                        w0 = time.perf_counter()
+                        writes.submit(rel, payload)  # may wait for earlier writes: not encoding time
+                        encode_s -= time.perf_counter() - w0
+                        part.update(payload=rel.rsplit("/", 1)[1], payload_bytes=len(payload),
+                                    payload_xxh3=checksum(payload))
+                        payload_total += len(payload)
+                    parts.append(part)
+                encoding_into = None
                 del src
-                entry["encoding"] = encoding
+                if len(parts) == 1:  # one part: its fields are the tensor's own (as in format 1)
+                    del parts[0]["offset"], parts[0]["nbytes"]
+                    entry.update(parts[0])
+                else:
+                    entry["encoding"] = "parts"
+                    entry["parts"] = parts
                 encode_s += time.perf_counter() - e0
-                if payload is not None:
-                    rel = f"{version_dir(epoch, version)}/t{i:05d}.zst"
-                    writes.submit(rel, payload)
-                    entry.update(payload=rel.rsplit("/", 1)[1], payload_bytes=len(payload),
-                                 payload_xxh3=checksum(payload))
-                    payload_total += len(payload)
                 entries.append(entry)
                 total += entry["nbytes"]
             if not keyframe and set(self._last) - seen:  # type: ignore[arg-type]
@@ -142,4 +160,6 @@ class DeltaSender:
             # Payload writes overlap the encoding: the write time is what publishing did besides encoding.
             "sync_full_bytes": float(total), "sync_encode_s": encode_s, "sync_write_s": publish_s - encode_s,
             "sync_publish_s": publish_s,
+            # 16-bit words (bf16 elements; fp32 halves) that differ from the last version (deltas only)
+            **({} if keyframe else {"sync_changed_words": float(changed_words)}), "sync_words": float(total // 2),
         }

@@ -16,9 +16,35 @@ import fsspec
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.remote_errors import endpoint_of, remote_error
 
-FORMAT = 1
+FORMAT = 2  # format 2 adds tensors in parts; format 1 (every tensor one payload) reads the same way
+READABLE_FORMATS = (1, 2)
 LATEST = "LATEST"
 _INFLIGHT_BYTES = 256 << 20  # payload bytes a sender may have queued for writing
+# Tensor bytes per payload object. Every object then stays below the size at which fsspec
+# filesystems switch to a multipart upload (s3fs: 100 MiB), so each is one PUT: atomic,
+# safe to retry, and a big tensor's parts are written and read in parallel. A multipart
+# upload's completion is one request that must answer within the client's read timeout
+# (s3fs: 15 s) and cannot be retried once the server consumed it: moto takes ~17 s to
+# complete 1 GiB, and a slow S3-compatible store can too.
+PART_BYTES = 64 << 20
+
+
+def parts_of(nbytes: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
+    """The (start, end) byte spans a tensor of ``nbytes`` is sent in: one span up to
+    ``PART_BYTES``, else spans of ``PART_BYTES`` (a multiple of 8) and the rest."""
+    size = PART_BYTES if part_bytes is None else part_bytes
+    if nbytes <= size:
+        return [(0, nbytes)]
+    return [(a, min(a + size, nbytes)) for a in range(0, nbytes, size)]
+
+
+def entry_parts(entry: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A manifest entry's parts, each with ``offset``, ``nbytes``, ``encoding`` and (unless
+    unchanged) ``payload``, ``payload_bytes``, ``payload_xxh3``: a tensor sent in one part
+    keeps these fields in its own entry."""
+    if "parts" in entry:
+        return entry["parts"]
+    return [{**entry, "offset": 0}]
 
 
 class DeltaError(RuntimeError):
@@ -119,7 +145,7 @@ class Store:
             raise DeltaError(f"version {version}: manifest {self.url(rel)} is missing") from None
         except ValueError as exc:
             raise DeltaError(f"version {version}: manifest {self.url(rel)} is not valid JSON ({exc})") from None
-        if data.get("format") != FORMAT or data.get("version") != version or data.get("epoch") != epoch:
+        if data.get("format") not in READABLE_FORMATS or data.get("version") != version or data.get("epoch") != epoch:
             raise DeltaError(f"version {version}: manifest {self.url(rel)} has format {data.get('format')!r}, "
                              f"version {data.get('version')!r}")
         return data

@@ -205,10 +205,11 @@ class BackendWorker:
         return vocab_size(self.loaded.model)
 
     def start(self, dp_address: str | None) -> None:
-        """Join the ranks' data-parallel group (when there are several), then start the backend."""
+        """Join the ranks' data-parallel group (``dp_address``: when there are several ranks,
+        or one whose backend trains data parallel), then start the backend."""
         import torch
 
-        if self.world > 1:
+        if dp_address is not None:  # several ranks, or one that trains data parallel (FSDP2 over one GPU)
             import torch.distributed as dist
 
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
@@ -565,7 +566,8 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
         backends = placement.actors.start(
             BackendWorker, [(request, rank, ranks) for rank in range(ranks)], cpus=config.cpus_per_actor
         )
-        dp_address = ray_get(backends[0].address.remote()) if ranks > 1 else None
+        data_parallel = str(getattr(request.backend.config, "data_parallel", "none")) != "none"
+        dp_address = ray_get(backends[0].address.remote()) if ranks > 1 or data_parallel else None
         ray_get([b.start.remote(dp_address) for b in backends])
         placement.backend = RemoteBackend(backends)
         if request.engine is not None:

@@ -119,6 +119,18 @@ def test_two_ddp_ranks_train_like_one_process(ray_session, skyrl_cli, skyrl_tiny
 
 
 @pytest.mark.slow
+def test_fsdp2_over_one_rank_trains_like_one_process(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """FSDP2 over a single backend actor (one GPU's set-up: the actor joins a group of
+    one) takes the one-process step."""
+    local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
+                weight_sync={"transport": "inproc"})
+    one = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "one", launcher="ray", engine_dtype="float32",
+              weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/w1", "dtype": "float32"},
+              backend={"data_parallel": "fsdp2"})
+    metrics_close(one, local, rel=1e-4)
+
+
+@pytest.mark.slow
 def test_fsdp2_ranks_broadcast_to_two_engine_replicas(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """FSDP2 over two backend actors; rank 0 broadcasts to two engine replicas that split
     each step's prompts. Every engine serves the trainer's weights: the trainer's

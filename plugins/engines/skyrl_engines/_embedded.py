@@ -50,6 +50,7 @@ from skyrl_engines._batch_assembly import assemble_batch, routes_channel, suppor
 from skyrl_engines._kv_cache import make_cache, select_rows
 from skyrl_engines._served_model import copy_weights, engine_model, resolve_device
 from skyrl_host.contracts import has
+from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel, Sampler, SupportSampling
 from skyrl_host.rollout import RolloutBatch
 
@@ -155,13 +156,19 @@ class EmbeddedEngine:
                                     source=source)
         self.adapters.bind(self.model, dtype, self.device)
         self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for t in self.config.stop_token_ids:  # the job's own stop ids, after the model's
+            if t >= vocab:
+                raise UserError(f"[engine] stop_token_ids: {t} is not a token of this model (its vocabulary has "
+                                f"{vocab} ids, 0..{vocab - 1})")
+            if t not in self.stop_token_ids:
+                self.stop_token_ids.append(t)
         self.tokenizer = loaded.tokenizer  # stop_strings are found in its decoded text
         if self.config.stop_strings and self.tokenizer is None:
             raise ValueError("[engine] stop_strings needs the model's tokenizer, and this engine was started without one")
         self._stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
         self._stop_scan = StopStringScan(self.tokenizer, self.config.stop_strings) if self.config.stop_strings else None
         pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
-        vocab = self.model.get_input_embeddings().num_embeddings
         # Padding is never attended to, so any id the embedding has will do.
         self.pad_token_id = int(pad) if pad is not None and 0 <= int(pad) < vocab else 0
         self._params = dict(self.model.named_parameters(remove_duplicate=False))

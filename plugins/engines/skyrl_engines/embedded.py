@@ -29,6 +29,12 @@ def _check_stop_strings(_inst: Any, _attr: Any, value: Any) -> None:
             raise ValueError(f"expected a list of non-empty strings, found {v!r}")
 
 
+def _check_stop_token_ids(_inst: Any, _attr: Any, value: Any) -> None:
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"expected a list of token ids (integers >= 0), found {v!r}")
+
+
 @attrs.frozen
 class EmbeddedConfig:
     """Options of ``[engine]`` when ``name = "embedded"``."""
@@ -51,6 +57,12 @@ class EmbeddedConfig:
     )
     threads: int | None = option(
         None, help="torch CPU threads to use (torch.set_num_threads); unset = leave as is", validator=gt(0)
+    )
+    stop_token_ids: tuple[int, ...] = option(
+        factory=tuple,
+        help="token ids that end a response, besides the model's own stop tokens (EOS, end of turn); "
+        "the stop token stays in the response",
+        validator=_check_stop_token_ids,
     )
     stop_strings: tuple[str, ...] = option(
         factory=tuple,

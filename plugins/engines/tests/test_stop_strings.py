@@ -100,3 +100,24 @@ def test_every_response_of_a_batch_ends_at_its_first_stop_string(tokenizer) -> N
 def test_stop_strings_must_be_non_empty_strings() -> None:
     with pytest.raises(ValueError, match="non-empty strings, found ''"):
         EmbeddedConfig(stop_strings=("ok", ""))
+
+
+def test_the_jobs_stop_token_ids_end_responses_like_the_models_own(tokenizer) -> None:
+    prompts = [tokenizer.encode("What is 3 plus 4?")]
+    sampler = processing.TruncatedSampler(temperature=1.0, top_k=50)
+    full = responses(engine(tokenizer).generate(prompts, n=1, sampler=sampler, max_new_tokens=8, seed=5))[0]
+    stop = full[2]
+    k = full.index(stop) + 1  # its first occurrence ends the response, the stop token kept
+    eng = engine(tokenizer, stop_token_ids=[stop])
+    assert eng.stop_token_ids == [tokenizer.eos_token_id, stop]
+    cut = eng.generate(prompts, n=1, sampler=sampler, max_new_tokens=8, seed=5)
+    assert responses(cut)[0] == full[:k] and not cut.truncated[0]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_user_error(tokenizer) -> None:
+    from skyrl_host.errors import UserError
+
+    with pytest.raises(UserError, match=r"\[engine\] stop_token_ids: 99999 is not a token of this model"):
+        engine(tokenizer, stop_token_ids=[99999])
+    with pytest.raises(ValueError, match="integers >= 0"):
+        EmbeddedConfig(stop_token_ids=(-1,))

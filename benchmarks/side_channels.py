@@ -281,28 +281,142 @@ class Receiver:
         self.sock.close()
 
 
+def pipe_receiver(conn: Any) -> None:
+    """The pickle-5 baseline's receiver: what a user writes with ``multiprocessing``: a
+    control message (buffer count, check flag), the pickle header, then every out-of-band
+    buffer as its own ``recv_bytes`` (each a new bytes object); decode = ``pickle.loads(head,
+    buffers=...)`` + ``RolloutBatch.from_arrays``; replies with the decode time."""
+    while True:
+        count, check = struct.unpack("<iB", conn.recv_bytes())
+        if count < 0:
+            return
+        head = conn.recv_bytes()
+        buffers = [conn.recv_bytes() for _ in range(count)]
+        t0 = time.perf_counter()
+        batch = RolloutBatch.from_arrays(pickle.loads(head, buffers=buffers))
+        reply: dict[str, Any] = {"decode_s": time.perf_counter() - t0}
+        if check:
+            reply["digest"] = digest(batch)
+        conn.send_bytes(json.dumps(reply).encode())
+
+
+class PipeReceiver:
+    """pickle protocol 5 with out-of-band buffers over a ``multiprocessing.Pipe`` (a Unix
+    socket pair), ``send_bytes`` / ``recv_bytes``, to a spawned process."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=pipe_receiver, args=(theirs,), daemon=True)
+        self.proc.start()
+        theirs.close()
+
+    def roundtrip(self, batch: RolloutBatch, check: bool = False) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        buffers: list[pickle.PickleBuffer] = []
+        head = pickle.dumps(dict(batch.to_arrays()), protocol=5, buffer_callback=buffers.append)
+        raws = [b.raw() for b in buffers]
+        t1 = time.perf_counter()
+        self.conn.send_bytes(struct.pack("<iB", len(raws), int(check)))
+        self.conn.send_bytes(head)
+        for r in raws:
+            self.conn.send_bytes(r)
+        reply = json.loads(self.conn.recv_bytes())
+        t2 = time.perf_counter()
+        decode_s = reply.pop("decode_s")
+        wire = 5 + len(head) + sum(r.nbytes for r in raws) + 4 * (2 + len(raws))
+        return {"encode": t1 - t0, "transfer": t2 - t1 - decode_s, "decode": decode_s, "bytes": wire, **reply}
+
+    def close(self) -> None:
+        self.conn.send_bytes(struct.pack("<iB", -1, 0))
+        self.proc.join(10)
+        self.conn.close()
+
+
+class RayReceiver:
+    """Ray's object store: ``ray.put`` of the same arrays in this process (encode: pickle 5,
+    the buffers copied once into the node's shared-memory store), the ``ObjectRef`` handed
+    to an actor (another process), which ``ray.get``s it (numpy arrays come back as
+    read-only views of the store: no copy) and rebuilds the batch (decode = ``ray.get`` +
+    ``RolloutBatch.from_arrays``); transfer = the actor call's round trip minus its decode."""
+
+    def __init__(self, store_bytes: int) -> None:
+        import ray
+
+        self.ray = ray
+        ray.init(num_cpus=1, object_store_memory=store_bytes, include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR", configure_logging=False)
+
+        @ray.remote(num_cpus=1)
+        class Consumer:
+            def pid(self) -> int:
+                return os.getpid()
+
+            def consume(self, refs: list[Any], check: bool) -> dict[str, Any]:
+                import ray as ray_
+
+                t0 = time.perf_counter()
+                arrays = ray_.get(refs[0])
+                t1 = time.perf_counter()
+                batch = RolloutBatch.from_arrays(arrays)
+                reply: dict[str, Any] = {"decode_s": time.perf_counter() - t0, "get_s": t1 - t0}
+                if check:
+                    reply["digest"] = digest(batch)
+                    reply["read_only_views"] = all(not v.flags.writeable or v.nbytes == 0 for v in arrays.values())
+                return reply
+
+        self.actor = Consumer.remote()
+        self.actor_pid = ray.get(self.actor.pid.remote())
+
+    def roundtrip(self, batch: RolloutBatch, check: bool = False) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ref = self.ray.put(dict(batch.to_arrays()))
+        t1 = time.perf_counter()
+        reply = self.ray.get(self.actor.consume.remote([ref], check))  # [ref]: the actor gets it itself
+        t2 = time.perf_counter()
+        del ref
+        decode_s = reply.pop("decode_s")
+        wire = sum(a.nbytes for a in batch.to_arrays().values())  # the buffers written to the store
+        return {"encode": t1 - t0, "transfer": t2 - t1 - decode_s, "decode": decode_s, "bytes": wire, **reply}
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
 # -- measurement helpers ---------------------------------------------------------
 
 
 class CpuMeter:
-    """Cores other processes (and steal time) took, from /proc/stat minus our own CPU time
-    (the receiver's included); None where /proc/stat cannot be read."""
+    """Cores other processes (and steal time) took, from /proc/stat minus the CPU time of
+    this process and all its descendants (the receivers, Ray's daemons and workers); None
+    where /proc/stat cannot be read."""
 
     tick = os.sysconf("SC_CLK_TCK")
 
     def __init__(self, child_pid: int | None = None):
-        self.child = child_pid
+        self.child = child_pid  # kept for callers; every descendant counts anyway
 
     def _own(self) -> float:
         t = os.times()
         own = t.user + t.system
-        if self.child is not None:
+        parent, cpu = {}, {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
             try:
-                with open(f"/proc/{self.child}/stat") as f:
+                with open(f"/proc/{d}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                own += (int(fields[11]) + int(fields[12])) / self.tick
+                parent[int(d)] = int(fields[1])
+                cpu[int(d)] = (int(fields[11]) + int(fields[12])) / self.tick
             except (OSError, IndexError, ValueError):
                 pass
+        me = os.getpid()
+        for pid in cpu:
+            q, seen = parent.get(pid), 0
+            while q and q != me and seen < 64:
+                q, seen = parent.get(q), seen + 1
+            if q == me and pid != me:
+                own += cpu[pid]
         return own
 
     def sample(self) -> tuple[float, float, float] | None:
@@ -398,14 +512,17 @@ def synthetic_batch(args: argparse.Namespace, rng: np.random.Generator) -> Rollo
         base = rng.integers(0, E, (t1 - t0, layers, 1), dtype=np.int32)
         routed[t0:t1] = (base + np.cumsum(gaps, axis=-1)) % E
 
-    # sample_support: one row per generated token, `lo..hi` sorted distinct ids: one id
-    # drawn in each of `len` equal strata of the vocabulary.
-    lo, hi = args.support
-    lens = rng.integers(lo, hi + 1, n_gen).astype(np.int64)
+    # sample_support: one row per generated token of top-p 0.9-like kept-set sizes (log-normal,
+    # median `--support-median`, sigma `--support-sigma`, rounded, clipped to [1, --support-max];
+    # support_replay.py's sets), sorted distinct ids: one id drawn in each of `len` equal strata
+    # of the vocabulary.
+    V = args.vocab
+    mu = np.log(args.support_median)
+    lens = np.clip(np.rint(np.exp(rng.normal(mu, args.support_sigma, n_gen))), 1, min(args.support_max, V))
+    lens = lens.astype(np.int64)
     offsets = np.zeros(n_gen + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     values = np.empty(int(offsets[-1]), dtype=np.int32)
-    V = args.vocab
     for r0 in range(0, n_gen, 32768):  # in chunks of rows, to bound the int64 temporaries
         r1 = min(n_gen, r0 + 32768)
         a, b = int(offsets[r0]), int(offsets[r1])
@@ -438,6 +555,9 @@ def check_roundtrip(rx: Receiver, kind: int, encode: Callable[[], list[Any]], ba
     return all(r["in_arena"].values())
 
 
+BASELINES = ("pickle5", "ray", "naive")
+
+
 def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) -> dict[str, Any]:
     T = batch.n_tokens
     small = batch.select(np.arange(min(args.naive_sequences, batch.n_sequences)))
@@ -446,25 +566,50 @@ def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) 
     lists = naive_lists(small)
     tolist_s = time.perf_counter() - t0
 
-    runs: dict[str, Callable[[], dict[str, Any]]] = {
-        "packed": lambda: rx.roundtrip(PACKED, lambda: encode_packed(batch)),
-        "naive_slice": lambda: rx.roundtrip(NAIVE, lambda: encode_naive(lists)),
-        "packed_slice": lambda: rx.roundtrip(PACKED, lambda: encode_packed(small)),
-    }
-    # Warm-up and checks (not measured).
-    zero_copy = check_roundtrip(rx, PACKED, lambda: encode_packed(batch), batch, "packed")
-    zero_copy_slice = check_roundtrip(rx, PACKED, lambda: encode_packed(small), small, "packed (slice)")
-    naive_in_arena = check_roundtrip(rx, NAIVE, lambda: encode_naive(lists), small, "naive")
+    pipe = PipeReceiver()
+    ray_rx = None
+    try:
+        log("synthetic: starting Ray")
+        t0 = time.perf_counter()
+        store = max(256 << 20, 4 * sum(a.nbytes for a in batch.to_arrays().values()))
+        ray_rx = RayReceiver(store)
+        ray_start_s = time.perf_counter() - t0
+        log(f"synthetic: Ray up in {ray_start_s:.1f} s")
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "packed": lambda: rx.roundtrip(PACKED, lambda: encode_packed(batch)),
+            "pickle5": lambda: pipe.roundtrip(batch),
+            "ray": lambda: ray_rx.roundtrip(batch),
+            "naive_slice": lambda: rx.roundtrip(NAIVE, lambda: encode_naive(lists)),
+            "packed_slice": lambda: rx.roundtrip(PACKED, lambda: encode_packed(small)),
+        }
+        # Warm-up and checks (not measured): every path rebuilds the batch exactly.
+        zero_copy = check_roundtrip(rx, PACKED, lambda: encode_packed(batch), batch, "packed")
+        zero_copy_slice = check_roundtrip(rx, PACKED, lambda: encode_packed(small), small, "packed (slice)")
+        naive_in_arena = check_roundtrip(rx, NAIVE, lambda: encode_naive(lists), small, "naive")
+        want = digest(batch)
+        if pipe.roundtrip(batch, check=True)["digest"] != want:
+            raise SystemExit("side_channels.py: the pickle-5 path did not rebuild the batch exactly")
+        r = ray_rx.roundtrip(batch, check=True)
+        if r["digest"] != want:
+            raise SystemExit("side_channels.py: the Ray path did not rebuild the batch exactly")
+        ray_views = r["read_only_views"]
+        for _ in range(2):  # more warm-up: Ray's first calls and the pipe's first big reads
+            for f in runs.values():
+                f()
 
-    log(f"synthetic: checked; {args.repeats} rounds")
-    meter = CpuMeter(rx.proc.pid)
-    res: dict[str, list[dict[str, Any]]] = {k: [] for k in runs}
-    others = []
-    for i in range(args.repeats):
-        a = meter.sample()
-        for name in list(runs) if i % 2 == 0 else list(reversed(runs)):
-            res[name].append(runs[name]())
-        others.append(meter.others(a, meter.sample()))
+        log(f"synthetic: checked; {args.repeats} rounds")
+        meter = CpuMeter()
+        res: dict[str, list[dict[str, Any]]] = {k: [] for k in runs}
+        others = []
+        for i in range(args.repeats):
+            a = meter.sample()
+            for name in list(runs) if i % 2 == 0 else list(reversed(runs)):  # A B C ..., then ... C B A
+                res[name].append(runs[name]())
+            others.append(meter.others(a, meter.sample()))
+    finally:
+        pipe.close()
+        if ray_rx is not None:
+            ray_rx.close()
 
     packed_bytes = res["packed"][0]["bytes"]
     naive_bytes = res["naive_slice"][0]["bytes"]
@@ -483,9 +628,15 @@ def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) 
         s: sig(naive["us_per_token"][s] * T / 1e6) for s in STAGES + ("total",)
     }
     naive["tolist_s_not_counted"] = sig(tolist_s)
-    packed = stage_summary(res["packed"], T)
-    packed["throughput_GB_per_s"] = sig(packed_bytes / packed["total_s"] / 1e9, 3)
-    packed["transfer_GB_per_s"] = sig(packed_bytes / packed["transfer_s"] / 1e9, 3)
+    summaries = {}
+    for name in ("packed", "pickle5", "ray"):
+        summ = stage_summary(res[name], T)
+        summ["throughput_GB_per_s"] = sig(res[name][0]["bytes"] / summ["total_s"] / 1e9, 3)
+        summ["total_s_range"] = [sig(min(sum(r[x] for x in STAGES) for r in res[name])),
+                                 sig(max(sum(r[x] for x in STAGES) for r in res[name]))]
+        summaries[name] = summ
+    summaries["packed"]["transfer_GB_per_s"] = sig(packed_bytes / summaries["packed"]["transfer_s"] / 1e9, 3)
+    summaries["ray"]["ray_get_s"] = sig(med([r["get_s"] for r in res["ray"]]))
     return {
         "batch": {
             "sequences": batch.n_sequences,
@@ -496,6 +647,7 @@ def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) 
                 "rows": int(support.n_rows),
                 "ids": int(len(support.values)),
                 "ids_per_row_mean": sig(len(support.values) / max(1, support.n_rows), 3),
+                "ids_per_row_median": float(np.median(np.diff(support.offsets))),
                 "vocab": args.vocab,
             },
         },
@@ -506,6 +658,8 @@ def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) 
         },
         "bytes": {
             "packed": packed_bytes,
+            "pickle5": res["pickle5"][0]["bytes"],
+            "ray_buffers": res["ray"][0]["bytes"],
             "packed_side_channels": packed_channel_bytes,
             "packed_per_token": sig(packed_bytes / T),
             "naive_per_token": sig(naive_bytes / Ts),
@@ -515,14 +669,26 @@ def part_synthetic(args: argparse.Namespace, rx: Receiver, batch: RolloutBatch) 
             "ratio_naive_vs_packed_per_token": sig((naive_bytes / Ts) / (packed_bytes / T), 3),
             "ratio_naive_vs_packed_same_slice": sig(naive_bytes / slice_packed_bytes, 3),
         },
-        "packed": packed,
+        "packed": summaries["packed"],
+        "pickle5": summaries["pickle5"],
+        "ray": summaries["ray"],
+        "ray_start_s": sig(ray_start_s, 3),
         "packed_same_slice": stage_summary(res["packed_slice"], Ts),
         "naive": naive,
-        "ratio_naive_vs_packed": ratio_summary(res["naive_slice"], res["packed"], Ts, T),
-        "ratio_naive_vs_packed_same_slice": ratio_summary(res["naive_slice"], res["packed_slice"], Ts, Ts),
-        "ratio_note": "medians of per-round ratios of seconds per token (naive on the slice, packed on the whole "
-        "batch; same_slice: both on the slice); > 1 = packed faster",
+        "ratio_vs_packed": {
+            "pickle5": ratio_summary(res["pickle5"], res["packed"], T, T),
+            "ray": ratio_summary(res["ray"], res["packed"], T, T),
+            "naive": ratio_summary(res["naive_slice"], res["packed"], Ts, T),
+            "naive_same_slice": ratio_summary(res["naive_slice"], res["packed_slice"], Ts, Ts),
+        },
+        "ratio_vs_packed_total_per_round": {
+            k: [sig(sum(a[x] for x in STAGES) / sum(b[x] for x in STAGES), 3) for a, b in zip(res[k], res["packed"])]
+            for k in ("pickle5", "ray")
+        },
+        "ratio_note": "baseline / packed: medians of per-round ratios of seconds per token (naive on the slice, "
+        "the others on the whole batch; naive_same_slice: packed on the slice too); > 1 = packed faster",
         "zero_copy_decode": zero_copy and zero_copy_slice,
+        "ray_decode_read_only_views": ray_views,
         "naive_decode_copies": not naive_in_arena,
         "roundtrip_checked": True,
         "other_cores_per_round": others,
@@ -650,18 +816,56 @@ def part_engine(args: argparse.Namespace, rx: Receiver) -> dict[str, Any]:
     }
 
 
+def preset_shape(name: str) -> dict[str, Any]:
+    """A model preset's router shape, as ``skyrl models show NAME`` builds it: the family's
+    transformers config on the meta device (no weights) and the family's own ``routers``
+    (what routing capture records: one entry per MoE layer, dense layers excluded)."""
+    import importlib
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_models.commands import DEFAULT_ALPHABET, all_presets, hf_config
+
+    transformers.logging.set_verbosity_error()
+    presets = {p["name"]: p for p in all_presets()}
+    if name not in presets:
+        raise KeyError(name)
+    fam = presets[name]["family"]
+    cfg = hf_config(fam, name, presets[name]["weights"], DEFAULT_ALPHABET)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    mod = importlib.import_module(f"skyrl_models.{fam}")
+    options_cls = getattr(mod, {"qwen": "QwenConfig", "glm": "GlmConfig", "kimi": "KimiConfig",
+                                "nemotron": "NemotronConfig"}[fam])
+    tiny = next(p["name"] for p in all_presets() if p["family"] == fam and p["weights"])
+    routers = mod.make_family(options_cls(preset=tiny)).routers(model)  # routers() reads the model given
+    if not routers:
+        raise ValueError(f"preset {name!r} has no MoE router")
+    return {
+        "preset": name, "family": fam, "num_layers": cfg.num_hidden_layers, "moe_layers": len(routers),
+        "top_k": max(r.top_k for r in routers), "experts": max(r.n_experts for r in routers),
+        "vocab": cfg.vocab_size,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sequences", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (prompt 1/8-1/4 of it)")
-    ap.add_argument("--layers", type=int, default=48, help="MoE layers")
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--support", type=int, nargs=2, default=[20, 200], metavar=("MIN", "MAX"),
-                    help="ids per generated token's support set (uniform)")
-    ap.add_argument("--naive-sequences", type=int, default=8, help="sequences the naive path is timed on")
-    ap.add_argument("--repeats", type=int, default=7, help="measured rounds, after one warm-up")
+    ap.add_argument("--preset", default="kimi-k2",
+                    help="model preset whose routers size routed_experts (MoE layers x top-k of its experts) and "
+                    "whose vocabulary sizes the support ids; 'none': --layers/--top-k/--experts/--vocab")
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt 1/8-1/4 of it)")
+    ap.add_argument("--layers", type=int, help="MoE layers (default: the preset's; 48 with --preset none)")
+    ap.add_argument("--top-k", type=int, help="experts per token (default: the preset's; 8)")
+    ap.add_argument("--experts", type=int, help="routed experts (default: the preset's; 256)")
+    ap.add_argument("--vocab", type=int, help="vocabulary (default: the preset's; 151936)")
+    ap.add_argument("--support-median", type=float, default=30.0, help="median ids per support set (log-normal)")
+    ap.add_argument("--support-sigma", type=float, default=1.5, help="sigma of the log-normal set sizes")
+    ap.add_argument("--support-max", type=int, default=4096, help="largest support set")
+    ap.add_argument("--naive-sequences", type=int, default=1, help="sequences the naive path is timed on")
+    ap.add_argument("--repeats", type=int, default=15, help="measured rounds, after the warm-up")
     ap.add_argument("--engine-prompts", type=int, default=32)
     ap.add_argument("--engine-n", type=int, default=8)
     ap.add_argument("--engine-max-new", type=int, default=32)
@@ -674,15 +878,29 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a tiny run (smoke test): small batch, 2 rounds")
     args = ap.parse_args()
+    shape: dict[str, Any] | None = None
+    if args.preset != "none":
+        try:
+            shape = preset_shape(args.preset)
+        except KeyError:
+            ap.error(f"unknown model preset {args.preset!r} (see 'skyrl models list'), or --preset none")
+        except ValueError as e:
+            ap.error(str(e))
+    defaults = shape or {"moe_layers": 48, "top_k": 8, "experts": 256, "vocab": 151936}
+    args.layers = defaults["moe_layers"] if args.layers is None else args.layers
+    args.top_k = defaults["top_k"] if args.top_k is None else args.top_k
+    args.experts = defaults["experts"] if args.experts is None else args.experts
+    args.vocab = defaults["vocab"] if args.vocab is None else args.vocab
     if args.quick:
-        args.sequences, args.seq_len, args.layers = 8, 128, 4
-        args.naive_sequences, args.repeats = 2, 2
+        args.sequences, args.seq_len, args.layers = 4, 128, 4
+        args.naive_sequences, args.repeats = 1, 2
         args.engine_prompts, args.engine_n, args.engine_max_new = 4, 2, 8
-    lo, hi = args.support
     if min(args.sequences, args.seq_len, args.layers, args.top_k, args.repeats, args.naive_sequences) < 1:
         ap.error("sizes, --naive-sequences and --repeats must be >= 1")
-    if not (1 <= lo <= hi <= args.vocab) or args.top_k > args.experts or args.experts > 65536:
-        ap.error("need 1 <= support MIN <= MAX <= vocab, top_k <= experts <= 65536")
+    if args.top_k > args.experts or args.experts > 65536:
+        ap.error("need top_k <= experts <= 65536")
+    if not (args.support_median >= 1 and args.support_sigma >= 0 and 1 <= args.support_max <= args.vocab):
+        ap.error("need --support-median >= 1, --support-sigma >= 0, 1 <= --support-max <= vocab")
 
     git = git_state()
     t_start = time.perf_counter()
@@ -709,10 +927,17 @@ def main() -> None:
         "quick": args.quick,
         "config": {
             "sequences": args.sequences, "seq_len": args.seq_len, "layers": args.layers, "top_k": args.top_k,
-            "experts": args.experts, "vocab": args.vocab, "support": [lo, hi], "naive_sequences": args.naive_sequences,
+            "experts": args.experts, "vocab": args.vocab, "preset": shape,
+            "support_sizes": f"lognormal median {args.support_median:g} sigma {args.support_sigma:g}, "
+            f"clipped [1, {args.support_max}]", "naive_sequences": args.naive_sequences,
             "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
         },
-        "transport": "Unix socket pair to a spawned receiver process; sendmsg / recvmsg_into a preallocated arena",
+        "transport": {
+            "packed": "Unix socket pair to a spawned receiver process; sendmsg / recvmsg_into a preallocated arena",
+            "pickle5": "multiprocessing.Pipe to a spawned process; pickle 5 out-of-band buffers, send_bytes/recv_bytes",
+            "ray": "ray.put here, ray.get in a Ray actor (the node's shared-memory object store)",
+            "naive": "per-token JSON lists over the packed path's socket",
+        },
         "synthetic": synthetic,
         "engine": engine,
         "build_batch_s": round(build_s, 2),

@@ -89,7 +89,7 @@ from skyrl_replay.support_math import DEFAULT_CHUNK, masked_logprobs, support_lo
 
 GIB = 1 << 30
 LEN_MEDIAN, LEN_SIGMA, LEN_MAX = 30.0, 1.5, 4096
-METHODS = ("support", "masked", "full", "full_log_softmax")
+METHODS = ("support", "masked", "full", "full_log_softmax", "chunked", "chunked_checkpoint")
 
 
 # ---------------------------------------------------------------- the problem
@@ -125,10 +125,78 @@ def first(p: dict, k: int) -> dict:
             "targets": p["targets"][:k], "offsets": p["offsets"][: k + 1], "ids": p["ids"][:end]}
 
 
-def logprobs(method: str, h: torch.Tensor, w: torch.Tensor, p: dict, temperature: float, chunk: int) -> torch.Tensor:
+class ChunkedLogprobs(torch.autograd.Function):
+    """Full-vocabulary logprobs of ``targets`` through the head ``weight``, ``chunk`` tokens
+    at a time: forward keeps only each token's log-sum-exp; backward recomputes every
+    chunk's logits and turns them into that chunk's gradients at once (softmax minus the
+    one-hot target, scaled by the incoming gradient), so no more than one chunk's
+    ``[chunk, V]`` logits (plus a temporary) is ever alive, forward or backward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int) -> torch.Tensor:
+        out = torch.empty(h.shape[0], dtype=h.dtype)
+        lse = torch.empty(h.shape[0], dtype=h.dtype)
+        for a in range(0, h.shape[0], chunk):
+            b = min(a + chunk, h.shape[0])
+            logits = h[a:b] @ w.T
+            if temperature != 1.0:
+                logits.div_(temperature)
+            lse[a:b] = torch.logsumexp(logits, dim=-1)
+            out[a:b] = logits.gather(-1, targets[a:b, None]).squeeze(-1) - lse[a:b]
+            del logits
+        ctx.save_for_backward(h, w, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        h, w, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        for a in range(0, h.shape[0], chunk):
+            b = min(a + chunk, h.shape[0])
+            g = grad_out[a:b]
+            logits = h[a:b] @ w.T
+            if temperature != 1.0:
+                logits.div_(temperature)
+            # d lp / d logits = onehot(target) - softmax; times g, over the temperature.
+            probs = logits.sub_(lse[a:b, None]).exp_().mul_(-(g / temperature)[:, None])
+            probs.scatter_add_(-1, targets[a:b, None], (g / temperature)[:, None])
+            if grad_h is not None:
+                torch.mm(probs, w, out=grad_h[a:b])
+            if grad_w is not None:
+                grad_w.addmm_(probs.T, h[a:b])
+            del logits, probs
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_checkpoint_logprobs(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float,
+                                chunk: int) -> torch.Tensor:
+    """The same with plain autograd: each chunk's head product + log_softmax + gather under
+    ``torch.utils.checkpoint`` (its activations recomputed in backward, not kept)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        logits = hc @ w.T
+        if temperature != 1.0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, tc[:, None]).squeeze(-1)
+
+    return torch.cat([checkpoint(piece, h[a : a + chunk], targets[a : a + chunk], use_reentrant=False)
+                      for a in range(0, h.shape[0], chunk)])
+
+
+def logprobs(method: str, h: torch.Tensor, w: torch.Tensor, p: dict, temperature: float, chunk: int,
+             token_chunk: int = 512) -> torch.Tensor:
     t, off, ids = p["targets"], p["offsets"], p["ids"]
     if method == "support":
         return support_logprobs(h, w, None, t, off, ids, temperature=temperature, chunk=chunk)[0]
+    if method == "chunked":
+        return ChunkedLogprobs.apply(h, w, t, temperature, token_chunk)
+    if method == "chunked_checkpoint":
+        return chunked_checkpoint_logprobs(h, w, t, temperature, token_chunk)
     logits = h @ w.T
     if method == "masked":
         return masked_logprobs(logits, t, off, ids, temperature=temperature)[0]
@@ -141,11 +209,12 @@ def logprobs(method: str, h: torch.Tensor, w: torch.Tensor, p: dict, temperature
     raise ValueError(method)
 
 
-def step(method: str, p: dict, temperature: float, chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def step(method: str, p: dict, temperature: float, chunk: int = DEFAULT_CHUNK,
+         token_chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward + backward of sum(logprobs * coef); returns (grad hidden, grad weight)."""
     h = p["hidden"].detach().requires_grad_()
     w = p["weight"].detach().requires_grad_()
-    (logprobs(method, h, w, p, temperature, chunk) * p["coef"]).sum().backward()
+    (logprobs(method, h, w, p, temperature, chunk, token_chunk) * p["coef"]).sum().backward()
     return h.grad, w.grad
 
 
@@ -202,7 +271,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     method, k = args.worker, args.worker_tokens
     p = problem(k, args.hidden, args.vocab, seed=args.seed)
-    step(method, first(p, min(16, k)), args.temperature, args.chunk)  # warm-up
+    step(method, first(p, min(16, k)), args.temperature, args.chunk, args.token_chunk)  # warm-up
     out = {"method": method, "tokens": k, "kept_ids": int(p["ids"].numel())}
     if args.calibrate:
         k2 = min(args.calibration_tokens, k)
@@ -210,7 +279,7 @@ def worker(args: argparse.Namespace) -> None:
         peaks = []
         for kc in (k1, k2):
             with PeakRSS() as cal:
-                step(method, first(p, kc), args.temperature, args.chunk)
+                step(method, first(p, kc), args.temperature, args.chunk, args.token_chunk)
             peaks.append(cal.peak)
         slope = (peaks[1] - peaks[0]) / (k2 - k1) if k2 > k1 else peaks[1] / k2
         predicted = peaks[1] + slope * (k - k2)
@@ -227,7 +296,7 @@ def worker(args: argparse.Namespace) -> None:
             return
     with PeakRSS() as m:
         t0 = time.perf_counter()
-        gh, gw = step(method, p, args.temperature, args.chunk)
+        gh, gw = step(method, p, args.temperature, args.chunk, args.token_chunk)
         seconds = time.perf_counter() - t0
     ok = bool(torch.isfinite(gh).all() and torch.isfinite(gw).all())
     grads = gh.numel() * gh.element_size() + gw.numel() * gw.element_size()  # what the step leaves behind
@@ -249,6 +318,7 @@ def run_worker(args: argparse.Namespace, method: str, k: int, calibrate: bool) -
     cmd = [sys.executable, __file__, "--worker", method, "--worker-tokens", str(k), "--hidden", str(args.hidden),
            "--vocab", str(args.vocab), "--threads", str(args.threads), "--max-gib", str(args.max_gib),
            "--temperature", str(args.temperature), "--seed", str(args.seed), "--chunk", str(args.chunk),
+           "--token-chunk", str(args.token_chunk),
            "--calibration-tokens", str(args.calibration_tokens)] + (["--calibrate"] if calibrate else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -281,6 +351,46 @@ def check(k: int, hidden: int, vocab: int, temperature: float, seed: int, chunk:
             "within_tolerance": all(d <= 1e-5 for d in diffs.values())}
 
 
+def check_chunked(k: int, hidden: int, vocab: int, temperature: float, seed: int, token_chunk: int,
+                  methods: list[str], tolerance: float = 1e-4) -> dict:
+    """The chunked baselines against the unchunked ``full`` on a k-token problem: logprobs
+    and both gradients must agree to ``tolerance`` relative to each tensor's largest value
+    (float32 rounding: a chunk's [chunk, V] x [V, H] product sums its 151,936 terms in
+    another order than the [K, V] one); exits with an error otherwise. Both are also
+    compared with a float64 computation (``vs_float64``), so either's rounding shows.
+    The chunk is cut below k so that the check really chunks."""
+    p = problem(k, hidden, vocab, seed=seed + 2)
+    c = min(token_chunk, max(1, k // 3))
+    res = {}
+    for method in ["full", *methods]:
+        h = p["hidden"].detach().requires_grad_()
+        w = p["weight"].detach().requires_grad_()
+        lp = logprobs(method, h, w, p, temperature, DEFAULT_CHUNK, c)
+        (lp * p["coef"]).sum().backward()
+        res[method] = {"logprobs": lp.detach(), "grad_hidden": h.grad, "grad_weight": w.grad}
+    h = p["hidden"].double().requires_grad_()
+    w = p["weight"].double().requires_grad_()
+    logits = (h @ w.T) / temperature
+    lp = logits.gather(-1, p["targets"][:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    (lp * p["coef"].double()).sum().backward()
+    exact = {"logprobs": lp.detach(), "grad_hidden": h.grad, "grad_weight": w.grad}
+    del logits, h, w, lp
+
+    def rel(a: dict, b: dict) -> dict:
+        return {n: float(f"{float((a[n].double() - b[n].double()).abs().max() / b[n].abs().max()):.3g}") for n in b}
+
+    out = {"tokens": k, "token_chunk": c, "tolerance_relative_to_max": tolerance,
+           "full_vs_float64": rel(res["full"], exact)}
+    for method in methods:
+        diffs = rel(res[method], res["full"])
+        bad = [n for n, d in diffs.items() if not d <= tolerance]
+        if bad:
+            raise SystemExit(f"support_replay.py: {method} differs from full in {', '.join(bad)} "
+                             f"(largest |diff| / largest |value|: {diffs}; tolerance {tolerance:g})")
+        out[method] = {"vs_full": diffs, "vs_float64": rel(res[method], exact), "equal_within_tolerance": True}
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -297,6 +407,7 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=512)
     ap.add_argument("--calibration-tokens", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="support_logprobs' pairs per chunk")
+    ap.add_argument("--token-chunk", type=int, default=512, help="tokens per chunk of the chunked baselines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (H 64, K 128, one round)")
     ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
@@ -314,12 +425,16 @@ def main() -> None:
     t_start = time.perf_counter()
 
     numerics = check(args.check_tokens, args.hidden, args.vocab, args.temperature, args.seed, args.chunk)
+    chunked = [m for m in args.methods if m.startswith("chunked")]
+    if chunked:
+        numerics["chunked_vs_full"] = check_chunked(args.check_tokens, args.hidden, args.vocab, args.temperature,
+                                                    args.seed, args.token_chunk, chunked)
     gc.collect()
 
     runs: dict[tuple[int, str], list[dict]] = {(k, m): [] for k in args.tokens for m in args.methods}
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         for k in args.tokens:
-            for m in args.methods:
+            for m in args.methods if r % 2 == 0 else args.methods[::-1]:  # A B C, then C B A
                 prior = runs[(k, m)]
                 if prior and not prior[0]["measured"]:  # skipped once (memory): skip in every round
                     continue
@@ -362,11 +477,11 @@ def main() -> None:
                 per_round = [b["seconds"] / s["seconds"] for s, b in zip(runs[(k, "support")], runs[(k, m)])
                              if s.get("measured") and b.get("measured")]
                 entry["ratios"][m] = {
-                    "peak_memory": round(e["peak_gib"] / sup["peak_gib"], 1),
+                    "peak_memory": round(e["peak_gib"] / sup["peak_gib"], 2),
                     "transient_memory": (round(e["transient_gib"] / sup["transient_gib"], 1)
                                          if sup["transient_gib"] > 0 else None),
-                    "time": round(statistics.median(per_round), 1),
-                    "time_per_round": [round(x, 1) for x in per_round],
+                    "time": round(statistics.median(per_round), 2),
+                    "time_per_round": [round(x, 2) for x in per_round],
                 }
             else:
                 entry["ratios"][m] = {
@@ -377,7 +492,7 @@ def main() -> None:
     out = {
         "config": {"vocab": args.vocab, "hidden": args.hidden, "dtype": "float32", "temperature": args.temperature,
                    "kept_set_sizes": f"lognormal median {LEN_MEDIAN:g} sigma {LEN_SIGMA:g}, clipped [1, {LEN_MAX}]",
-                   "methods": args.methods, "chunk": args.chunk, "repeats": args.repeats, "threads": args.threads,
+                   "methods": args.methods, "chunk": args.chunk, "token_chunk": args.token_chunk, "repeats": args.repeats, "threads": args.threads,
                    "max_gib": args.max_gib, "head_grad_gib": round(args.vocab * args.hidden * 4 / GIB, 3),
                    "torch": torch.__version__, "quick": args.quick},
         "numerics": numerics,

@@ -1,8 +1,8 @@
 """Peak memory and time of support replay's logprobs against full-vocabulary logits (forward + backward).
 
-    python benchmarks/support_replay.py [--tokens 4096 8192] [--hidden 512] [--vocab 151936]
-                                        [--repeats 1] [--threads 2] [--max-gib 16] [--chunk 16384]
-                                        [--methods support masked full] [--quick]
+    python benchmarks/support_replay.py [--tokens 4096] [--hidden 1024] [--vocab 151936]
+                                        [--repeats 2] [--threads 2] [--max-gib 16] [--chunk 16384]
+                                        [--token-chunk 512] [--methods support chunked full] [--quick]
 
 The problem: ``K`` scored tokens (``--tokens``), each with a final hidden state [H]
 (``--hidden``) and a kept candidate set (the ids the sampler could draw from under
@@ -25,13 +25,28 @@ backward:
   over the whole vocabulary: what the torch backend's trainer does without support
   replay (``_Trainer._logprobs``), the real memory baseline (other numbers: not
   normalised over the kept set). ``--methods`` can add ``full_log_softmax``:
-  ``log_softmax(logits).gather(targets)``, the same quantity the textbook way.
+  ``log_softmax(logits).gather(targets)``, the same quantity the textbook way;
+- ``chunked``: the same full-vocabulary logprobs the way a careful engineer writes them
+  first, bounded by a chunk of tokens: ``--token-chunk`` tokens at a time through the head
+  (``h[a:b] @ weight.T``), log-sum-exp and gather, keeping only each token's log-sum-exp;
+  backward (a custom ``torch.autograd.Function``) recomputes each chunk's logits and
+  forms that chunk's gradients at once (``softmax - onehot``, times the incoming
+  gradient: ``grad_h[a:b] = G @ W``, ``grad_W += G.T @ h[a:b]``), so one ``[chunk, V]``
+  block (plus a temporary) is alive at a time, forward or backward;
+- ``chunked_checkpoint`` (not in the default set): each chunk's head product +
+  ``log_softmax`` + gather under ``torch.utils.checkpoint`` (plain autograd, recomputed
+  in backward).
 
-Hidden size. The default is 512, not a real model's 1024+: H only changes the cost of
-the three [K, H] x [H, V] products and the size of the [V, H] head gradient, while the
-baselines' memory is [K, V] tensors (independent of H) and their time on this machine
-is mostly the elementwise passes and page faults over them. ``--hidden 1024`` (Qwen3-0.6B:
-H 1024, V 151,936) runs too, slower.
+  Before the timed runs, both chunked forms are checked against ``full`` on
+  ``--check-tokens`` tokens with the chunk cut below that (so they really chunk): the
+  logprobs and both gradients must agree to 1e-4 of each tensor's largest value, or the
+  script exits with an error; ``numerics.chunked_vs_full`` also gives each one's (and
+  ``full``'s) difference from a float64 computation.
+
+Hidden size. The default is 1024 (Qwen3-0.6B: H 1024, V 151,936). H changes the cost of
+the [K, H] x [H, V] products and the size of the [V, H] head gradient, while the
+unchunked baselines' memory is [K, V] tensors (independent of H); ``--hidden 512`` runs
+faster.
 
 Memory. Torch's CPU tensors are malloc'd outside Python (tracemalloc does not see
 them), and glibc serves every allocation above 32 MiB with its own mmap, unmapped again
@@ -56,11 +71,11 @@ V = 151,936 one [K, V] float32 tensor is 2.3 GiB at K = 4096 and 4.6 GiB at K = 
 ``full`` peaks with ~3.9 of them alive, ``masked`` with ~6.4, so at K = 8192 neither
 fits in 16 GiB (predicted 18.6 and 30 GiB) and only ``support`` runs there.
 
-Time. ``--repeats`` rounds; each round runs every (K, method) once, in that order, each
-in a fresh process (so the methods interleave). Reported: the median seconds and the
-median of the per-round ratios ``baseline / support``. The default is one round, to
-stay near 3 minutes (one ``masked`` run at K = 4096 takes ~1 minute here); use
-``--repeats 3`` for medians (~7 minutes).
+Time. ``--repeats`` rounds; each round runs every (K, method) once, each in a fresh
+process, in the order of ``--methods`` in even rounds and reversed in odd ones (A B C,
+C B A). Reported: the median seconds and the median of the per-round ratios ``baseline
+/ support``. The default (2 rounds of support, chunked, full at K 4096, H 1024) takes
+~5 minutes here; ``masked`` (~80 s a run at H 1024) is left out unless asked for.
 
 Numerics. In this process, on ``--check-tokens`` tokens (default 512) of the same kind
 of problem at the full vocabulary: the largest absolute differences between
@@ -396,11 +411,11 @@ def check_chunked(k: int, hidden: int, vocab: int, temperature: float, seed: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="scored tokens K")
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096], help="scored tokens K")
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--methods", nargs="+", default=["support", "masked", "full"], choices=METHODS)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--methods", nargs="+", default=["support", "chunked", "full"], choices=METHODS)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip runs predicted to need more")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -417,6 +432,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if min(args.tokens + [args.hidden, args.vocab, args.repeats, args.chunk, args.token_chunk, args.threads,
+                          args.check_tokens, args.calibration_tokens]) < 1:
+        ap.error("--tokens, --hidden, --vocab, --repeats, --chunk, --token-chunk, --threads, --check-tokens and "
+                 "--calibration-tokens must be >= 1")
     if args.quick:
         args.tokens, args.hidden, args.repeats, args.check_tokens, args.calibration_tokens = [128], 64, 1, 32, 64
     if "support" not in args.methods:

@@ -1,43 +1,64 @@
-"""Side channels across a process boundary: RolloutBatch's packed arrays vs per-token JSON lists.
+"""Side channels across a process boundary: RolloutBatch's packed arrays vs pickle-5, Ray's object store and per-token JSON.
 
-    python benchmarks/side_channels.py [--sequences 256] [--seq-len 1024] [--layers 48] [--top-k 8]
-        [--experts 256] [--vocab 151936] [--support 20 200] [--naive-sequences 8] [--repeats 7]
-        [--engine-prompts 32] [--engine-n 8] [--engine-max-new 32] [--threads 1] [--quick]
+    python benchmarks/side_channels.py [--preset kimi-k2] [--sequences 8] [--seq-len 4096]
+        [--layers L] [--top-k K] [--experts E] [--vocab V] [--support-median 30]
+        [--support-sigma 1.5] [--support-max 4096] [--naive-sequences 1] [--repeats 15]
+        [--engine-prompts 32] [--engine-n 8] [--engine-max-new 32] [--threads 1] [--no-engine] [--quick]
 
 Two parts, one JSON object on stdout.
 
-1. **Synthetic batch at scale** (numpy only): ``--sequences`` sequences of ``--seq-len``
-   tokens (prompts 1/8-1/4 of each, the rest generated) with the two side channels
-   an MoE RL job carries: ``routed_experts``, ``[tokens, layers, top_k]`` (``top_k``
-   distinct experts of ``--experts`` per token and layer; uint8 up to 256 experts,
-   uint16 above) and ``sample_support``, CSR with one row per generated token
-   (``--support MIN MAX`` sorted distinct ids of a ``--vocab`` vocabulary, row lengths
-   uniform). The batch goes to a receiver process (spawned, numpy only) over a
-   Unix socket pair, two ways:
+1. **Synthetic batch at a full-size model's scale** (numpy, plus torch on the meta device to
+   read the preset): ``--sequences`` x ``--seq-len`` tokens (default 8 x 4096 = 32,768;
+   prompts 1/8-1/4 of each sequence, the rest generated) with the two side channels an MoE
+   RL job carries, sized by ``--preset`` the way ``skyrl models show`` builds it (the
+   family's config on the meta device, its ``routers``: one per MoE layer, dense layers
+   excluded): ``kimi-k2`` (default) has 61 layers, the first dense, so 60 routers, top-8 of
+   384 experts, vocabulary 163,840; ``qwen3-235b-a22b`` 94 routers, top-8 of 128, 151,936.
+   ``--layers`` / ``--top-k`` / ``--experts`` / ``--vocab`` override (``--preset none``:
+   48, 8, 256, 151,936).
 
-   - *packed*: encode = ``to_arrays()`` + ``pickle.dumps(protocol=5,
-     buffer_callback=...)`` (arrays out of band: no copy); transfer = the pickle
-     header and every raw buffer gathered into ``sendmsg`` calls and scattered by
-     ``recvmsg_into`` straight into a preallocated arena of the receiver (64-byte
-     aligned slots); decode = ``pickle.loads(header, buffers=<views of the arena>)``
-     (numpy rebuilds each array with ``np.frombuffer`` over its view: no copy, which
-     the receiver checks) + ``RolloutBatch.from_arrays`` (with its ``validate``);
-   - *naive*: the batch as per-token Python lists (``routed_experts`` nested
-     ``[token][layer][k]``, ``sample_support`` a list of lists, the other arrays
-     flat lists); encode = ``json.dumps`` + UTF-8; the same socket and arena;
-     decode = UTF-8 + ``json.loads`` + numpy rebuilt (``np.asarray`` of the nested
-     lists, the CSR from the row lengths and ``np.fromiter`` over the rows) +
-     ``RolloutBatch(...)``. Building the lists from numpy is *not* counted (a naive
-     engine would hold them already): the baseline is favoured.
+   - ``routed_experts``, ``[tokens, MoE layers, top_k]``: ``top_k`` distinct experts per
+     token and layer, uint8 up to 256 experts, uint16 above (Kimi K2: 960 bytes a token);
+   - ``sample_support``, CSR with one row per generated token: sorted distinct ids of the
+     vocabulary, set sizes like top-p 0.9's kept sets (log-normal, median
+     ``--support-median`` 30, sigma 1.5, rounded, clipped to [1, ``--support-max`` 4096]:
+     mean ~90; support_replay.py's sets).
 
-   The naive path is far too slow for the whole batch, so it runs on its first
-   ``--naive-sequences`` sequences (``batch.select``) and is compared **per token**
-   (all tokens, prompt and generated); its full-batch seconds and bytes are
-   extrapolated from the slice and labelled so. The packed path is measured on the
-   whole batch (the headline ratios) and on the same slice (``same_slice`` ratios).
-   Transfer time = from the first byte sent to the receiver's reply, minus the
-   receiver's decode time (the reply is ~100 bytes). A warm-up round, not measured,
-   checks that every path rebuilds the batch exactly (CRC32 of every array).
+   The batch goes to another process four ways, each checked once (unmeasured) to rebuild
+   the batch exactly (CRC32 of every array):
+
+   - *packed* (ours): encode = ``to_arrays()`` + ``pickle.dumps(protocol=5,
+     buffer_callback=...)`` (arrays out of band: no copy); transfer = the pickle header
+     and every raw buffer gathered into ``sendmsg`` calls over a Unix socket pair and
+     scattered by ``recvmsg_into`` straight into a preallocated arena of a spawned
+     receiver (64-byte aligned slots); decode = ``pickle.loads(header, buffers=<views of
+     the arena>)`` (no copy, which the receiver checks) + ``RolloutBatch.from_arrays``
+     (with its ``validate``);
+   - *pickle5* (baseline): the same ``to_arrays()`` pickled with protocol 5 and
+     out-of-band buffers, sent the way ``multiprocessing`` offers: a ``Pipe()``,
+     ``send_bytes`` of the header and of every buffer, ``recv_bytes`` of each in a
+     spawned process (a new bytes object each), ``pickle.loads(head, buffers=...)`` +
+     ``from_arrays``;
+   - *ray* (baseline): ``ray.put`` of the same ``to_arrays()`` dict (encode: Ray's
+     pickle 5, the buffers copied once into the node's shared-memory object store), the
+     ``ObjectRef`` passed to a Ray actor that ``ray.get``s it (read-only views of the
+     store: no copy, checked) and calls ``from_arrays`` (decode = both); transfer = the
+     actor call's round trip minus that decode. This is the path the ``ray`` launcher
+     takes (``ray.put(dict(batch.to_arrays()))``). Ray's start (``ray_start_s``) is not
+     counted;
+   - *naive* (baseline): the batch as per-token Python lists (``routed_experts`` nested
+     ``[token][layer][k]``, ``sample_support`` a list of lists, the other arrays flat
+     lists); encode = ``json.dumps`` + UTF-8; the packed path's socket and arena; decode
+     = UTF-8 + ``json.loads`` + numpy rebuilt (``np.asarray`` of the nested lists, the CSR
+     from the row lengths and ``np.fromiter`` over the rows) + ``RolloutBatch(...)``.
+     Building the lists from numpy is *not* counted (a naive engine would hold them
+     already): the baseline is favoured. It is far too slow for the whole batch, so it
+     runs on the first ``--naive-sequences`` sequences (``batch.select``) and is compared
+     **per token**; its full-batch seconds and bytes are extrapolated and labelled so.
+     The packed path also runs on that slice (``naive_same_slice`` ratios).
+
+   Transfer time = from the first byte sent to the receiver's reply, minus the receiver's
+   decode time (the reply is ~100 bytes).
 
 2. **One RL step's generation on a tiny MoE**: the ``kimi`` family's ``tiny-kimi``
    (DeepSeek-V3: 2 MoE layers of 8 experts, top-2, vocab 13) on the embedded engine,
@@ -49,21 +70,24 @@ Two parts, one JSON object on stdout.
    generate time (a step also trains, so their share of the whole step is smaller),
    and what capture costs generate.
 
-Every ratio is the median of per-round ratios, runs interleaved (A B C, then C B A),
-``--repeats`` rounds after the warm-up. ``other_cores_per_round`` is how many cores
-other processes used meanwhile (``/proc/stat`` minus this process and the receiver):
-the machine is shared, absolute seconds move, ratios much less. The engine runs with
-``--threads 1`` by default: the tiny model gains little from 2 threads, and 2 threads
-slow down several-fold whenever another process takes a core of a 2-core machine.
+Every ratio is the median of per-round ratios (baseline / packed: > 1 = packed faster),
+runs interleaved (A B C D ..., then ... D C B A), ``--repeats`` rounds after the
+warm-up. ``other_cores_per_round`` is how many cores other processes used meanwhile
+(``/proc/stat`` minus this process and all its descendants: the receivers and Ray's
+daemons and workers): the machine is shared, absolute seconds move, ratios much less.
+The engine runs with ``--threads 1`` by default: the tiny model gains little from 2
+threads, and 2 threads slow down several-fold whenever another process takes a core of
+a 2-core machine.
 
 JSON keys: ``synthetic.bytes`` (on the wire, per token and per side channel),
-``synthetic.packed`` / ``packed_same_slice`` / ``naive`` (median seconds per stage,
-microseconds per token; ``naive.extrapolated_full_batch_s``), the ratios naive/packed
-per stage and in total (``synthetic.ratio_naive_vs_packed``, > 1 = packed faster),
-``zero_copy_decode``; ``engine.generate_s``, ``engine.ratio_generate_vs_plain`` (the
-cost of capture), ``engine.fraction_of_generate``. ``--quick`` (a few seconds: 8 x 128
-tokens, 4 layers, 2 rounds, 4 x 2 engine sequences) is the smoke test; ``--no-engine``
-skips part 2 (no torch).
+``synthetic.packed`` / ``pickle5`` / ``ray`` / ``packed_same_slice`` / ``naive`` (median
+seconds per stage, microseconds per token; ``naive.extrapolated_full_batch_s``),
+``synthetic.ratio_vs_packed`` (per stage and in total, per baseline),
+``ratio_vs_packed_total_per_round``, ``zero_copy_decode``, ``ray_decode_read_only_views``;
+``engine.generate_s``, ``engine.ratio_generate_vs_plain`` (the cost of capture),
+``engine.fraction_of_generate``. ``--quick`` (4 x 128 tokens, 4 layers, 2 rounds, 4 x 2
+engine sequences; ~15 s, most of it importing torch and starting Ray) is the smoke test;
+``--no-engine`` skips part 2.
 """
 
 from __future__ import annotations

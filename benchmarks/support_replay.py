@@ -62,9 +62,11 @@ them) and ``transient_gib = peak - grads`` the rest: the loss's own working memo
 Allocated but never touched pages take no memory and do not count.
 
 Limit. Before the first run of a (method, K), the worker measures the peak the same
-way on the first K_cal/2 and K_cal tokens (``--calibration-tokens``, default 512; use
-at least H) and extrapolates the line to K (the big tensors are [K, V]; the prediction
-was within 0.1% of the measured peak for both baselines at K = 4096). A run predicted
+way on the first K_cal/2 and K_cal tokens (``--calibration-tokens``, default max(512, H):
+with fewer than H tokens the line under-predicts) and extrapolates the line to K (the big
+tensors are [K, V]; the prediction was within 0.1% of the measured peak for both unchunked
+baselines at K = 4096; the chunked ones' peak stops growing once K passes a chunk, so their
+prediction is an upper bound). A run predicted
 above ``--max-gib`` (default 16) or above MemAvailable - 1 GiB is skipped and reported
 with its prediction only (``measured: false``; ratios ``peak_memory_predicted``). At
 V = 151,936 one [K, V] float32 tensor is 2.3 GiB at K = 4096 and 4.6 GiB at K = 8192;
@@ -420,7 +422,7 @@ def main() -> None:
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip runs predicted to need more")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--check-tokens", type=int, default=512)
-    ap.add_argument("--calibration-tokens", type=int, default=512)
+    ap.add_argument("--calibration-tokens", type=int, help="default max(512, --hidden)")
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="support_logprobs' pairs per chunk")
     ap.add_argument("--token-chunk", type=int, default=512, help="tokens per chunk of the chunked baselines")
     ap.add_argument("--seed", type=int, default=0)
@@ -432,6 +434,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.calibration_tokens is None:
+        args.calibration_tokens = max(512, args.hidden)
     if min(args.tokens + [args.hidden, args.vocab, args.repeats, args.chunk, args.token_chunk, args.threads,
                           args.check_tokens, args.calibration_tokens]) < 1:
         ap.error("--tokens, --hidden, --vocab, --repeats, --chunk, --token-chunk, --threads, --check-tokens and "

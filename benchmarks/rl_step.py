@@ -443,7 +443,10 @@ class Trl:
 
         def lookup(batch: list[Any]) -> tuple[list[list[int]], None, dict]:
             keys = [prompt_key(p) for p in batch]
-            self.prompts_seen.append(list(dict.fromkeys(keys)))  # the groups' prompts, in order
+            groups = keys[::n]  # TRL repeats each prompt N times in a row (one group)
+            if len(keys) != len(groups) * n or any(keys[i] != groups[i // n] for i in range(len(keys))):
+                raise RuntimeError("TRL's batch is not N copies of each prompt in a row")
+            self.prompts_seen.append(groups)  # the groups' prompts, in order
             ids = [list(table[k]) for k in keys]
             self.prompt_tokens_log.append(sum(len(i) for i in ids))
             return ids, None, {}

@@ -739,6 +739,22 @@ class Corpus(Protocol):
 
 
 @runtime_checkable
+class CorpusPieces(Protocol):
+    """A :class:`Corpus` capability: copy many pieces (token ranges of documents) into
+    one buffer in one call. The ``sft`` driver packs each step through it; a corpus
+    without it is packed from its ``tokens(i)`` / ``mask(i)`` views, piece by piece
+    (the same batch, slower)."""
+
+    dtype: Any  # the token ids' numpy dtype: read_pieces_into's tokens_out is of it
+
+    def read_pieces_into(self, docs: Any, starts: Any, ends: Any, at: Any, tokens_out: Any, mask_out: Any) -> int:
+        """For every ``k``: tokens ``starts[k]:ends[k]`` of document ``docs[k]`` into
+        ``tokens_out[at[k]:at[k] + ends[k] - starts[k]]``, and the same range of its
+        loss mask into ``mask_out`` (ones without one); returns the tokens copied."""
+        ...
+
+
+@runtime_checkable
 class CorpusReader(Protocol):
     """Opens pretokenized corpora (``[corpus] reader``)."""
 

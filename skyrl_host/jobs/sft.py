@@ -34,8 +34,9 @@ import attrs
 from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
 from skyrl_host.config import locate_keys
+from skyrl_host.contracts import has
 from skyrl_host.errors import Problem, UserError
-from skyrl_host.interfaces import PlacementRequest
+from skyrl_host.interfaces import CorpusPieces, PlacementRequest
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
 from skyrl_host.options import OptionError, ge, gt, option
 
@@ -134,27 +135,88 @@ def pieces_of(length: int, max_seq_len: int, long_documents: str) -> list[tuple[
     return out
 
 
-def pack_documents(corpora: Sequence[Any], pieces: Sequence[Sequence[int]]) -> Any:
+def pack_documents(corpora: Sequence[Any], pieces: Sequence[Sequence[int]], fast: Sequence[bool] | None = None) -> Any:
     """A RolloutBatch of ``pieces`` ((dataset, document, start, end) each), end to
     end: one sequence per piece, no prompt, the corpus's loss mask (all ones when
-    the corpus has none), zero engine logprobs."""
+    the corpus has none), zero engine logprobs.
+
+    The pieces of a corpus with the :class:`~skyrl_host.interfaces.CorpusPieces`
+    capability are copied by one ``read_pieces_into`` call per corpus and step into a
+    staging buffer of its token dtype, widened to int32 once; the others' from their
+    views, piece by piece (as :func:`pack_documents_views`: the same batch). ``fast[d]``:
+    whether corpus ``d`` has the capability (default: asked here)."""
     import numpy as np
 
-    from skyrl_host.rollout import RolloutBatch
+    k = len(pieces)
+    p = np.asarray(pieces, dtype=np.int64).reshape(k, 4)
+    cu = np.zeros(k + 1, dtype=np.int64)
+    np.cumsum(p[:, 3] - p[:, 2], out=cu[1:])
+    n = int(cu[-1])
+    if fast is None:
+        fast = [has(c, CorpusPieces) for c in corpora]
+    used = sorted({piece[0] for piece in pieces})
+    mask = np.empty(n, dtype=np.uint8)
+    tokens = None
+    by_dtype: dict[Any, list[int]] = {}
+    for d in used:
+        if fast[d]:
+            by_dtype.setdefault(np.dtype(corpora[d].dtype), []).append(d)
+    for dtype, group in by_dtype.items():
+        stage = np.empty(n, dtype=dtype)
+        for d in group:
+            if len(used) == 1:
+                corpora[d].read_pieces_into(p[:, 1], p[:, 2], p[:, 3], cu[:-1], stage, mask)
+            else:
+                sel = p[:, 0] == d
+                corpora[d].read_pieces_into(p[sel, 1], p[sel, 2], p[sel, 3], cu[:-1][sel], stage, mask)
+        if tokens is None:
+            tokens = stage.astype(np.int32, copy=False)  # one widening copy (none for int32 corpora)
+        else:  # corpora of another token dtype in the same step: their pieces, one by one
+            rows = np.flatnonzero(np.isin(p[:, 0], group))
+            for a, b in zip(cu[rows].tolist(), cu[rows + 1].tolist()):
+                tokens[a:b] = stage[a:b]
+    if tokens is None:
+        tokens = np.empty(n, dtype=np.int32)
+    if not all(fast[d] for d in used):
+        for row, (d, i, start, end) in enumerate(pieces):
+            if not fast[d]:
+                _copy_views(corpora[d], i, start, end, tokens, mask, int(cu[row]))
+    return _rollout(tokens, cu, mask)
+
+
+def pack_documents_views(corpora: Sequence[Any], pieces: Sequence[Sequence[int]]) -> Any:
+    """:func:`pack_documents` through the views alone (``tokens(i)`` / ``mask(i)``), piece
+    by piece: the path of corpora without the ``CorpusPieces`` capability (and, before
+    it, of every corpus)."""
+    import numpy as np
 
     lens = np.asarray([end - start for _, _, start, end in pieces], dtype=np.int64)
     cu = np.zeros(len(pieces) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     n = int(cu[-1])
     tokens = np.empty(n, dtype=np.int32)
-    mask = np.ones(n, dtype=np.uint8)
+    mask = np.empty(n, dtype=np.uint8)
     for k, (d, i, start, end) in enumerate(pieces):
-        a, b = int(cu[k]), int(cu[k + 1])
-        tokens[a:b] = corpora[d].tokens(i)[start:end]
-        m = corpora[d].mask(i)
-        if m is not None:
-            mask[a:b] = m[start:end]
-    s = len(pieces)
+        _copy_views(corpora[d], i, start, end, tokens, mask, int(cu[k]))
+    return _rollout(tokens, cu, mask)
+
+
+def _copy_views(corpus: Any, i: int, start: int, end: int, tokens: Any, mask: Any, at: int) -> None:
+    b = at + end - start
+    tokens[at:b] = corpus.tokens(i)[start:end]
+    m = corpus.mask(i)
+    if m is None:
+        mask[at:b] = 1
+    else:
+        mask[at:b] = m[start:end]
+
+
+def _rollout(tokens: Any, cu: Any, mask: Any) -> Any:
+    import numpy as np
+
+    from skyrl_host.rollout import RolloutBatch
+
+    n, s = int(tokens.shape[0]), int(cu.shape[0]) - 1
     return RolloutBatch(
         tokens=tokens,
         cu_seqlens=cu,
@@ -166,6 +228,81 @@ def pack_documents(corpora: Sequence[Any], pieces: Sequence[Sequence[int]]) -> A
         truncated=np.zeros(s, dtype=bool),
         rewards=np.zeros(s, dtype=np.float32),
     )
+
+
+class NothingToTrain(ValueError):
+    """Every document drawn in a whole pass had fewer than two tokens."""
+
+
+class PackedSteps:
+    """The data half of the ``sft`` job: draws documents from the strategy, cuts them
+    into pieces (:func:`pieces_of`), takes whole pieces while they fit
+    ``tokens_per_step``, and packs them (:func:`pack_documents`). The driver calls
+    :meth:`next_batch` once per step; :meth:`state_dict` (the strategy's position, the
+    pieces of the last drawn document not trained yet, the documents drawn per
+    dataset) goes into every checkpoint. ``benchmarks/sft_data.py`` times this class."""
+
+    def __init__(self, corpora: Sequence[Any], strategy: Any, *, tokens_per_step: int, max_seq_len: int,
+                 long_documents: str = "split"):
+        self.corpora = list(corpora)
+        self.strategy = strategy
+        self.tokens_per_step, self.max_seq_len, self.long_documents = tokens_per_step, max_seq_len, long_documents
+        self.n_docs = [c.n_docs for c in self.corpora]
+        self.pending: list[list[int]] = []  # pieces of the last drawn document not trained yet
+        self.drawn = [0] * len(self.corpora)  # documents drawn per dataset
+        # per corpus: packed through read_pieces_into (CorpusPieces), else from its views
+        self.fast = [has(c, CorpusPieces) for c in self.corpora]
+
+    def take_pieces(self, step: int) -> list[list[int]]:
+        """The pieces of step ``step``: whole pieces, in the strategy's order, while
+        they fit ``tokens_per_step``."""
+        budget, max_len, how = self.tokens_per_step, self.max_seq_len, self.long_documents
+        draw, drawn, lengths = self.strategy.draw, self.drawn, [c.lengths for c in self.corpora]
+        pending = self.pending
+        taken: list[list[int]] = []
+        used = 0
+        barren = 0  # draws in a row that gave nothing to train on
+        try:
+            while True:
+                if not pending:
+                    d, i = draw(step)
+                    drawn[d] += 1
+                    length = int(lengths[d][i])
+                    if 2 <= length <= max_len:
+                        pending = [[d, i, 0, length]]
+                    else:
+                        pending = [[d, i, a, b] for a, b in pieces_of(length, max_len, how)]
+                    barren = 0 if pending else barren + 1
+                    if barren > sum(self.n_docs):
+                        raise NothingToTrain("no document has two or more tokens: nothing to train on")
+                    continue
+                piece = pending[0]
+                n = piece[3] - piece[2]
+                if used + n > budget:
+                    return taken
+                taken.append(pending.pop(0))
+                used += n
+                if used == budget:
+                    return taken
+        finally:
+            self.pending = pending
+
+    def pack(self, pieces: Sequence[Sequence[int]]) -> Any:
+        """The RolloutBatch of ``pieces`` (:func:`pack_documents`)."""
+        return pack_documents(self.corpora, pieces, self.fast)
+
+    def next_batch(self, step: int) -> tuple[list[list[int]], Any]:
+        """Step ``step``'s pieces and their packed RolloutBatch."""
+        pieces = self.take_pieces(step)
+        return pieces, self.pack(pieces)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"strategy": dict(self.strategy.state_dict()), "pending": self.pending, "drawn": self.drawn}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.strategy.load_state_dict(state["strategy"])
+        self.pending = [list(map(int, p)) for p in state["pending"]]
+        self.drawn = [int(x) for x in state["drawn"]]
 
 
 def _is_url(path: str) -> bool:
@@ -261,9 +398,9 @@ class SFTDriver:
             self.strategy.bind([c.lengths for c in self.corpora], self.seed)
         except ValueError as exc:
             raise self._problem("data", f"strategy {run.plugin('data').name!r}: {exc}") from None
-        self.n_docs = [c.n_docs for c in self.corpora]
-        self.pending: list[list[int]] = []  # pieces of the last drawn document not trained yet
-        self.drawn = [0] * len(self.corpora)  # documents drawn per dataset
+        self.data = PackedSteps(self.corpora, self.strategy, tokens_per_step=cfg.tokens_per_step,
+                                max_seq_len=cfg.max_seq_len, long_documents=cfg.long_documents)
+        self.n_docs = self.data.n_docs
         self.start_step = 1
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
@@ -293,35 +430,12 @@ class SFTDriver:
 
     # -- one step ----------------------------------------------------------------
 
-    def take_pieces(self, step: int) -> list[list[int]]:
-        """The pieces of step ``step``: whole pieces, in the strategy's order, while
-        they fit ``tokens_per_step``."""
-        cfg = self.cfg
-        taken: list[list[int]] = []
-        used = 0
-        barren = 0  # draws in a row that gave nothing to train on
-        while True:
-            if not self.pending:
-                d, i = self.strategy.draw(step)
-                self.drawn[d] += 1
-                length = int(self.corpora[d].lengths[i])
-                self.pending = [[d, i, a, b] for a, b in pieces_of(length, cfg.max_seq_len, cfg.long_documents)]
-                barren = 0 if self.pending else barren + 1
-                if barren > sum(self.n_docs):
-                    raise self._problem("job.data_paths", "no document has two or more tokens: nothing to train on")
-                continue
-            n = self.pending[0][3] - self.pending[0][2]
-            if used + n > cfg.tokens_per_step:
-                return taken
-            taken.append(self.pending.pop(0))
-            used += n
-            if used == cfg.tokens_per_step:
-                return taken
-
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        pieces = self.take_pieces(step)
-        batch = pack_documents(self.corpora, pieces)
+        try:
+            pieces, batch = self.data.next_batch(step)
+        except NothingToTrain as exc:
+            raise self._problem("job.data_paths", str(exc)) from None
         top = int(batch.tokens.max()) if batch.n_tokens else 0
         if top >= self.vocab_size:
             d, i = next((p[0], p[1]) for p in pieces if int(self.corpora[p[0]].tokens(p[1]).max()) >= self.vocab_size)
@@ -344,19 +458,13 @@ class SFTDriver:
         metrics["data_time_s"] = data_time
         metrics["step_time"] = elapsed
         for d, n in enumerate(self.n_docs):
-            metrics[f"epoch_{d}"] = self.drawn[d] / n if n else 0.0
+            metrics[f"epoch_{d}"] = self.data.drawn[d] / n if n else 0.0
         return metrics
 
     # -- checkpoints ----------------------------------------------------------------
 
     def _driver_state(self, step: int) -> dict[str, Any]:
-        return {
-            "step": step,
-            "strategy": dict(self.strategy.state_dict()),
-            "pending": self.pending,
-            "drawn": self.drawn,
-            "data_paths": list(self.cfg.data_paths),
-        }
+        return {"step": step, **self.data.state_dict(), "data_paths": list(self.cfg.data_paths)}
 
     def _save_checkpoint(self, step: int) -> None:
         import torch
@@ -380,9 +488,7 @@ class SFTDriver:
                 "job.data_paths", f"--resume: the checkpoint was trained on {driver.get('data_paths')!r}, not these paths"
             )
         load_backend_state(folder, self.backend, state)
-        self.strategy.load_state_dict(driver["strategy"])
-        self.pending = [list(map(int, p)) for p in driver["pending"]]
-        self.drawn = [int(x) for x in driver["drawn"]]
+        self.data.load_state_dict(driver)
         restore_rng(rng)
 
     def _save_final(self) -> None:

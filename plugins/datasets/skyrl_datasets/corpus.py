@@ -341,6 +341,86 @@ class Corpus:
                 self._pread("mask", mask_out[:n], a)
         return n
 
+    def read_pieces_into(
+        self, docs: Any, starts: Any, ends: Any, at: Any, tokens_out: np.ndarray, mask_out: np.ndarray | None = None
+    ) -> int:
+        """Copy many pieces with ``pread``, as :meth:`read_into` copies one document: for
+        every ``k``, tokens ``starts[k]:ends[k]`` of document ``docs[k]`` into
+        ``tokens_out[at[k]:at[k] + ends[k] - starts[k]]`` (and the mask's same range into
+        ``mask_out``, ones when the corpus has none); returns the tokens copied. Pieces that
+        follow each other both in the corpus and in the output (documents read in order)
+        are copied by one read. ``tokens_out``: a C-contiguous array of the corpus's token
+        dtype; ``mask_out``: ``uint8``. The ``sft`` job packs its steps through this (the
+        :class:`skyrl_host.interfaces.CorpusPieces` capability)."""
+        docs = np.asarray(docs, dtype=np.int64).reshape(-1)
+        k = docs.shape[0]
+        if not len(starts) == len(ends) == len(at) == k:
+            raise ValueError(f"docs, starts, ends and at differ in length: {k}, {len(starts)}, {len(ends)}, {len(at)}")
+        if tokens_out.dtype != self._tokens.dtype:
+            raise TypeError(f"tokens_out has dtype {tokens_out.dtype}, the corpus's tokens are {self._tokens.dtype}")
+        if k == 0:
+            return 0
+        try:
+            lengths = self.lengths.take(docs, mode="raise").tolist()
+            firsts = self._starts.take(docs, mode="raise").tolist()
+        except IndexError:
+            lengths = firsts = []
+        docs_l = docs.tolist()
+        if len(lengths) != k or min(docs_l) < 0:
+            bad = next(d for d in docs_l if not 0 <= d < self.n_docs)
+            raise IndexError(f"document {bad} out of range: the corpus has {self.n_docs} documents")
+        size = min(tokens_out.shape[0], tokens_out.shape[0] if mask_out is None else mask_out.shape[0])
+        scale = self._scale
+        # (source, destination, count) runs, in tokens; a piece that continues the previous
+        # one both in the corpus and in the output joins its run (documents read in order)
+        runs: list[list[int]] = []
+        total = 0
+        for j, (a, b, o, length, first) in enumerate(zip(np.asarray(starts).tolist(), np.asarray(ends).tolist(),
+                                                          np.asarray(at).tolist(), lengths, firsts)):
+            if not 0 <= a <= b <= length:
+                raise ValueError(f"piece {j}: tokens [{a}, {b}) of document {docs_l[j]}, which has {length}")
+            m = b - a
+            if o < 0 or o + m > size:
+                raise ValueError(f"piece {j}: output [{o}, {o + m}) falls outside tokens_out or mask_out ({size})")
+            src = first // scale + a
+            total += m
+            if runs:
+                last = runs[-1]
+                if last[0] + last[2] == src and last[1] + last[2] == o:
+                    last[2] += m
+                    continue
+            runs.append([src, o, m])
+        isz = self._tokens.dtype.itemsize
+        if self._remote:
+            for src, _, m in runs:
+                self._remote["tokens"].ensure(src * isz, (src + m) * isz)
+        self._pread_runs("tokens", tokens_out, runs, isz)
+        if mask_out is not None:
+            if self._mask is None:
+                for _, o, m in runs:
+                    mask_out[o : o + m] = 1
+            else:
+                if "mask" in self._remote:
+                    for src, _, m in runs:
+                        self._remote["mask"].ensure(src, src + m)
+                self._pread_runs("mask", mask_out, runs, 1)
+        return total
+
+    def _pread_runs(self, part: str, out: np.ndarray, runs: list[list[int]], isz: int) -> None:
+        """``out[o:o+m] = part's elements [s, s+m)`` for every run (s, o, m), by ``preadv``."""
+        fd = self._fds.get(part)
+        if fd is None:
+            fd = self._fds[part] = os.open(self._files[part], os.O_RDONLY)
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise ValueError("the output array is read-only")
+        preadv = os.preadv
+        for s, o, m in runs:
+            want = m * isz
+            got = preadv(fd, [view[o * isz : o * isz + want]], s * isz)
+            if got != want:  # a short read (a signal, a huge run): read the run again, to the end
+                self._pread(part, out[o : o + m], s * isz)
+
     def _pread(self, part: str, out: np.ndarray, offset: int) -> None:
         fd = self._fds.get(part)
         if fd is None:

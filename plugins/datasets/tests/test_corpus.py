@@ -179,6 +179,51 @@ def test_read_into_copies_what_the_views_show(tmp_path) -> None:
     assert read_all(open_corpus(str(tmp_path / "nomask")))[1] == [[1] * d.shape[0] for d in docs[:5]]
 
 
+def pieces_for(c, rng, k: int):
+    """Random pieces of ``c``, some whole documents read in order (one run), some ranges."""
+    docs = rng.integers(0, c.n_docs, k)
+    docs[k // 2 : k // 2 + 5] = np.arange(5) + 10  # consecutive documents: joined into one read
+    lengths = np.asarray(c.lengths)[docs]
+    starts = np.where(rng.random(k) < 0.5, 0, (rng.random(k) * lengths).astype(np.int64))
+    ends = np.where(rng.random(k) < 0.5, lengths, starts + ((lengths - starts) * rng.random(k)).astype(np.int64))
+    starts[k // 2 : k // 2 + 5], ends[k // 2 : k // 2 + 5] = 0, lengths[k // 2 : k // 2 + 5]
+    at = np.zeros(k, np.int64)
+    np.cumsum((ends - starts)[:-1], out=at[1:])
+    return docs, starts, ends, at
+
+
+def expected_pieces(c, docs, starts, ends):
+    toks = np.concatenate([c.tokens(int(d))[a:b] for d, a, b in zip(docs, starts, ends)])
+    masks = [c.mask(int(d)) for d in docs]
+    mask = np.concatenate([np.ones(b - a, np.uint8) if m is None else m[a:b] for m, a, b in zip(masks, starts, ends)])
+    return toks, mask
+
+
+@pytest.mark.parametrize("vocab,with_mask", [(60_000, True), (100_000, False)])
+def test_read_pieces_into_copies_what_the_views_show(tmp_path, vocab, with_mask) -> None:
+    docs, masks = random_docs(300, vocab, max_len=200)
+    write(tmp_path / "c", docs, masks if with_mask else None, vocab=vocab)
+    c = open_corpus(str(tmp_path / "c"))
+    rng = np.random.default_rng(1)
+    d, a, b, at = pieces_for(c, rng, 60)
+    n = int((b - a).sum())
+    tok, mask = np.full(n, 7, c.dtype), np.full(n, 7, np.uint8)
+    assert c.read_pieces_into(d, a, b, at, tok, mask) == n
+    want_tok, want_mask = expected_pieces(c, d, a, b)
+    assert tok.tolist() == want_tok.tolist() and mask.tolist() == want_mask.tolist()
+    assert c.read_pieces_into([], [], [], [], tok, mask) == 0
+    with pytest.raises(TypeError, match="dtype"):
+        c.read_pieces_into(d, a, b, at, np.empty(n, np.int64), mask)
+    with pytest.raises(IndexError, match="document 300 out of range"):
+        c.read_pieces_into([300], [0], [1], [0], tok, mask)
+    with pytest.raises(IndexError, match="document -1 out of range"):
+        c.read_pieces_into([-1], [0], [1], [0], tok, mask)
+    with pytest.raises(ValueError, match="piece 0: tokens"):
+        c.read_pieces_into([0], [0], [int(c.lengths[0]) + 1], [0], tok, mask)
+    with pytest.raises(ValueError, match="falls outside"):
+        c.read_pieces_into([0], [0], [int(c.lengths[0])], [n], tok, mask)
+
+
 def rss_file_mib() -> float:
     if not sys.platform.startswith("linux"):
         pytest.skip("RssFile of /proc/self/status is Linux's")  # the OS, not a missing component
@@ -335,6 +380,15 @@ def test_memory_url_reads_lazily_through_the_cache(tmp_path) -> None:
             n = c2.read_into(700, tok, mask)  # not fetched yet: read_into fetches it too
             assert tok[:n].tolist() == docs[700].tolist() and mask[:n].tolist() == masks[700].tolist()
             assert c2.fetched_bytes > 0
+            before = c2.fetched_bytes
+            picks = [900, 1300, 1301, 1302]  # not fetched yet: read_pieces_into fetches them too
+            n = sum(docs[i].shape[0] for i in picks)
+            at = np.cumsum([0] + [docs[i].shape[0] for i in picks[:-1]])
+            tok, mask = np.empty(n, c2.dtype), np.empty(n, np.uint8)
+            assert c2.read_pieces_into(picks, [0] * 4, [docs[i].shape[0] for i in picks], at, tok, mask) == n
+            assert tok.tolist() == np.concatenate([docs[i] for i in picks]).tolist()
+            assert mask.tolist() == np.concatenate([masks[i] for i in picks]).tolist()
+            assert c2.fetched_bytes > before
             for i in range(c2.n_docs):
                 assert c2.tokens(i).tolist() == docs[i].tolist() and c2.mask(i).tolist() == masks[i].tolist()
         cached = next((tmp_path / "cache").iterdir())

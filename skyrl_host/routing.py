@@ -174,3 +174,170 @@ class RouterHooks:
         for r in self._record:
             r.clear()
         return ids
+
+
+# -- sparse-attention indexers (DeepSeek Sparse Attention) ------------------------------
+#
+# GLM-5 (``glm_moe_dsa``) and DeepSeek-V3.2 (``deepseek_v32``) attend, at each query, only
+# to the ``index_topk`` keys a light indexer scores best. The indexer's scores are ReLU
+# sums, so exact ties (zeros) are common, and ``topk`` breaks them differently in a
+# KV-cached decode (one query against the cache) than in a full forward: the engine and
+# the trainer would attend to different keys. The engine records the indexer's picks
+# (side channel ``indexer_topk``) and ``r3`` forces the trainer's indexers to them.
+# Layers that reuse the previous layer's choice (GLM-5's ``indexer_types = "shared"``)
+# have no indexer module: they reuse the forced choice as they would their own.
+
+#: Indexer modules (transformers class names) returning ``[B, S, topk]`` key indices of
+#: the forward's key axis (columns of the attention mask).
+KEY_INDEXER_CLASSES = ("GlmMoeDsaIndexer", "DeepseekV32Indexer")
+#: The model types whose attention uses a key indexer.
+KEY_INDEXER_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+INDEXER_CHANNEL = "indexer_topk"
+
+
+def model_has_indexer(choice: Any) -> bool | None:
+    """Whether the model a job selects (its ``[model]`` PluginChoice) attends through a
+    sparse-attention key indexer: from its local folder's config.json ``model_type``, or
+    the family config's ``has_indexer`` for presets; None when unknown."""
+    config = choice.config
+    path = getattr(config, "path", None)
+    if isinstance(path, str):
+        try:
+            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        tables = [data] + [v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
+        return any(t.get("model_type") in KEY_INDEXER_MODEL_TYPES for t in tables)
+    value = getattr(config, "has_indexer", None)
+    return value if isinstance(value, bool) else None
+
+
+def indexer_paths(model: torch.nn.Module) -> list[str]:
+    """The dotted paths of ``model``'s key-indexer modules, in module (layer) order."""
+    return [name for name, m in model.named_modules() if type(m).__name__ in KEY_INDEXER_CLASSES]
+
+
+class IndexerHooks:
+    """Forward hooks on every key indexer of ``model`` (:func:`indexer_paths`): record the
+    key columns each indexer picked for each query of a forward, or force given ones.
+
+    An indexer returns ``[B, S, k']`` int key columns (``k' = min(index_topk, keys)``);
+    recorded rows are ``[N = B * S, L, index_topk]``, padded with -1 when ``k'`` is
+    smaller. Forcing takes each query's picks as *positions in its own sequence* (-1:
+    none) plus each query's own position: in a forward without a cache prefix (the
+    trainer's, an engine's prefill) a query at column ``c`` of its row sits at sequence
+    position ``p``, so position ``q`` is column ``c - p + q``. A -1 becomes the query's
+    own column (a row with fewer than ``index_topk`` picks holds every key the query
+    may see, its own included, so this adds nothing)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.paths = indexer_paths(model)
+        if not self.paths:
+            raise ValueError("the model has no sparse-attention indexer")
+        modules = [model.get_submodule(p) for p in self.paths]
+        ks = {int(m.index_topk) for m in modules}
+        if len(ks) != 1:
+            raise ValueError(f"indexers keep different numbers of keys ({sorted(ks)}); one index_topk is needed")
+        self.k = ks.pop()
+        self.n_layers = len(modules)
+        self._force: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._record: list[list[torch.Tensor]] | None = None
+        self._handles = [m.register_forward_hook(self._hook(i, p)) for i, (p, m) in enumerate(zip(self.paths, modules))]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, layer: int, path: str) -> Any:
+        def hook(_module: Any, _inputs: Any, output: Any) -> Any:
+            if self._force is None and self._record is None:
+                return None
+            import torch
+
+            B, S, kk = output.shape
+            if self._force is not None:
+                rel, qpos, mask = self._force
+                if rel.shape[0] != B * S:
+                    raise ValueError(
+                        f"indexer replay: the forward has {B * S} query slots at {path!r}, "
+                        f"but {rel.shape[0]} rows of key positions were given"
+                    )
+                col = torch.arange(B * S, device=rel.device) % S
+                base = (col - qpos)[:, None]
+                picks = rel[:, layer, :]
+                forced = torch.where(picks >= 0, picks + base, col[:, None])
+                if int(forced.numel()) and (int(forced.min()) < 0 or int(forced.max()) >= S):
+                    raise ValueError(
+                        f"indexer replay: key positions outside their sequences at {path!r} "
+                        "(rows of other tokens, or a forward with a cache prefix)"
+                    )
+                own = output.reshape(B * S, kk).long()
+                if kk < self.k:  # fewer keys than index_topk: pad the free rows with their own column
+                    own = torch.cat([own, col[:, None].expand(-1, self.k - kk)], dim=1)
+                out = forced.where(mask[:, None], own) if mask is not None else forced
+                output = out.reshape(B, S, self.k).to(output.dtype)
+            if self._record is not None:
+                flat = output.reshape(B * S, -1).long()
+                if flat.shape[1] < self.k:
+                    flat = torch.cat([flat, flat.new_full((B * S, self.k - flat.shape[1]), -1)], dim=1)
+                self._record[layer].append(flat)
+            return output
+
+        return hook
+
+    @contextlib.contextmanager
+    def forcing(self, rel: torch.Tensor, qpos: torch.Tensor, mask: torch.Tensor | None = None) -> Iterator[None]:
+        """Inside the block, every forward's indexers pick the keys at sequence positions
+        ``rel`` [N, L, index_topk] (-1: none) for the queries at sequence positions
+        ``qpos`` [N], where ``mask`` [N] is true (all rows if None)."""
+        if rel.ndim != 3 or rel.shape[1] != self.n_layers or rel.shape[2] != self.k:
+            raise ValueError(
+                f"indexer replay: key positions must be [tokens, {self.n_layers} indexer layers, index_topk {self.k}], "
+                f"found {list(rel.shape)}"
+            )
+        rel = rel.long()
+        if int(rel.numel()) and bool(((rel > qpos.long()[:, None, None]) | (rel < -1)).any()):
+            raise ValueError("indexer replay: a query picks a key after its own position")
+        prev = self._force
+        self._force = (rel, qpos.long(), mask)
+        try:
+            yield
+        finally:
+            self._force = prev
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Inside the block, the indexers' picks are recorded; :meth:`take` returns those
+        of the last forward."""
+        prev = self._record
+        self._record = [[] for _ in self.paths]
+        try:
+            yield
+        finally:
+            self._record = prev
+
+    def take(self) -> torch.Tensor:
+        """The key columns of the last forward's queries: long [N, L, index_topk] (-1
+        padded), and forget them."""
+        if self._record is None:
+            raise RuntimeError("take() outside recording()")
+        if any(len(r) != 1 for r in self._record):
+            counts = sorted({len(r) for r in self._record})
+            raise RuntimeError(f"expected one indexer call per layer since the last take(), found {counts}")
+        import torch
+
+        cols = torch.stack([r[0] for r in self._record], dim=1)
+        for r in self._record:
+            r.clear()
+        return cols
+
+
+def columns_to_positions(cols: torch.Tensor, first: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """Recorded key columns ``cols`` [N, L, k] (-1 padded) as positions in each query's
+    sequence: its sequence starts at column ``first`` [N] and the query sits at position
+    ``qpos`` [N]. Picks outside ``0..qpos`` (masked keys an indexer takes when a query
+    sees fewer than k keys) become -1; each row sorted, largest first (-1s last)."""
+    pos = cols - first[:, None, None]
+    pos = pos.where((cols >= 0) & (pos >= 0) & (pos <= qpos[:, None, None]), pos.new_full((), -1))
+    return pos.sort(dim=-1, descending=True).values

@@ -2,7 +2,7 @@
 
 :func:`assemble_batch` lays prompts and responses out as one batch (prompt ``i``'s
 ``n`` samples together, in order); :func:`routes_channel` and :func:`support_csr`
-build its ``routed_experts`` and ``sample_support`` side channels;
+build its ``routed_experts`` (and, alike, ``indexer_topk``) and ``sample_support`` side channels;
 :func:`turn_segment` cuts a continued conversation down to its new turn.
 """
 
@@ -63,7 +63,8 @@ def assemble_batch(
 
 def routes_channel(batch: RolloutBatch, prompt_routes: list[np.ndarray], resp_routes: np.ndarray, n: int) -> np.ndarray:
     """The ``routed_experts`` side channel [T, L, k]: each sequence's prompt routes, then
-    its response tokens' routes (the last response token's row is 0: never fed back)."""
+    its response tokens' routes (the last response token's row is 0: never fed back).
+    The ``indexer_topk`` channel is laid out the same way (its never-fed rows are -1)."""
     parts = []
     for s in range(batch.n_sequences):
         parts.append(prompt_routes[s // n])

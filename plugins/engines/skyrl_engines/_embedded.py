@@ -26,6 +26,10 @@ step also gathers the kept candidate ids of the live rows (``torch.nonzero`` of
 the bool support mask, on the device); after generation they become the CSR side
 channel ``sample_support``, one row per generated token, in batch order.
 
+With ``return_routed_experts`` the router hooks record ``routed_experts``; on a model
+with a sparse-attention key indexer (GLM-5, DeepSeek-V3.2) the indexer hooks of
+``_indexer_capture`` also record ``indexer_topk`` (the keys each token attended to).
+
 Randomness comes only from one ``torch.Generator`` seeded with ``seed`` and
 handed to the sampler, so the same seed and weights give the same batch.
 
@@ -47,12 +51,14 @@ import torch
 
 from skyrl_engines._adapters import EngineAdapters
 from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment
+from skyrl_engines._indexer_capture import IndexerCapture
 from skyrl_engines._kv_cache import make_cache, select_rows
 from skyrl_engines._served_model import copy_weights, engine_model, resolve_device
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel, Sampler, SupportSampling
 from skyrl_host.rollout import RolloutBatch
+from skyrl_host.routing import INDEXER_CHANNEL, indexer_paths
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Compact the batch once at least this fraction of its rows are finished.
@@ -129,6 +135,7 @@ class EmbeddedEngine:
         self.stop_token_ids: list[int] = []
         self.last_update: dict[str, int] = {}
         self._hooks: Any = None  # RouterHooks when return_routed_experts
+        self._indexers: IndexerCapture | None = None  # also then, on a model with a sparse-attention indexer
         self.routers: list[Any] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -178,9 +185,10 @@ class EmbeddedEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.routers = list(loaded.routers)
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
+        for hooks in (self._hooks, self._indexers):
+            if hooks is not None:
+                hooks.remove()
+        self._hooks = self._indexers = None
         if self.config.return_routed_experts:
             if not self.routers:
                 raise ValueError(
@@ -191,6 +199,8 @@ class EmbeddedEngine:
 
             self._hooks = RouterHooks(self.model, self.routers)
             self.route_dtype = expert_dtype(self._hooks.n_experts)
+            if indexer_paths(self.model):  # GLM-5, DeepSeek-V3.2: r3 replays the indexer's key picks too
+                self._indexers = IndexerCapture(self.model)
 
     @property
     def weight_version(self) -> int:
@@ -249,7 +259,8 @@ class EmbeddedEngine:
         ``engine.return_routed_experts``, ``sample_support`` when the sampler asks for
         support sets."""
         return ({"routed_experts"} if self.config.return_routed_experts else set()) | (
-            {"sample_support"} if wants_support(sampler) else set())
+            {"sample_support"} if wants_support(sampler) else set()) | (
+            {INDEXER_CHANNEL} if self._indexers is not None else set())
 
     def generate(
         self,
@@ -297,6 +308,14 @@ class EmbeddedEngine:
                     "side channel to keep its earlier turns' routes"
                 )
             force = [routes[history.cu_seqlens[i] : history.cu_seqlens[i + 1] - 1] for i in range(history.n_sequences)]
+        if self._indexers is not None:
+            picks = history.side_channels.get(INDEXER_CHANNEL)
+            if picks is None:
+                raise ValueError(
+                    f"continue_turn: the engine returns the indexer's key picks, but the history has no "
+                    f"{INDEXER_CHANNEL!r} side channel to keep its earlier turns' picks"
+                )
+            force = [(r, picks[history.cu_seqlens[i] : history.cu_seqlens[i + 1] - 1]) for i, r in enumerate(force)]
         prompts = [list(map(int, history.sequence(i))) + list(map(int, t)) for i, t in enumerate(turns)]
         full = self._run(prompts, 1, sampler, max_new_tokens, seed, 0, force)
         return turn_segment(full, history)
@@ -337,11 +356,14 @@ class EmbeddedEngine:
         stopped = np.zeros(total, dtype=bool)
         want_support = wants_support(sampler)
         support_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row key, row length, values)
-        hooks = self._hooks
+        hooks, indexers = self._hooks, self._indexers
         if hooks is not None:
             shape = (hooks.n_layers, hooks.k)
             prompt_routes = [np.zeros((len(p), *shape), dtype=self.route_dtype) for p in prompts]
             resp_routes = np.zeros((total, max_new_tokens, *shape), dtype=self.route_dtype)
+        if indexers is not None:
+            prompt_picks = [indexers.empty(len(p)) for p in prompts]
+            resp_picks = indexers.empty(total, max_new_tokens)
         step = self.config.max_batch_size
         training = model.training
         if not self._own_module:
@@ -349,7 +371,8 @@ class EmbeddedEngine:
         try:
             # no_grad rather than inference_mode: the parameters and buffers may be the
             # trainer's own, and nothing made here must be an inference tensor.
-            with torch.no_grad(), (hooks.recording() if hooks is not None else contextlib.nullcontext()):
+            with torch.no_grad(), (hooks.recording() if hooks is not None else contextlib.nullcontext()), (
+                    indexers.recording() if indexers is not None else contextlib.nullcontext()):
                 for s0 in range(0, total, step):
                     s1 = min(total, s0 + step)
                     p0, p1 = s0 // n, (s1 - 1) // n + 1
@@ -367,6 +390,10 @@ class EmbeddedEngine:
                         for i, r in enumerate(pre):
                             prompt_routes[p0 + i] = r
                         resp_routes[s0:s1] = dec
+                    if indexers is not None:
+                        pre, dec = out[6]
+                        prompt_picks[p0 : p0 + len(pre)] = pre
+                        resp_picks[s0:s1] = dec
         finally:
             if not self._own_module:
                 model.train(training)
@@ -376,6 +403,9 @@ class EmbeddedEngine:
             if hooks is not None:  # a cut response's last token is never fed back: its routes row is 0, as at a stop token
                 for i in np.flatnonzero(resp_len < generated):
                     resp_routes[i, resp_len[i] - 1 :] = 0
+            if indexers is not None:
+                for i in np.flatnonzero(resp_len < generated):
+                    resp_picks[i, resp_len[i] - 1 :] = -1
         batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         if want_support:
             support = support_csr(support_parts)
@@ -386,6 +416,8 @@ class EmbeddedEngine:
             batch.side_channels["sample_support"] = support
         if hooks is not None:
             batch.side_channels["routed_experts"] = routes_channel(batch, prompt_routes, resp_routes, n)
+        if indexers is not None:
+            batch.side_channels[INDEXER_CHANNEL] = routes_channel(batch, prompt_picks, resp_picks, n)
         batch.validate()
         return batch
 
@@ -407,7 +439,10 @@ class EmbeddedEngine:
         force: list[np.ndarray] | None = None,
     ) -> tuple[Any, ...]:
         dev = self.device
-        hooks = self._hooks
+        hooks, indexers = self._hooks, self._indexers
+        force_picks = None
+        if force is not None and indexers is not None:  # (routes, indexer picks) per conversation
+            force, force_picks = [f[0] for f in force], [f[1] for f in force]
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         width = int(lens.max())
         cap = width + max_new - 1  # the last sampled token is never fed back
@@ -443,8 +478,11 @@ class EmbeddedEngine:
                 torch.as_tensor(f_ids.reshape(n_prompts * width, hooks.n_layers, hooks.k), device=dev),
                 torch.as_tensor(f_mask.reshape(-1), device=dev),
             )
-        with forcing:
+        with forcing, (indexers.prefill_forcing(prompts, force_picks, width, dev) if indexers is not None
+                       else contextlib.nullcontext()):
             logits = self._forward(model, ids, mask_upto(width), pos, cache)
+        if indexers is not None:
+            pre_picks = indexers.after_prefill(prompts, width, dev)
         if hooks is not None:
             pre_all = hooks.take().reshape(n_prompts, width, hooks.n_layers, hooks.k).cpu().numpy()
             pre_routes = [pre_all[i, width - len(p) :].astype(self.route_dtype) for i, p in enumerate(prompts)]
@@ -463,6 +501,9 @@ class EmbeddedEngine:
         if hooks is not None:
             # Routes of each response token fed back (the last one never is: it stays 0).
             out_routes = torch.zeros((rows, max_new, hooks.n_layers, hooks.k), dtype=torch.int32, device=dev)
+        if indexers is not None:  # the key picks of each response token fed back (the last one's stay -1)
+            out_picks = torch.full((rows, max_new, *indexers.shape), -1, dtype=torch.int32, device=dev)
+            first_col = width - lens.index_select(0, rep)  # cache column of each chunk sequence's first token
         seq_of_row = torch.arange(rows, device=dev)  # chunk sequence held by each batch row
         alive = None  # row indices still generating; None = every row
         sup_keys: list[torch.Tensor] = []  # per step: chunk sequence * max_new + t of each live row
@@ -519,6 +560,12 @@ class EmbeddedEngine:
                     out_routes[seq_of_row, t] = step_routes.to(torch.int32)
                 else:
                     out_routes[seq_of_row.index_select(0, alive), t] = step_routes.index_select(0, alive).to(torch.int32)
+            if indexers is not None:
+                step_picks = indexers.after_step(first_col.index_select(0, seq_of_row), next_pos)
+                if alive is None:
+                    out_picks[seq_of_row, t] = step_picks
+                else:
+                    out_picks[seq_of_row.index_select(0, alive), t] = step_picks.index_select(0, alive)
             next_pos = next_pos + 1
         out = (out_tok.cpu().numpy(), out_lp.cpu().numpy(), out_len.cpu().numpy(), out_stop.cpu().numpy())
         support = None
@@ -531,4 +578,7 @@ class EmbeddedEngine:
         routes = None
         if hooks is not None:
             routes = (pre_routes, out_routes.cpu().numpy().astype(self.route_dtype))
-        return out + (support, routes)
+        picks = None
+        if indexers is not None:
+            picks = (pre_picks, out_picks.cpu().numpy())
+        return out + (support, routes, picks)

@@ -14,7 +14,7 @@ the factory (see :mod:`skyrl_engines._embedded`), so ``skyrl plugins`` stays fas
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -39,6 +39,11 @@ def _check_stop_token_ids(_inst: Any, _attr: Any, value: Any) -> None:
 class EmbeddedConfig:
     """Options of ``[engine]`` when ``name = "embedded"``."""
 
+    # With return_routed_experts on a model with a sparse-attention indexer (GLM-5,
+    # DeepSeek-V3.2), the engine also records the indexer's key picks (side channel
+    # 'indexer_topk') that r3 replays; ``skyrl validate`` asks engines for this.
+    records_indexer_topk: ClassVar[bool] = True
+
     dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
         help="dtype the engine computes in; 'auto' = the model's own (then its parameters are shared, not copied)",
@@ -53,7 +58,9 @@ class EmbeddedConfig:
     return_routed_experts: bool = option(
         False,
         help="record the experts every MoE router chose for every token (side channel 'routed_experts' "
-        "[tokens, MoE layers, top_k], for routing replay in the trainer)",
+        "[tokens, MoE layers, top_k], for routing replay in the trainer); on a model with a sparse-attention "
+        "indexer (GLM-5, DeepSeek-V3.2) also the keys it picked (side channel 'indexer_topk' "
+        "[tokens, indexer layers, index_topk])",
     )
     threads: int | None = option(
         None, help="torch CPU threads to use (torch.set_num_threads); unset = leave as is", validator=gt(0)

@@ -32,6 +32,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import option
+from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm5_next", "glm5_next_text")
@@ -275,6 +276,14 @@ class GlmConfig(PresetOrPath):
 
     def __attrs_post_init__(self) -> None:
         self.check_preset_or_path(PRESETS)
+
+    @property
+    def has_indexer(self) -> bool | None:
+        """Whether the preset attends through a sparse-attention key indexer (GLM-5,
+        DeepSeek-V3.2), whose picks ``r3`` replays; None for a path (its config.json says)."""
+        if self.preset is None:
+            return None
+        return PRESETS[self.preset][0] in KEY_INDEXER_MODEL_TYPES
 
 
 def full_config(name: str) -> Any:

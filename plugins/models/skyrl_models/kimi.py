@@ -24,6 +24,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import option
+from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
 from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k25", "deepseek_v32", "kimi_linear")
@@ -176,6 +177,14 @@ class KimiConfig(PresetOrPath):
 
     def __attrs_post_init__(self) -> None:
         self.check_preset_or_path(PRESETS)
+
+    @property
+    def has_indexer(self) -> bool | None:
+        """Whether the preset attends through a sparse-attention key indexer (GLM-5,
+        DeepSeek-V3.2), whose picks ``r3`` replays; None for a path (its config.json says)."""
+        if self.preset is None:
+            return None
+        return PRESET_MODEL_TYPES.get(self.preset) in KEY_INDEXER_MODEL_TYPES
 
 
 def make_family(config: KimiConfig) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host.kinds import SLOT_KINDS
-from skyrl_host.routing import model_is_moe
+from skyrl_host.routing import INDEXER_CHANNEL, model_has_indexer, model_is_moe
 
 
 def check_plugin_flag(spec: Any, table: str, flag: str, strategy: str, what: str) -> list[tuple[str, str]]:
@@ -46,3 +46,23 @@ def check_model_is_moe(spec: Any) -> list[tuple[str, str]]:
             "remove 'r3' from replay.strategies or choose a mixture-of-experts model",
         )]
     return []
+
+
+def check_indexer_capture(spec: Any) -> list[tuple[str, str]]:
+    """r3 on a model with a sparse-attention indexer (GLM-5, DeepSeek-V3.2) replays the
+    indexer's key picks too: the engine must be one that records them (its config class
+    says so with ``records_indexer_topk = True``)."""
+    model, engine = spec.plugins.get("model"), spec.plugins.get("engine")
+    if model is None or isinstance(model, tuple) or engine is None or isinstance(engine, tuple):
+        return []
+    if not model_has_indexer(model):
+        return []
+    if getattr(engine.config, "records_indexer_topk", False):
+        return []
+    what = getattr(model.config, "path", None) or getattr(model.config, "preset", None)
+    return [(
+        f"engine.{SLOT_KINDS['engine'].selector}",
+        f"replay strategy 'r3' on model {what!r} ({model.name}) must also replay the keys its sparse-attention "
+        f"indexer picked (side channel {INDEXER_CHANNEL!r}), which engine {engine.name!r} cannot record; "
+        "use engine 'embedded' or remove 'r3' from replay.strategies",
+    )]

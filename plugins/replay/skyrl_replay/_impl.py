@@ -10,7 +10,7 @@ import torch
 
 from skyrl_host.interfaces import LoadedModel, ReplayView
 from skyrl_host.rollout import CSR
-from skyrl_host.routing import RouterHooks
+from skyrl_host.routing import INDEXER_CHANNEL, IndexerHooks, RouterHooks, indexer_paths
 
 
 def _missing(strategy: str, channel: str, how: str) -> ValueError:
@@ -25,7 +25,9 @@ class RoutingReplay:
 
     def __init__(self) -> None:
         self.hooks: RouterHooks | None = None
+        self.indexers: IndexerHooks | None = None  # the model's sparse-attention indexers, if any
         self._last_of: tuple[Any, np.ndarray] | None = None  # (batch, bool [T]: last token of its sequence)
+        self._pos_of: tuple[Any, np.ndarray] | None = None  # (batch, int64 [T]: position in its sequence)
 
     def bind(self, model: Any, loaded: LoadedModel) -> None:
         routers = list(loaded.routers)
@@ -34,9 +36,11 @@ class RoutingReplay:
                 f"replay strategy 'r3' needs a mixture-of-experts model, but model family {loaded.family or '?'!r} "
                 "lists no MoE routers for this model"
             )
-        if self.hooks is not None:
-            self.hooks.remove()
+        for hooks in (self.hooks, self.indexers):
+            if hooks is not None:
+                hooks.remove()
         self.hooks = RouterHooks(model, routers)
+        self.indexers = IndexerHooks(model) if indexer_paths(model) else None
 
     def _is_last(self, batch: Any) -> np.ndarray:
         # Cached for the batch object itself (not its id: a later batch may reuse a freed id).
@@ -67,8 +71,39 @@ class RoutingReplay:
         # The engine never fed a sequence's last token: route it (and padding) freely.
         mask = real.copy()
         mask[real] = ~self._is_last(view.batch)[slots[real]]
-        with self.hooks.forcing(torch.as_tensor(ids, device=view.device), torch.as_tensor(mask, device=view.device)):
+        dev = view.device
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.hooks.forcing(torch.as_tensor(ids, device=dev), torch.as_tensor(mask, device=dev)))
+            if self.indexers is not None:
+                rel, qpos = self._indexer_rows(view, slots, real)
+                stack.enter_context(self.indexers.forcing(
+                    torch.as_tensor(rel, device=dev), torch.as_tensor(qpos, device=dev), torch.as_tensor(mask, device=dev)))
             yield
+
+    def _indexer_rows(self, view: ReplayView, slots: np.ndarray, real: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The engine's indexer picks (positions in each sequence) and the position of
+        every slot of the forward (padding: no picks, position 0)."""
+        picks = view.batch.side_channels.get(INDEXER_CHANNEL)
+        if picks is None:
+            raise _missing(
+                "r3", INDEXER_CHANNEL,
+                "the model attends through a sparse-attention indexer, so r3 also replays the keys it picked: "
+                "the engine must record them (the embedded engine does with engine.return_routed_experts = true)",
+            )
+        L, k = self.indexers.n_layers, self.indexers.k
+        if isinstance(picks, CSR) or picks.ndim != 3 or picks.shape[1:] != (L, k):
+            shape = "CSR" if isinstance(picks, CSR) else list(picks.shape)
+            raise ValueError(
+                f"replay strategy 'r3': side channel {INDEXER_CHANNEL!r} must be [tokens, {L} indexer layers, "
+                f"index_topk {k}] for this model, found {shape}"
+            )
+        rel = np.full((len(slots), L, k), -1, dtype=np.int64)
+        rel[real] = picks[slots[real]]
+        qpos = np.zeros(len(slots), dtype=np.int64)
+        if self._pos_of is None or self._pos_of[0] is not view.batch:
+            self._pos_of = (view.batch, view.batch.positions())
+        qpos[real] = self._pos_of[1][slots[real]]
+        return rel, qpos
 
 
 class SupportReplay:

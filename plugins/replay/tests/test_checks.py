@@ -88,3 +88,55 @@ def test_a_sampler_that_cannot_return_support(skyrl_cli, tmp_path) -> None:
     result = skyrl_cli("validate", str(path))
     assert result.exit_code == 2
     assert "replay strategy 'support' needs sample support sets" in result.stderr
+
+
+@pytest.mark.parametrize("family, preset", [("glm", "tiny-glm-moe-dsa"), ("kimi", "tiny-deepseek-v3.2")])
+def test_r3_on_indexer_presets_is_fine(skyrl_cli, tmp_path, family, preset) -> None:
+    path = write(tmp_path, {'family = "kimi"\npreset = "tiny-kimi"': f'family = "{family}"\npreset = "{preset}"'})
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 0, result.stderr
+
+
+class RoutesOnlyEngine:
+    """A third-party engine that returns routed experts but not an indexer's key picks
+    (its config class does not say ``records_indexer_topk``): validated, never started."""
+
+    @staticmethod
+    def config_class():
+        import attrs
+
+        from skyrl_host.options import option
+
+        @attrs.frozen
+        class RoutesOnlyConfig:
+            return_routed_experts: bool = option(False, help="record routed experts")
+
+        return RoutesOnlyConfig
+
+    def skyrl_register_engines(self, register):
+        register("routes_only", lambda config=None: None, config=self.config_class(),
+                 description="returns routes, not indexer picks")
+
+
+def test_r3_on_an_indexer_model_needs_an_engine_that_records_its_picks(skyrl_cli, skyrl_plugin, tmp_path) -> None:
+    from skyrl_host import hookimpl
+
+    class Plugin(RoutesOnlyEngine):
+        skyrl_register_engines = hookimpl(RoutesOnlyEngine.skyrl_register_engines)
+
+    skyrl_plugin(Plugin(), "routes_only_engine")
+    engine = {'name = "embedded"\ndtype = "bfloat16"': 'name = "routes_only"'}
+    model = {'family = "kimi"\npreset = "tiny-kimi"': 'family = "glm"\npreset = "tiny-glm-moe-dsa"'}
+    path = write(tmp_path, {**model, **engine})
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 2, result.stderr
+    line = line_of(path, 'name = "routes_only"')
+    assert (
+        f"{path}:{line}: engine.name: replay strategy 'r3' on model "
+        "'tiny-glm-moe-dsa' (glm) must also replay the keys its sparse-attention indexer picked "
+        "(side channel 'indexer_topk'), which engine 'routes_only' cannot record"
+    ) in result.stderr
+    # The same engine on a model without an indexer is fine.
+    path = write(tmp_path, engine)
+    result = skyrl_cli("validate", str(path))
+    assert result.exit_code == 0, result.stderr

@@ -8,6 +8,11 @@ embedded engine sampled.
   correction bias), only r3 brings the gap back to round-off; also under gradient
   checkpointing, small micro-batches and packing; the router still gets gradients.
 - Multi-turn: a conversation assembled from two turns replays the right rows.
+- Sparse-attention indexers (GLM-5, DeepSeek-V3.2): exact score ties make a KV-cached
+  decode attend to other keys than the trainer's full forward; r3 replays the
+  engine's key picks (side channel ``indexer_topk``) and the gap goes from visible
+  to round-off, through packing, gradient checkpointing, multi-turn and the
+  RolloutBatch transforms a side channel goes through.
 - support: logprobs over the kept sets equal the naive masked log-softmax (values,
   entropy, gradients) and remove the top-p gap in a real step.
 """
@@ -86,14 +91,7 @@ MOE_PRESETS = [
     ("qwen", "tiny-qwen3-next"),
     ("glm", "tiny-glm4-moe"),
     ("glm", "tiny-glm4-moe-lite"),
-    pytest.param(
-        "glm", "tiny-glm-moe-dsa",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="GLM-5's sparse-attention indexer breaks exact score ties differently with a KV cache than in "
-            "a full forward: a gap routing replay does not cover (docs/replay.md)",
-        ),
-    ),
+    ("glm", "tiny-glm-moe-dsa"),
     ("glm", "tiny-glm5-next"),
     ("kimi", "tiny-deepseek-v3.2"),
     ("kimi", "tiny-kimi-linear"),
@@ -116,11 +114,28 @@ def test_strategies_are_registered_and_implement_the_protocol(skyrl_host) -> Non
 # -- r3 ------------------------------------------------------------------------------
 
 
+INDEXER_PRESETS = [("glm", "tiny-glm-moe-dsa"), ("kimi", "tiny-deepseek-v3.2")]
+
+
 @pytest.mark.parametrize("family, preset", MOE_PRESETS)
 def test_r3_reproduces_the_engines_logprobs(skyrl_host, family: str, preset: str) -> None:
     loaded = load(skyrl_host, family, preset)
     _, batch = generate(loaded)
     assert batch.side_channels["routed_experts"].shape == (batch.n_tokens, len(loaded.routers), loaded.routers[0].top_k)
+    if (family, preset) in INDEXER_PRESETS:
+        picks = batch.side_channels["indexer_topk"]
+        n_indexers = sum(getattr(layer.self_attn, "indexer", None) is not None for layer in loaded.model.model.layers)
+        assert picks.shape == (batch.n_tokens, n_indexers, 8) and picks.dtype == np.int32
+        # Positions in the token's own sequence, never after it; a token sees min(pos + 1, 8) keys.
+        pos = batch.positions()
+        assert np.all(picks <= pos[:, None, None])
+        fed = np.ones(batch.n_tokens, dtype=bool)
+        fed[batch.cu_seqlens[1:] - 1] = False  # a sequence's last token is never fed to the engine
+        assert np.array_equal((picks[fed] >= 0).sum(-1), np.broadcast_to(np.minimum(pos[fed] + 1, 8)[:, None],
+                                                                          picks[fed].shape[:2]))
+        assert np.all(picks[~fed] == -1)
+    else:
+        assert "indexer_topk" not in batch.side_channels
     be = backend(skyrl_host, loaded, [RoutingReplay()])
     metrics = step(skyrl_host, be, batch)
     assert metrics["logprob_diff_max"] <= 1e-5, metrics["logprob_diff_max"]
@@ -199,6 +214,66 @@ def test_multi_turn_conversations_replay_the_right_rows(skyrl_host) -> None:
     set_bias(loaded2.model, loaded2, 0.1, seed=2)
     bad = step(skyrl_host, backend(skyrl_host, loaded2, [RoutingReplay()]), stale)
     assert bad["logprob_diff_max"] > 1e-4
+
+
+# -- sparse-attention indexers -----------------------------------------------------------
+
+# Prompts long enough that most queries see more keys than the indexer keeps (8).
+LONG_PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6], [12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [4, 4, 10, 11, 3, 9, 9, 8]]
+
+
+def indexer_step(skyrl_host, family, preset, replay, seed=1, **options):
+    loaded = load(skyrl_host, family, preset)
+    eng = Embedded(EmbeddedConfig(return_routed_experts=True))
+    eng.start(loaded)
+    batch = eng.generate(LONG_PROMPTS, n=4, sampler=TruncatedSampler(temperature=1.0), max_new_tokens=10, seed=seed)
+    return step(skyrl_host, backend(skyrl_host, loaded, replay, **options), batch)
+
+
+@pytest.mark.parametrize("family, preset", INDEXER_PRESETS)
+def test_r3_replays_the_sparse_attention_indexer(skyrl_host, family: str, preset: str) -> None:
+    """Without replay the trainer's indexers break score ties otherwise than the engine's
+    cached decode did: a gap a user sees. r3 forces them to the engine's picks: the gap
+    is round-off, also with gradient checkpointing and rows packing several sequences."""
+    none = indexer_step(skyrl_host, family, preset, [])
+    assert none["logprob_diff_max"] > 1e-3, none["logprob_diff_max"]
+    r3 = indexer_step(skyrl_host, family, preset, [RoutingReplay()])
+    assert r3["logprob_diff_max"] <= 1e-5, r3["logprob_diff_max"]
+    packed = indexer_step(skyrl_host, family, preset, [RoutingReplay()],
+                          gradient_checkpointing=True, micro_batch_tokens=48, pack_length=40)
+    assert packed["logprob_diff_max"] <= 1e-5, packed["logprob_diff_max"]
+
+
+def test_indexer_picks_survive_multi_turn_and_batch_transforms(skyrl_host) -> None:
+    """A GLM-5 conversation of two turns (the engine prefills the history with its
+    recorded picks forced), then reordered, split, concatenated and sent through the
+    array form transports use: r3 still reproduces every logprob. Rows one token off
+    are refused, not silently used."""
+    from skyrl_host.rollout import RolloutBatch
+
+    loaded = load(skyrl_host, "glm", "tiny-glm-moe-dsa")
+    engine = Embedded(EmbeddedConfig(return_routed_experts=True))
+    engine.start(loaded)
+    sampler = TruncatedSampler(temperature=1.0)
+    turn1 = engine.generate(LONG_PROMPTS[:2], n=2, sampler=sampler, max_new_tokens=6, seed=1)
+    seg = engine.continue_turn(turn1, [[10, 11], [12], [10], [12, 3]], sampler=sampler, max_new_tokens=6, seed=2)
+    assert "indexer_topk" in seg.side_channels
+    conv = turn1.append_turn(seg)
+    moved = RolloutBatch.from_arrays(RolloutBatch.concat([conv.select([2, 0]), conv.select([3, 1])]).to_arrays())
+    assert np.array_equal(moved.side_channels["indexer_topk"], conv.select([2, 0, 3, 1]).side_channels["indexer_topk"])
+    good = step(skyrl_host, backend(skyrl_host, loaded, [RoutingReplay()]), moved)
+    assert good["loss_tokens"] == pytest.approx(float(conv.loss_mask.sum()))
+    assert good["logprob_diff_max"] <= 1e-5, good["logprob_diff_max"]
+
+    loaded2 = load(skyrl_host, "glm", "tiny-glm-moe-dsa")
+    be = backend(skyrl_host, loaded2, [RoutingReplay()])
+    shifted = copy.deepcopy(conv)
+    shifted.side_channels["indexer_topk"] = np.roll(conv.side_channels["indexer_topk"], -1, axis=0)  # each token gets the next one's
+    with pytest.raises(ValueError, match="key after its own position"):
+        step(skyrl_host, be, shifted)
+    del shifted.side_channels["indexer_topk"]
+    with pytest.raises(ValueError, match="no 'indexer_topk' side channel.*sparse-attention indexer"):
+        step(skyrl_host, be, shifted)
 
 
 # -- support ----------------------------------------------------------------------

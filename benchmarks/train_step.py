@@ -1,165 +1,235 @@
-"""Train-step tokens/s of the torch backend's packing, on a tiny Qwen3 and an RL-like batch.
+"""The torch backend's train step vs a padded Hugging Face forward + backward, on a real-shaped checkpoint.
 
-    python benchmarks/train_step.py [--sequences 512] [--repeats 7] [--threads 2]
-                                    [--micro-batch-tokens 4096] [--pack-lengths 256]
+    python benchmarks/train_step.py [--sequences 16] [--repeats 4] [--threads 2]
+                                    [--micro-batch-tokens 4096] [--checkpoint DIR]
 
-The batch is like the RL quickstart's: ``--sequences`` sequences of 12-22 tokens, the
-loss on the last 6-8 tokens of each (the response), one advantage per sequence. The
-model is the quickstart's tiny Qwen3 (hidden 64, 2 layers, 4 heads x head_dim 32,
-2 KV heads, FFN 256, vocab 20, tied embeddings, sdpa attention), float32.
+The model: ``skyrl_models.checkpoints.build_checkpoint(DIR, "qwen3")``: Qwen3-0.6B's
+widths (hidden 1024, 16 heads x 128, 8 KV heads, FFN 3072, tied embeddings, a byte-level
+BPE vocabulary of 8,192) with 2 layers, loaded in float32 with sdpa attention (built into
+a temporary folder unless ``--checkpoint`` names one already built).
 
-Runs, interleaved (after one warm-up round), ``--repeats`` rounds of one step each:
+The batch is RL-shaped: ``--sequences`` sequences, prompts of 128-512 tokens (uniform),
+responses of 16-1024 tokens (log-normal around 300, capped at 1024 as a length limit
+would: a long tail, some at the cap), the loss on the response tokens, one advantage per
+sequence.
 
-- ``packed_<P>``: ``TorchBackend.train_step`` with ``pack_length = P`` (default 256:
-  the backend's default), i.e. each micro-batch laid out in rows of at most P tokens;
-- ``one_row``: ``pack_length = micro_batch_tokens``: each micro-batch in one row
-  (the backend's behaviour before rows: attention dense over the whole row);
-- ``padded``: the baseline, a padded ``[B, L]`` batch with an attention mask through
-  the plain Hugging Face forward (all logits), then the same loss (token-mean policy
-  gradient), backward, clipping and AdamW step.
+Two run kinds, alternating A B A B (one warm-up round first, not timed), each training its
+own copy of the same initial model with AdamW (lr 1e-6), clipping at 1.0, float32, the same
+thread count and the same micro-batch token budget:
 
-Each run kind trains its own copy of the same initial model. Tokens counted: real
-tokens (no padding). Prints one JSON object: the medians of tokens/s per run kind
-and the medians of the per-round ratios against ``one_row`` and ``padded``.
+- ``ours``: ``TorchBackend.train_step`` with its defaults (the code the rl job runs:
+  ``skyrl_backends._packing`` / ``_packed_lm`` / ``_train_step``), micro-batches of whole
+  sequences up to ``--micro-batch-tokens`` real tokens;
+- ``padded``: what a user writes with Hugging Face: micro-batches of sequences in the same
+  order, right-padded to the longest (``count x longest <= --micro-batch-tokens``, the same
+  activation budget), ``model(input_ids, attention_mask).logits``, log-softmax gathered at
+  the response tokens, the same loss, backward; then clipping and the AdamW step.
+
+The loss is ``-sum(A * logprob) / loss_tokens`` (the policy gradient at ratio 1), so both
+sides must report the same loss and gradient norm on the warm-up round (same weights):
+the script asserts it. Tokens counted: real tokens (no padding). Peak memory: the growth
+of the process's peak resident set during one step (Linux: ``/proc/self/clear_refs``).
+Prints one JSON object: medians of tokens/s and of the per-round ratios ``ours / padded``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import gc
 import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 
 import numpy as np
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_backends.torch import TorchBackendConfig, create
 from skyrl_host.interfaces import LoadedModel, LossInputs
 from skyrl_host.rollout import RolloutBatch
 
-VOCAB = 20
-LR = 5e-4
+LR = 1e-6
 
 
-def tiny_model() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=256, vocab_size=VOCAB, tie_word_embeddings=True, attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(config)
-
-
-def rl_batch(n: int, seed: int = 0) -> tuple[RolloutBatch, np.ndarray]:
+def rl_batch(n: int, vocab: int, seed: int = 0) -> tuple[RolloutBatch, np.ndarray]:
     rng = np.random.default_rng(seed)
     prompts, responses, lps = [], [], []
     for _ in range(n):
-        total = int(rng.integers(12, 23))
-        resp = int(rng.integers(6, 9))
-        prompts.append(rng.integers(1, VOCAB, total - resp).tolist())
-        responses.append(rng.integers(1, VOCAB, resp).tolist())
-        lps.append((-3.0 + 0.1 * rng.standard_normal(resp)).tolist())
-    batch = RolloutBatch.from_sequences(prompts, responses, lps, group_ids=[i // 16 for i in range(n)])
+        p = int(rng.integers(128, 513))
+        r = int(min(1024, max(16, rng.lognormal(np.log(300.0), 0.8))))
+        prompts.append(rng.integers(3, vocab, p).tolist())
+        responses.append(rng.integers(3, vocab, r).tolist())
+        lps.append((-3.0 + 0.1 * rng.standard_normal(r)).tolist())
+    batch = RolloutBatch.from_sequences(prompts, responses, lps, group_ids=[i // 4 for i in range(n)])
     per_seq = rng.standard_normal(n).astype(np.float32)
     adv = (np.repeat(per_seq, batch.seq_lens) * batch.loss_mask).astype(np.float32)
     return batch, adv
 
 
-class TokenMean:
-    """loss = -sum(A * exp(logp - logp_old)) / global_tokens."""
+class PolicyGradient:
+    """loss = -sum(A * logprob) / global_tokens: the same loss the padded side computes."""
 
     needs_reference = False
 
     def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict]:
-        ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
-        return -(inputs.advantages * ratio * inputs.mask).sum() / inputs.global_tokens, {}
+        return -(inputs.advantages * inputs.logprobs * inputs.mask).sum() / inputs.global_tokens, {}
 
 
 class Padded:
-    """The baseline: one padded [B, L] batch through the plain HF forward."""
+    """The baseline: right-padded micro-batches through the plain Hugging Face forward."""
 
-    def __init__(self, model: Qwen3ForCausalLM, batch: RolloutBatch, adv: np.ndarray):
+    def __init__(self, model, batch: RolloutBatch, adv: np.ndarray, budget: int):
         self.model = model
         self.model.train()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        lens = batch.seq_lens
-        S, L = batch.n_sequences, int(lens.max())
-        self.ids = torch.zeros(S, L, dtype=torch.long)
-        self.att = torch.zeros(S, L, dtype=torch.long)
-        trains = np.zeros((S, L), dtype=bool)
-        adv_pad = np.zeros((S, L), dtype=np.float32)
-        for i in range(S):
-            a, b = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-            self.ids[i, : b - a] = torch.as_tensor(batch.tokens[a:b].astype(np.int64))
-            self.att[i, : b - a] = 1
-            trains[i, 1 : b - a] = batch.loss_mask[a + 1 : b] != 0
-            adv_pad[i, : b - a] = adv[a:b]
-        self.pos = torch.arange(L)[None].expand(S, L)
-        rows, cols = np.nonzero(trains)
-        self.rows, self.cols = torch.as_tensor(rows), torch.as_tensor(cols)
-        self.targets = self.ids[self.rows, self.cols]
-        self.adv = torch.as_tensor(adv_pad[rows, cols])
-        self.n_tokens = batch.n_tokens
+        lens, cu = batch.seq_lens, batch.cu_seqlens
+        trains = (batch.loss_mask != 0) & (batch.positions() > 0)
+        self.n_loss = int(trains.sum())
+        groups, cur, longest = [], [], 0
+        for s in range(batch.n_sequences):  # in order, while count x longest fits the budget
+            L = max(longest, int(lens[s]))
+            if cur and (len(cur) + 1) * L > budget:
+                groups.append(cur)
+                cur, L = [], int(lens[s])
+            cur.append(s)
+            longest = L
+        groups.append(cur)
+        self.micros = []
+        for g in groups:
+            L = int(lens[g].max())
+            ids = torch.zeros(len(g), L, dtype=torch.long)
+            att = torch.zeros(len(g), L, dtype=torch.long)
+            rows, cols, advs = [], [], []
+            for i, s in enumerate(g):
+                a, b = int(cu[s]), int(cu[s + 1])
+                ids[i, : b - a] = torch.as_tensor(batch.tokens[a:b].astype(np.int64))
+                att[i, : b - a] = 1
+                t = np.flatnonzero(trains[a:b])
+                rows += [i] * len(t)
+                cols += t.tolist()
+                advs.append(adv[a:b][t])
+            rows_t, cols_t = torch.tensor(rows), torch.tensor(cols)
+            self.micros.append((ids, att, rows_t, cols_t, ids[rows_t, cols_t], torch.as_tensor(np.concatenate(advs))))
 
-    def step(self) -> None:
+    def step(self) -> dict:
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self.model(input_ids=self.ids, attention_mask=self.att, position_ids=self.pos, use_cache=False).logits
-        logits = logits[self.rows, self.cols - 1].float()  # the logits that predict the loss tokens
-        lp = logits.gather(-1, self.targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-        loss = -(self.adv * torch.exp(lp - lp.detach())).sum() / len(lp)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        total = 0.0
+        for ids, att, rows, cols, targets, adv in self.micros:
+            logits = self.model(input_ids=ids, attention_mask=att).logits
+            lp = torch.log_softmax(logits[rows, cols - 1].float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+            loss = -(adv * lp).sum() / self.n_loss
+            loss.backward()
+            total += float(loss.detach())
+            del logits, lp, loss
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": total, "grad_norm": float(norm)}
+
+
+def _peak_rss_reset() -> int | None:
+    """Reset the peak resident set to the current one (after returning freed memory to the
+    OS); the current resident set in bytes, or None where Linux's interface is missing."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(key)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sequences", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sequences", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
-    ap.add_argument("--pack-lengths", type=int, nargs="+", default=[256])
+    ap.add_argument("--checkpoint", default=None, help="a folder build_checkpoint(..., 'qwen3') wrote (default: build one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    batch, adv = rl_batch(args.sequences)
-    base = tiny_model()
-    algo = TokenMean()
-    runs = {}
-    for name, pack_length in [(f"packed_{p}", p) for p in args.pack_lengths] + [("one_row", args.micro_batch_tokens)]:
-        be = create(TorchBackendConfig(lr=LR, micro_batch_tokens=args.micro_batch_tokens, pack_length=pack_length))
-        be.start(LoadedModel(model=copy.deepcopy(base), tokenizer=None, stop_token_ids=[1]), seed=0, total_steps=100,
-                 reference=False)
-        runs[name] = lambda be=be: be.train_step(batch, adv, algo, temperature=1.0, max_new_tokens=8)
-    runs["padded"] = Padded(copy.deepcopy(base), batch, adv).step
+    from transformers import AutoModelForCausalLM
+
+    tmp = None
+    path = args.checkpoint
+    if path is None or not os.path.isdir(path):
+        from skyrl_models.checkpoints import build_checkpoint
+
+        if path is None:
+            tmp = tempfile.TemporaryDirectory(prefix="skyrl-train-step-")
+            path = tmp.name
+        build_checkpoint(path, "qwen3")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    vocab = base.config.vocab_size
+    batch, adv = rl_batch(args.sequences, vocab)
+
+    be = create(TorchBackendConfig(lr=LR, micro_batch_tokens=args.micro_batch_tokens, device="cpu"))
+    be.start(LoadedModel(model=copy.deepcopy(base), tokenizer=None, stop_token_ids=[base.config.eos_token_id]),
+             seed=0, total_steps=100, reference=False)
+    algo = PolicyGradient()
+    padded = Padded(copy.deepcopy(base), batch, adv, args.micro_batch_tokens)
+    del base
+    runs = {
+        "ours": lambda: be.train_step(batch, adv, algo, temperature=1.0, max_new_tokens=1024),
+        "padded": padded.step,
+    }
 
     rates: dict[str, list[float]] = {k: [] for k in runs}
+    peaks: dict[str, list[float]] = {k: [] for k in runs}
+    first: dict[str, dict] = {}
     for round_ in range(args.repeats + 1):
         for name, step in runs.items():
+            rss0 = _peak_rss_reset()
             t0 = time.perf_counter()
-            step()
+            metrics = step()
             dt = time.perf_counter() - t0
-            if round_ > 0:  # round 0 warms up
+            if rss0 is not None:
+                peaks[name].append((_status_kib("VmHWM") * 1024 - rss0) / 2**20)
+            if round_ == 0:  # the warm-up round: same weights on both sides
+                first[name] = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
+            else:
                 rates[name].append(batch.n_tokens / dt)
 
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
-
+    a, b = first["ours"], first["padded"]
+    same_loss = abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(b["loss"]))
+    same_grad = abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * b["grad_norm"]
+    padded_tokens = sum(int(ids.numel()) for ids, *_ in padded.micros)
     out = {
-        "config": {"sequences": args.sequences, "tokens": batch.n_tokens,
-                   "loss_tokens": int(((batch.loss_mask != 0) & (batch.positions() > 0)).sum()),
-                   "seq_len_range": [int(batch.seq_lens.min()), int(batch.seq_lens.max())],
-                   "micro_batch_tokens": args.micro_batch_tokens, "threads": args.threads, "repeats": args.repeats},
+        "config": {
+            "model": "qwen3 real-shaped (Qwen3-0.6B widths, 2 layers, vocab %d), float32, sdpa" % vocab,
+            "sequences": args.sequences, "tokens": batch.n_tokens, "loss_tokens": padded.n_loss,
+            "seq_len_range": [int(batch.seq_lens.min()), int(batch.seq_lens.max())],
+            "padded_tokens": padded_tokens, "padded_micro_batches": len(padded.micros),
+            "micro_batch_tokens": args.micro_batch_tokens, "threads": args.threads, "repeats": args.repeats,
+        },
         "tokens_per_s": {k: round(statistics.median(v)) for k, v in rates.items()},
-        "ratios": {},
+        "ratio_ours_vs_padded": round(statistics.median(x / y for x, y in zip(rates["ours"], rates["padded"])), 3),
+        "ratio_range": [round(min(x / y for x, y in zip(rates["ours"], rates["padded"])), 3),
+                        round(max(x / y for x, y in zip(rates["ours"], rates["padded"])), 3)],
+        "peak_memory_mib": {k: round(statistics.median(v)) for k, v in peaks.items() if v},
+        "warmup_round": first,
+        "same_loss_and_grad_norm": same_loss and same_grad,
     }
-    for p in args.pack_lengths:
-        out["ratios"][f"packed_{p}/one_row"] = round(ratio(f"packed_{p}", "one_row"), 2)
-        out["ratios"][f"packed_{p}/padded"] = round(ratio(f"packed_{p}", "padded"), 2)
-    out["ratios"]["one_row/padded"] = round(ratio("one_row", "padded"), 2)
     print(json.dumps(out, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
+    if not (same_loss and same_grad):
+        print("error: the two sides disagree on the warm-up round's loss or gradient norm", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -48,15 +48,17 @@ class PackedLM(torch.nn.Module):
             # Names, not modules: registering them again would duplicate the parameters.
             self._decoder_name, self._head_name = names[id(decoder)], names[id(head)]
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None) -> Any:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None, **kwargs: Any) -> Any:
         """Logits ``[K, V]`` at ``keep``; with ``scorer`` (a replay strategy's scoring,
         called here so FSDP2 has the head's parameters gathered), its result from
-        ``hidden=[K, H], head=module`` (or ``logits=`` for a transformed head)."""
+        ``hidden=[K, H], head=module`` (or ``logits=`` for a transformed head).
+        ``kwargs``: the micro-batch's extra keywords for the model (a flat row's prepared
+        masks and segments, ``MicroBatch.model_kwargs``)."""
         if self.full_logits:
-            logits = self.lm(input_ids=ids, position_ids=pos, use_cache=False).logits
+            logits = self.lm(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits
             logits = logits.reshape(-1, logits.shape[-1])[keep]
             return logits if scorer is None else scorer(logits=logits)
-        out = self.lm.get_submodule(self._decoder_name)(input_ids=ids, position_ids=pos, use_cache=False)
+        out = self.lm.get_submodule(self._decoder_name)(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
         head = self.lm.get_submodule(self._head_name)

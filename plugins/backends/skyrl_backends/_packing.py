@@ -9,6 +9,15 @@ sequence and for the pad tail of a shorter row (transformers then builds a
 block-diagonal causal mask from the positions when no attention mask and no cache is
 passed, so attention costs ``R^2`` per row, not ``n^2``).
 
+A micro-batch holding a sequence longer than ``pack_length`` would be padded to it in
+every row. When the model allows it (:func:`segment_attention_supported`: sdpa
+attention, no sliding window, no recurrent layers), such a micro-batch is laid out
+instead as **one flat row** of its real tokens, no padding, its sequences grouped by
+length, and attention runs per sequence (:class:`Segments`, :func:`segment_sdpa`:
+one causal ``scaled_dot_product_attention`` per group of equal-length sequences), so
+attention costs the sum of the squared sequence lengths, not ``n_rows x R^2``, and no
+``[R, R]`` mask is built.
+
 Models with recurrent layers (Mamba, linear attention) ignore position ids: they get
 one sequence per row (:func:`has_recurrent_layers`).
 """
@@ -21,6 +30,102 @@ import numpy as np
 import torch
 
 PAD_ID = 0  # the token in the pad tails of packed rows (never attended to by a real token, logits never used)
+SEGMENTS_KEY = "skyrl_segments"  # the keyword that carries a flat row's Segments to the attention function
+
+
+class Segments:
+    """The sequences of one flat row ``[1, N]``, grouped by length: ``groups`` are
+    ``(offset, count, length)``: ``count`` sequences of ``length`` tokens each, end to
+    end from flat index ``offset``; the groups cover the row in order."""
+
+    def __init__(self, groups: list[tuple[int, int, int]]):
+        self.groups = groups
+
+
+def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                 dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature over a flat row: ``query [1, Hq, N, D]``,
+    ``key``/``value`` ``[1, Hkv, N, D]``, ``kwargs[SEGMENTS_KEY]`` its :class:`Segments`.
+    Each group of ``count`` equal-length sequences is one causal SDPA call on
+    ``[count, H, length, D]`` views (no mask); returns ``[1, N, Hq, D]``."""
+    segments: Segments = kwargs[SEGMENTS_KEY]
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for offset, count, length in segments.groups:
+        n = count * length
+
+        def part(x: torch.Tensor) -> torch.Tensor:
+            return x[0, :, offset:offset + n].unflatten(1, (count, length)).transpose(0, 1)
+
+        o = torch.nn.functional.scaled_dot_product_attention(
+            part(query), part(key), part(value), dropout_p=dropout, scale=scaling, is_causal=length > 1, enable_gqa=gqa,
+        )
+        outs.append(o.transpose(1, 2).reshape(n, o.shape[1], o.shape[-1]))  # [count, H, L, D] -> [count * L, H, D]
+    return torch.cat(outs).unsqueeze(0), None
+
+
+_SDPA_WRAPPED = "_skyrl_segments_wrapped"
+
+
+def install_segment_attention() -> None:
+    """Route transformers' ``"sdpa"`` attention through :func:`segment_sdpa` for calls
+    that carry :class:`Segments` (the ``SEGMENTS_KEY`` keyword); every other call goes
+    to transformers' own function unchanged. Idempotent; uses transformers'
+    ``AttentionInterface`` mapping (its documented way to swap an attention function)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(original, _SDPA_WRAPPED, False):
+        return
+
+    def sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        if kwargs.get(SEGMENTS_KEY) is None:
+            kwargs.pop(SEGMENTS_KEY, None)
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return segment_sdpa(module, query, key, value, attention_mask, dropout=kwargs.get("dropout", 0.0),
+                            scaling=kwargs.get("scaling"), **{SEGMENTS_KEY: kwargs[SEGMENTS_KEY]})
+
+    setattr(sdpa, _SDPA_WRAPPED, True)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+
+
+def segment_attention_supported(model: Any, device: torch.device) -> bool:
+    """Whether ``model`` can run flat rows with per-sequence attention: sdpa attention,
+    no sliding-window or recurrent layers, and the flat row's logits equal the padded
+    rows' on a probe of three sequences (installs the attention routing first)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or has_recurrent_layers(config):
+        return False
+    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
+        if cfg is None:
+            continue
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False:
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+            return False
+    install_segment_attention()
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(getattr(embeddings, "num_embeddings", 8))
+    lens = np.array([5, 3, 5])
+    ids = (np.arange(int(lens.sum())) * 7 + 3) % vocab
+    local = np.flatnonzero(np.concatenate([np.arange(n) for n in lens]) > 0)  # every token with a context
+    z = np.zeros(len(local))
+    rows, flat = (micro_batch(ids, lens, local, z, z, z, 1, 3, pack_length=1, device=device, segment_attention=s)
+                  for s in (False, True))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=rows.ids, position_ids=rows.pos, use_cache=False).logits
+            want = want.reshape(-1, want.shape[-1])[rows.keep]
+            got = model(input_ids=flat.ids, position_ids=flat.pos, use_cache=False, **flat.model_kwargs).logits
+            got = got.reshape(-1, got.shape[-1])[flat.keep]
+    except Exception:  # a model whose forward takes no prepared masks or extra keywords: keep the padded rows
+        return False
+    finally:
+        model.train(was_training)
+    scale = float(want.abs().max()) + 1.0
+    return got.shape == want.shape and bool((got.float() - want.float()).abs().max() <= 1e-4 * scale)
 
 
 class MicroBatch:
@@ -41,6 +146,7 @@ class MicroBatch:
         self.n_seqs = n_seqs
         self.n_tokens = n_tokens  # all real tokens of the micro-batch (pad tails not counted)
         self.n_sequences = n_sequences  # all sequences of the micro-batch
+        self.model_kwargs: dict = {}  # extra keywords of the model's forward (a flat row: masks and Segments)
         self.old: Any = None  # pre-update logprobs [K], from the no-grad pass
         self.ref: Any = None  # reference logprobs [K]
         self.batch_idx: Any = None  # numpy int64 [K]: each loss token's index in the RolloutBatch
@@ -123,12 +229,39 @@ def layout_rows(seq_lens: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.
     return where, positions, n_rows, R
 
 
+def layout_flat(seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, Segments]:
+    """Lay out sequences (lengths ``seq_lens``, in order) end to end in one row, grouped
+    by length (shortest first, ties in order), for per-sequence attention.
+
+    Returns ``(where, positions, segments)`` as :func:`layout_rows` does (``where`` [n]:
+    the flat index of each token, the sequences' tokens end to end; ``positions`` [n])
+    and the row's :class:`Segments`."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    order = np.argsort(lens, kind="stable")
+    start = np.zeros(len(lens), dtype=np.int64)  # flat index of each sequence's first token
+    start[order] = np.concatenate([[0], np.cumsum(lens[order])[:-1]]) if len(lens) else start
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+    where = np.repeat(start, lens) + within
+    positions = np.empty(int(cu[-1]), dtype=np.int64)
+    positions[where] = within
+    groups: list[tuple[int, int, int]] = []
+    offset = 0
+    values, counts = np.unique(lens[order], return_counts=True)
+    for length, count in zip(values.tolist(), counts.tolist()):
+        groups.append((offset, count, length))
+        offset += count * length
+    return where, positions, Segments(groups)
+
+
 def plan_mini_batches(
     batch: Any, advantages: np.ndarray, *, mini_batches: int, micro_batch_tokens: int, pack_length: int,
-    device: torch.device,
+    device: torch.device, segment_attention: bool = False,
 ) -> list[list[MicroBatch]]:
     """The mini-batches of ``batch`` (this rank's share), each a list of packed
-    micro-batches on ``device``."""
+    micro-batches on ``device``. ``segment_attention``: a micro-batch with a sequence
+    longer than ``pack_length`` becomes one flat row with per-sequence attention."""
     lens = batch.seq_lens
     positions = batch.positions()
     trains = (np.asarray(batch.loss_mask) != 0) & (positions > 0)  # a sequence's first token has no context
@@ -146,7 +279,8 @@ def plan_mini_batches(
             micro = micro_batch(tokens[idx], lens[group], local, advantages[idx[local]],
                                 np.asarray(batch.logprobs)[idx[local]], seq_ids,
                                 int(len(np.unique(owner))), len(group), pack_length=pack_length, device=device,
-                                token_index=idx)
+                                token_index=idx,
+                                segment_attention=segment_attention and int(lens[group].max()) > pack_length)
             micro.batch_idx = idx[local]
             micro.batch = batch
             micros.append(micro)
@@ -155,11 +289,17 @@ def plan_mini_batches(
 
 
 def micro_batch(ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequences, *, pack_length: int,
-                device: torch.device, token_index=None) -> MicroBatch:
+                device: torch.device, token_index=None, segment_attention: bool = False) -> MicroBatch:
     """``ids``: the group's tokens end to end; ``seq_lens``: its sequences'
-    lengths; ``local``: the indices (into ``ids``) of its loss tokens."""
+    lengths; ``local``: the indices (into ``ids``) of its loss tokens.
+    ``segment_attention``: one flat row (:func:`layout_flat`) instead of padded rows."""
     d = device
-    where, positions, n_rows, R = layout_rows(seq_lens, pack_length)
+    segments = None
+    if segment_attention:
+        where, positions, segments = layout_flat(seq_lens)
+        n_rows, R = 1, len(ids)
+    else:
+        where, positions, n_rows, R = layout_rows(seq_lens, pack_length)
     flat = np.full(n_rows * R, PAD_ID, dtype=np.int64)
     flat[where] = ids
 
@@ -175,6 +315,9 @@ def micro_batch(ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequenc
         adv=f32(adv), engine_lp=f32(engine_lp), seq_ids=long(seq_ids).reshape(-1),
         n_seqs=n_seqs, n_tokens=len(ids), n_sequences=n_sequences,
     )
+    if segments is not None:
+        # A prepared (empty) mask for every layer type: transformers builds no [N, N] mask.
+        micro.model_kwargs = {"attention_mask": {"full_attention": None}, SEGMENTS_KEY: segments}
     if token_index is not None:
         slots = np.full(n_rows * R, -1, dtype=np.int64)
         slots[where] = token_index

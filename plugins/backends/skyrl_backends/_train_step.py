@@ -115,10 +115,10 @@ class TrainStep:
                 return strategy.score(view, mb.targets, temperature, **kw)
 
             with self._autocast():
-                lp, ent = module(mb.ids, mb.pos, keep, scorer)
+                lp, ent = module(mb.ids, mb.pos, keep, scorer, **mb.model_kwargs)
             return lp, (ent.detach() if entropy else None), lp
         with self._autocast():
-            logits = module(mb.ids, mb.pos, keep)
+            logits = module(mb.ids, mb.pos, keep, **mb.model_kwargs)
         if logits.dtype in LOW_PRECISION:
             logits = logits.float()
         if temperature != 1.0:

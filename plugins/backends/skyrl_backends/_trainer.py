@@ -27,7 +27,9 @@ import torch.distributed as dist
 from skyrl_backends import _parallel
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._packed_lm import PackedLM, WithoutAdapters, head_is_plain
-from skyrl_backends._packing import MicroBatch, empty_micro_batch, has_recurrent_layers, plan_mini_batches
+from skyrl_backends._packing import (
+    MicroBatch, empty_micro_batch, has_recurrent_layers, plan_mini_batches, segment_attention_supported,
+)
 from skyrl_backends._train_step import LOW_PRECISION, TrainStep
 from skyrl_backends._weights import WeightsAndCheckpoints
 from skyrl_host.contracts import has
@@ -47,6 +49,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._one_sequence_per_row = False  # set by start() for models with recurrent layers
+        self._segment_attention = False  # set by start(): long sequences in flat rows, attention per sequence
         self.replay: list[Any] = []  # ReplayStrategy objects (start(replay=...))
         self._scorer_strategy: Any = None  # the one that scores tokens (support), if any
         self._ddp: Any = None
@@ -91,6 +94,11 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         if self._dp and self.world > 1:
             flag = self._all_reduce(torch.tensor([int(plain)], dtype=torch.int64), dist.ReduceOp.MIN)
             plain = bool(flag[0])
+        segments = segment_attention_supported(model, self.device)
+        if self._dp and self.world > 1:
+            flag = self._all_reduce(torch.tensor([int(segments)], dtype=torch.int64), dist.ReduceOp.MIN)
+            segments = bool(flag[0])
+        self._segment_attention = segments
         if reference and self.lora is None:
             ref = copy.deepcopy(model)
             ref.eval()
@@ -184,7 +192,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         cfg = self.config
         return plan_mini_batches(batch, advantages, mini_batches=cfg.mini_batches,
                                  micro_batch_tokens=cfg.micro_batch_tokens, pack_length=self._pack_length,
-                                 device=self.device)
+                                 device=self.device, segment_attention=self._segment_attention)
 
     def _dummy(self) -> MicroBatch:
         """An empty micro-batch (one token, no loss): keeps the ranks' collectives in step."""

@@ -3,7 +3,7 @@
     python benchmarks/weight_sync.py [--size-gib 1] [--fractions 0.01 0.03 0.1] [--repeats 3]
         [--targets file s3] [--s3-full-rounds 2] [--level 1] [--threads 2] [--links 1 10 100]
         [--compare-rev REV] [--tmp-dir DIR] [--torch-threads 2] [--seed 0]
-        [--sharded-gib 0.5] [--sharded-repeats 5] [--quick]
+        [--sharded-gib 0.5] [--sharded-repeats 5] [--real-steps 20] [--real-lr 1e-6] [--quick]
 
 The model state. A decoder-only transformer's weights (Qwen-like names and shapes:
 hidden 2048, 16 query heads and 8 KV heads of 128, FFN 6144, vocabulary 32,768, embedding
@@ -35,8 +35,14 @@ apart (``engine_copy_s``). Both paths hand it the whole model.
 Targets (``--targets``): ``file`` (``file://`` in a temp dir under ``--tmp-dir``: the page
 cache, nothing is fsync'ed, so this is the CPU cost of each path) and ``s3`` (moto's S3
 server on 127.0.0.1, through s3fs, as a bucket on AWS would be reached; skipped when
-moto or s3fs is missing). moto moves ~60-80 MB/s, so a full 1 GiB write + read takes ~35 s
-there: on ``s3`` the full path runs in ``--s3-full-rounds`` rounds only (default 2, spread
+moto or s3fs is missing). The full path's ``pipe_file`` of 1 GiB is a multipart upload
+(s3fs: 50 MiB parts, 10 at a time); moto takes ~17 s to complete it, past s3fs's 15 s
+read timeout, and botocore's retry of the completion finds the upload gone ("The
+specified upload does not exist"): the client options come from
+``skyrl_host.s3server.client_options``, whose read timeout is long enough (``delta``
+never uploads in parts: each payload object is at most 64 MiB of tensor bytes, one PUT).
+moto moves ~60-80 MB/s, so a full 1 GiB write + read takes ~35 s there: on ``s3`` the
+full path runs in ``--s3-full-rounds`` rounds only (default 2, spread
 over the run; 0: every round), pooled over the fractions (its cost does not depend on
 them), and its ratios are ratios of medians (``full_paired: false``). The S3 server runs
 on the same 2 cores as the benchmark: it slows the delta path's encoding too.
@@ -58,6 +64,20 @@ round at the first fraction and a keyframe that is reported apart):
   and ``est_s`` = encode + transfer + decode/apply (no overlap assumed);
 - ``checks``: at 1% changed, whether ``delta`` moves <= 2% of the full bytes, encodes at
   >= 2 GB/s and decodes + applies at >= 3 GB/s.
+
+The real run (``real_run``; ``--real-steps``, default 20, 0 skips it; ~1.5 min): what a
+real RL run changes per step. ``skyrl run`` of an ``rl`` job (GRPO, 4 chat word problems
+from examples/data rendered through the chat template x 4 samples, 16 new tokens) on the
+real-shaped Qwen3 checkpoint (``skyrl_models.checkpoints.build_checkpoint``, kind qwen3:
+Qwen3-0.6B's widths, 2 layers, 40M parameters, random weights) with fp32 AdamW master
+weights at ``--real-lr`` (default 1e-6, as large-model RL uses) and ``[weight_sync]
+transport = "delta"`` (bf16 wire, ``keyframe_every = 0``) on a ``file://`` URL. Per step,
+from the job's metrics.jsonl (the sender's own statistics) and its files:
+``bytes_ratio`` = the files the version wrote (payloads + manifest + LATEST) / the served
+weights' bf16 bytes, ``changed_fraction`` = ``sync_changed_words / sync_words`` (bf16
+words that differ from the last version), ``bytes_per_changed_word``; medians, min and max
+over the steps. The reward is ``alnum_share`` (below): random weights never answer a word
+problem right, and an all-zero reward moves no weight.
 
 The sharded section (``sharded``; ``--sharded-gib``, default 0.5, 0 skips it): three
 processes in one gloo world, on this machine's DRAM. Trainer ranks 0 and 1 hold a
@@ -89,10 +109,11 @@ implementation in one run (one more sender and receiver: ~3 more GiB at 1 GiB).
 process and the S3 server): the machine is shared, seconds move, ratios much less.
 Every path's result is checked against the trainer's weights (``torch.equal`` of every
 tensor) in the warm-up round and the last round of each fraction. Progress goes to
-stderr, one JSON object to stdout. A default run takes ~3 minutes and peaks at ~7 GiB
-(``peak_rss_gib``: this process), then ~40 s for the sharded section (its three
+stderr, one JSON object to stdout. A default run takes ~4 minutes and peaks at ~7 GiB
+(``peak_rss_gib``: this process; moto holds up to ~5 GiB more while it completes the full
+path's upload), then ~1.5 min for the real run and ~40 s for the sharded section (its three
 processes hold ~4 GiB together); ``--targets`` with no value runs only the sharded
-section; ``--quick`` (8 MiB, one round per fraction, a few seconds) is the smoke test.
+section (and the real run); ``--quick`` (8 MiB, one round per fraction, a few seconds) is the smoke test.
 """
 
 from __future__ import annotations
@@ -481,6 +502,125 @@ def summarize(by_path: dict[str, list[dict[str, float]]], full_bytes: int, links
     return s
 
 
+# -- a real RL run: what a step changes -----------------------------------------------------
+
+REAL_JOB = """\
+[job]
+kind = "rl"
+seed = {seed}
+steps = {steps}
+batch_size = {batch}
+n_samples = {samples}
+max_new_tokens = {new_tokens}
+threads = {threads}
+output_dir = "{out}"
+
+[model]
+family = "qwen"
+path = "{checkpoint}"
+
+[dataset]
+name = "jsonl"
+path = "{data}"
+system_prompt = "You are a careful math tutor. Think step by step."
+reward = "weight_sync:alnum_share"
+shuffle = true
+
+[engine]
+name = "embedded"
+dtype = "bfloat16"
+
+[sampler]
+name = "top_p"
+top_p = 0.95
+temperature = 1.0
+
+[algorithm]
+name = "grpo"
+
+[backend]
+name = "torch"
+lr = {lr}
+
+[weight_sync]
+transport = "delta"
+uri = "{uri}"
+dtype = "bfloat16"
+keyframe_every = 0
+"""
+
+
+def alnum_share(task: Any, completion: str) -> float:
+    """The real run's reward (``reward = "weight_sync:alnum_share"``): the share of the
+    response's characters that are letters or digits. Random weights never write a correct
+    answer, so math-verify would score every sample 0, every advantage would be 0 and no
+    weight would move; this dense reward differs between the samples of every group, so
+    every step has a policy gradient, as a real run's batch of many groups has."""
+    text = completion.strip()
+    return sum(c.isalnum() for c in text) / len(text) if text else 0.0
+
+
+def run_real(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    """``skyrl run`` of an rl job on the real-shaped Qwen3 checkpoint with ``delta`` through
+    a folder; each step's delta as the sender reported it (metrics.jsonl) and as written."""
+    from skyrl_models.checkpoints import build_checkpoint
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.join(tmp, "real")
+    checkpoint = build_checkpoint(os.path.join(root, "checkpoint"), "qwen3", seed=args.seed)
+    store = os.path.join(root, "weights")
+    job = os.path.join(root, "job.toml")
+    shape = {"seed": args.seed, "steps": args.real_steps, "batch": 4, "samples": 4, "new_tokens": 16,
+             "threads": args.torch_threads, "lr": args.real_lr}
+    with open(job, "w") as f:
+        f.write(REAL_JOB.format(**shape, out=os.path.join(root, "out"), checkpoint=checkpoint, uri=f"file://{store}",
+                                data=os.path.join(os.path.dirname(here), "examples", "data",
+                                                  "math_word_problems.jsonl")))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])  # alnum_share
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", "import sys; from skyrl_host.cli import main; sys.exit(main())",
+                          "run", job], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if run.returncode:
+        raise SystemExit(f"the real run failed (rc {run.returncode}):\n{run.stderr[-3000:]}")
+    with open(os.path.join(root, "out", "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "step" in r and "event" not in r]
+    latest = os.path.getsize(os.path.join(store, "LATEST"))
+    steps = []
+    for r in rows:
+        assert not r["sync_keyframe"], r  # keyframe_every = 0: version 0 (the start) is the only keyframe
+        folder = os.path.join(store, delta.version_dir(int(r["sync_epoch"]), int(r["sync_version"])))
+        wire = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)) + latest
+        steps.append({
+            "step": r["step"], "wire_bytes": wire, "bytes_ratio": round(wire / r["sync_full_bytes"], 6),
+            "payload_bytes": int(r["sync_bytes"]),
+            "changed_fraction": round(r["sync_changed_words"] / r["sync_words"], 6),
+            "bytes_per_changed_word": round(wire / r["sync_changed_words"], 3) if r["sync_changed_words"] else None,
+            "encode_s": round(r["sync_encode_s"], 4), "apply_s": round(r["sync_apply_s"], 4),
+            "grad_norm": round(r["grad_norm"], 4), "reward_mean": round(r["reward_mean"], 4),
+        })
+
+    def spread(key: str) -> dict[str, float]:
+        xs = [x[key] for x in steps if x[key] is not None]
+        return {"median": round(med(xs), 6), "min": min(xs), "max": max(xs)}
+
+    return {
+        "what": "skyrl run of an rl job (GRPO) on the real-shaped qwen3 checkpoint (skyrl_models.checkpoints: "
+                "Qwen3-0.6B's widths, 2 layers, random weights), fp32 AdamW master weights, [weight_sync] transport = "
+                "'delta' (bf16 wire, keyframe_every = 0) on a file:// URL; per step: the files its version wrote "
+                "(payloads + manifest + LATEST) / the bf16 bytes of the served weights, and the changed 16-bit "
+                "words / all (the sender's sync_changed_words / sync_words in metrics.jsonl)",
+        "job": {**shape, "lr": args.real_lr,
+                "reward": "weight_sync:alnum_share (letters' and digits' share of the response)",
+                "dataset": "examples/data/math_word_problems.jsonl (chats, rendered with the chat template)"},
+        "full_bytes": int(rows[0]["sync_full_bytes"]), "words": int(rows[0]["sync_words"]),
+        "bytes_ratio": spread("bytes_ratio"), "changed_fraction": spread("changed_fraction"),
+        "bytes_per_changed_word": spread("bytes_per_changed_word"),
+        "steps": steps, "job_wall_s": round(wall, 1),
+    }
+
+
 # -- sharded: nixl (2 trainer ranks -> 1 engine) vs broadcast vs raw NIXL ----------------
 
 
@@ -691,6 +831,9 @@ def main() -> None:
     ap.add_argument("--sharded-gib", type=float, default=0.5,
                     help="model size of the sharded section (nixl vs broadcast vs raw NIXL); 0: skip it")
     ap.add_argument("--sharded-repeats", type=int, default=5, help="measured rounds of the sharded section")
+    ap.add_argument("--real-steps", type=int, default=20,
+                    help="steps of the real RL run (the real-shaped qwen3 checkpoint, delta per step); 0: skip it")
+    ap.add_argument("--real-lr", type=float, default=1e-6, help="learning rate of the real RL run")
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 MiB, one round per fraction")
     ap.add_argument("--sharded-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sharded-store", default=None, help=argparse.SUPPRESS)
@@ -698,6 +841,7 @@ def main() -> None:
     if args.quick:
         args.size_gib, args.repeats = 1 / 128, 1
         args.sharded_gib, args.sharded_repeats = min(args.sharded_gib, 1 / 128), 1
+        args.real_steps = min(args.real_steps, 2)
     if args.sharded_rank is not None:
         sharded_worker(args.sharded_rank, args.sharded_store, args)
         return
@@ -746,6 +890,12 @@ def main() -> None:
                                                       args, mods, meter, rng, args.s3_full_rounds or None)
                     out["targets"]["s3"]["server"] = "moto_server on 127.0.0.1 (s3fs)"
                     meter.child = None
+        if args.real_steps > 0:
+            log(f"real run: {args.real_steps} RL steps of the real-shaped qwen3 checkpoint, lr {args.real_lr:g}")
+            out["real_run"] = run_real(args, tmp)
+            rr = out["real_run"]
+            log(f"real run: bytes {100 * rr['bytes_ratio']['median']:.3f}% of bf16, words changed "
+                f"{100 * rr['changed_fraction']['median']:.3f}% (medians over steps), {rr['job_wall_s']} s")
         if args.sharded_gib > 0:
             log(f"sharded: nixl vs broadcast vs raw NIXL, {args.sharded_gib:g} GiB, 3 processes")
             out["sharded"] = run_sharded(args, tmp)

@@ -26,6 +26,10 @@ def test_rl_job_with_delta(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     assert [r["sync_version"] for r in rows] == [1, 2, 3, 4]
     assert [r["sync_keyframe"] for r in rows] == [0, 0, 1, 0]  # version 0 (start) was the first keyframe
     assert all(r["sync_bytes"] < r["sync_full_bytes"] for r in rows if not r["sync_keyframe"])
+    # The sender counts the bf16 words each delta changed (2 bytes a word on the wire, before zstd).
+    assert all(0 < r["sync_changed_words"] <= r["sync_words"] == r["sync_full_bytes"] / 2
+               for r in rows if not r["sync_keyframe"])
+    assert all("sync_changed_words" not in r for r in rows if r["sync_keyframe"])
     assert [r["weight_version"] for r in rows] == [0, 1, 2, 3]  # step s generates with version s - 1
     assert json.loads((tmp_path / "weights" / "LATEST").read_text()) == {"epoch": 0, "version": 4}
     # The engine computes in bf16, the trainer in fp32: a small, nonzero logprob gap.

@@ -117,7 +117,8 @@ def test_big_tensors_go_as_parts_of_one_put_each(bucket, monkeypatch) -> None:
     data = bytearray(fs.cat_file(path))
     data[-1] ^= 1
     fs.pipe_file(path, bytes(data))
-    with pytest.raises(DeltaError, match=rf"version 3: payload {uri}/e000/v00000003/t00000\.p0007\.zst \(tensor 'a'\) fails its checksum"):
+    with pytest.raises(DeltaError, match=rf"version 3: payload {uri}/e000/v00000003/t00000\.p0007\.zst "
+                                         r"\(tensor 'a'\) fails its checksum"):
         receiver.sync(engine)
     assert engine.weight_version == 2 and torch.equal(engine.weights["a"], v2)
     fs.pipe_file(path, bytes(data[:-1] + bytes([data[-1] ^ 1])))  # repaired: version 3 applies exactly

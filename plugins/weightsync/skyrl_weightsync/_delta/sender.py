@@ -112,7 +112,8 @@ class DeltaSender:
                             undo.append((buf[a:b], encoding, payload))
                     part: dict[str, Any] = {"offset": a, "nbytes": b - a, "encoding": encoding}
                     if payload is not None:
-                        rel = f"{version_dir(epoch, version)}/t{i:05d}" + (f".p{k:04d}" if len(spans) > 1 else "") + ".zst"
+                        suffix = f".p{k:04d}.zst" if len(spans) > 1 else ".zst"
+                        rel = f"{version_dir(epoch, version)}/t{i:05d}{suffix}"
                         w0 = time.perf_counter()
                         writes.submit(rel, payload)  # may wait for earlier writes: not encoding time
                         encode_s -= time.perf_counter() - w0

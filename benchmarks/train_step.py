@@ -1,6 +1,6 @@
 """The torch backend's train step vs a padded Hugging Face forward + backward, on a real-shaped checkpoint.
 
-    python benchmarks/train_step.py [--sequences 16] [--repeats 4] [--threads 2]
+    python benchmarks/train_step.py [--sequences 12] [--repeats 3] [--threads 2]
                                     [--micro-batch-tokens 4096] [--checkpoint DIR]
 
 The model: ``skyrl_models.checkpoints.build_checkpoint(DIR, "qwen3")``: Qwen3-0.6B's
@@ -154,8 +154,8 @@ def _status_kib(key: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sequences", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--sequences", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--checkpoint", default=None, help="a folder build_checkpoint(..., 'qwen3') wrote (default: build one)")

@@ -1,0 +1,454 @@
+"""The aiohttp application: the routes the tinker SDK 0.38 calls, under ``/api/v1``.
+
+Work that computes (create_model, forward_backward, optim_step, save_weights_for_sampler,
+asample) is answered at once with a future (``request_id``); the computation runs on
+one worker thread; ``retrieve_future`` waits for it at most ``[server] poll_seconds``
+and then answers ``try_again`` (the SDK polls again). A model's requests run in
+``seq_id`` order; the same ``(model_id, seq_id)`` sent again gets the first one's
+future and runs once. Bad input is a 4xx with a one-line ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import json
+import logging
+import traceback
+import uuid
+from typing import Any, Awaitable, Callable, Mapping
+
+from aiohttp import web
+
+from skyrl_server import _wire
+from skyrl_server._errors import BadRequest
+from skyrl_server._service import Service
+from skyrl_server._storage import sampler_path
+
+log = logging.getLogger("skyrl.serve")
+OPEN_ROUTES = {"/api/v1/healthz"}
+
+
+class Future:
+    __slots__ = ("event", "kind", "value")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.kind = ""  # "json" | "proto" | "error"
+        self.value: Any = None
+
+    def finish(self, kind: str, value: Any) -> None:
+        self.kind, self.value = kind, value
+        self.event.set()
+
+
+class ModelQueue:
+    """Runs one model's jobs in seq_id order: the next one when it arrives, or the
+    smallest waiting one after ``wait`` seconds without its predecessor."""
+
+    def __init__(self, wait: float):
+        self.wait = wait
+        self.last = 0  # the highest seq_id started
+        self.pending: dict[int, Callable[[], Awaitable[None]]] = {}
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def submit(self, seq_id: int, job: Callable[[], Awaitable[None]]) -> None:
+        self.pending[seq_id] = job
+        self.wake.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.pending:
+            nxt = min(self.pending)
+            if nxt != self.last + 1:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), self.wait)
+                    continue  # something arrived: look again
+                except asyncio.TimeoutError:
+                    nxt = min(self.pending)
+            job = self.pending.pop(nxt)
+            self.last = max(self.last, nxt)
+            await job()
+
+
+def _body_json(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise BadRequest("the body must be a JSON object")
+    return value
+
+
+def _get(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, required: bool = True, default: Any = None) -> Any:
+    if key not in body or body[key] is None:
+        if required:
+            raise BadRequest(f"{key}: missing")
+        return default
+    value = body[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise BadRequest(f"{key}: expected {getattr(kind, '__name__', kind)}, found a boolean")
+    if float in (kind if isinstance(kind, tuple) else (kind,)) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind):
+        names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise BadRequest(f"{key}: expected {names}, found {type(value).__name__}")
+    return value
+
+
+class App:
+    """State of one server: sessions, futures, the models' queues, the worker thread."""
+
+    def __init__(self, spec: Any, service: Service):
+        self.spec = spec
+        self.service = service
+        self.keys = [k.encode() for k in spec.api_keys]
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.futures: dict[str, Future] = {}
+        self.seen: dict[tuple[str, int], str] = {}  # (model_id, seq_id) -> request_id
+        self.queues: dict[str, ModelQueue] = {}
+        self.sampling_sessions: dict[str, dict[str, Any]] = {}
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyrl-serve")
+        self.creating: set[str] = set()
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        key = request.headers.get("X-API-Key", "").encode()
+        return any(hmac.compare_digest(key, k) for k in self.keys)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        if request.path not in OPEN_ROUTES and not self._authorized(request):
+            return web.json_response({"error": "missing or wrong X-API-Key"}, status=401)
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return web.json_response({"error": exc.message}, status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return web.json_response({"error": f"{exc.reason}: {request.method} {request.path}"}, status=exc.status)
+            raise
+
+    async def _compute(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
+
+    def _new_future(self) -> tuple[str, Future]:
+        request_id = uuid.uuid4().hex
+        future = Future()
+        self.futures[request_id] = future
+        return request_id, future
+
+    async def _settle(self, future: Future, kind: str, fn: Callable[[], Any]) -> None:
+        try:
+            value = await self._compute(fn)
+        except BadRequest as exc:
+            future.finish("error", {"error": exc.message, "category": "user"})
+        except Exception as exc:  # noqa: BLE001 - a fault: logged with its traceback, answered as the server's
+            log.error("request failed:\n%s", traceback.format_exc())
+            future.finish("error", {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "category": "server"})
+        else:
+            future.finish(kind, value)
+
+    def _model_future(self, model_id: str, seq_id: int | None, kind: str, fn: Callable[[], Any]) -> dict[str, Any]:
+        """A future for a model's request, run in seq_id order (a repeated seq_id: the first's future)."""
+        if model_id not in self.service.models and model_id not in self.creating:
+            raise BadRequest(f"unknown model_id {model_id!r}", status=404)
+        if seq_id is not None:
+            if seq_id < 1:
+                raise BadRequest(f"seq_id must be >= 1, found {seq_id}")
+            known = self.seen.get((model_id, seq_id))
+            if known is not None:
+                return {"request_id": known, "model_id": model_id}
+            queue = self.queues.setdefault(model_id, ModelQueue(self.spec.server.order_wait_seconds))
+            if seq_id <= queue.last:
+                raise BadRequest(f"seq_id {seq_id} arrived after seq_id {queue.last} of model {model_id!r} ran")
+        request_id, future = self._new_future()
+        if seq_id is None:
+            asyncio.get_running_loop().create_task(self._settle(future, kind, fn))
+        else:
+            self.seen[(model_id, seq_id)] = request_id
+            queue.submit(seq_id, lambda: self._settle(future, kind, fn))
+        return {"request_id": request_id, "model_id": model_id}
+
+    # -- session routes ---------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def client_config(self, request: web.Request) -> web.Response:
+        return web.json_response({"proto_compress_fwdbwd": True, "sample_use_retrieve_futures": False,
+                                  "sample_join_sampling_session": False, "pjwt_auth_enabled": False})
+
+    async def dynamic_config(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def create_session(self, request: web.Request) -> web.Response:
+        _body_json(await request.read())
+        session_id = uuid.uuid4().hex
+        self.sessions[session_id] = {"finished": False, "models": 0}
+        return web.json_response({"type": "create_session", "session_id": session_id})
+
+    def _session(self, session_id: Any) -> dict[str, Any]:
+        if not isinstance(session_id, str) or session_id not in self.sessions:
+            raise BadRequest(f"unknown session_id {session_id!r}", status=404)
+        return self.sessions[session_id]
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        session = self._session(_body_json(await request.read()).get("session_id"))
+        if session["finished"]:
+            raise BadRequest("session finished", status=410)
+        return web.json_response({"type": "session_heartbeat"})
+
+    async def telemetry(self, request: web.Request) -> web.Response:
+        _body_json(await request.read())
+        return web.json_response({"status": "accepted"})
+
+    async def finish(self, request: web.Request) -> web.Response:
+        self._session(request.match_info["session_id"])["finished"] = True
+        return web.json_response({})
+
+    async def capabilities(self, request: web.Request) -> web.Response:
+        return web.json_response({"supported_models": self.service.capabilities()})
+
+    # -- training ---------------------------------------------------------------------
+
+    async def create_model(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        session_id = _get(body, "session_id", str)
+        self._session(session_id)
+        model_seq_id = _get(body, "model_seq_id", int)
+        base = _get(body, "base_model", str)
+        self.service.base(base)
+        lora = _get(body, "lora_config", dict, required=False)
+        if lora is None:
+            raise BadRequest("lora_config: missing (this server trains LoRA adapters only)")
+        rank = _get(lora, "rank", int)
+        limit = self.spec.server.max_lora_rank
+        if not 1 <= rank <= limit:
+            raise BadRequest(f"lora_config.rank must be in [1, {limit}] on this server, found {rank}")
+        seed = _get(lora, "seed", int, required=False)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.service.models or model_id in self.creating:
+            raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
+        self.creating.add(model_id)
+        request_id, future = self._new_future()
+
+        async def create() -> None:
+            await self._settle(future, "json", lambda: (self.service.create_model(model_id, base, rank, seed),
+                                                        {"model_id": model_id, "type": "create_model"})[1])
+            self.creating.discard(model_id)
+
+        asyncio.get_running_loop().create_task(create())
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    async def get_info(self, request: web.Request) -> web.Response:
+        model_id = _get(_body_json(await request.read()), "model_id", str)
+        tm = self.service.model(model_id)
+        return web.json_response({
+            "type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": tm.rank, "model_name": tm.base,
+            "model_data": {"arch": self.spec.models[tm.base].name, "model_name": tm.base, "tokenizer_id": None},
+        })
+
+    async def unload_model(self, request: web.Request) -> web.Response:
+        model_id = _get(_body_json(await request.read()), "model_id", str)
+        self.service.model(model_id)
+        return web.json_response(self._model_future(model_id, None, "json", lambda: (
+            self.service.unload(model_id), {"model_id": model_id, "type": "unload_model"})[1]))
+
+    async def forward_backward(self, request: web.Request) -> web.Response:
+        raw = _wire.decompress(await request.read(), request.headers.get("Content-Encoding"))
+        if _wire.PROTOBUF not in request.headers.get("Content-Type", ""):
+            raise BadRequest(f"forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: {_wire.PROTOBUF})",
+                             status=415)
+        req = _wire.forward_backward_request(raw)
+        if not req["data"]:
+            raise BadRequest("data: no datum")
+
+        def run() -> bytes:
+            outputs, metrics = self.service.forward_backward(req["model_id"], req["data"], req["loss_fn"], req["config"],
+                                                             req["forward_only"])
+            return _wire.forward_backward_output(outputs, metrics)
+
+        return web.json_response(self._model_future(req["model_id"], req["seq_id"] or None, "proto", run))
+
+    async def optim_step(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        model_id = _get(body, "model_id", str)
+        seq_id = _get(body, "seq_id", int, required=False)
+        params = _get(body, "optim_params", dict, required=False) or _get(body, "adam_params", dict)
+        adam = {k: _get(params, k, float, required=False)
+                for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+        adam = {k: v for k, v in adam.items() if v is not None}
+        return web.json_response(self._model_future(model_id, seq_id, "json", lambda: {
+            "metrics": self.service.optim_step(model_id, adam)}))
+
+    async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        model_id = _get(body, "model_id", str)
+        seq_id = _get(body, "seq_id", int, required=False)
+        name = _get(body, "path", str, required=False)
+        session_seq = _get(body, "sampling_session_seq_id", int, required=False)
+        if (name is None) == (session_seq is None):
+            raise BadRequest("save_weights_for_sampler takes exactly one of path and sampling_session_seq_id")
+        path = sampler_path(model_id, name) if name is not None else None
+        session_id = f"{model_id}:sample:{session_seq}" if session_seq is not None else None
+        if session_id is not None:
+            self.sampling_sessions[session_id] = {"base_model": None, "model_path": None, "model_id": model_id}
+
+        def run() -> dict[str, Any]:
+            self.service.save_for_sampler(model_id, session_id, path)
+            base = self.service.models[model_id].base
+            if session_id is not None:
+                self.sampling_sessions[session_id]["base_model"] = base
+                return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
+            return {"type": "save_weights_for_sampler", "path": path}
+
+        return web.json_response(self._model_future(model_id, seq_id, "json", run))
+
+    # -- sampling ---------------------------------------------------------------------
+
+    async def create_sampling_session(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        session_id = _get(body, "session_id", str)
+        self._session(session_id)
+        seq = _get(body, "sampling_session_seq_id", int)
+        base = _get(body, "base_model", str, required=False)
+        path = _get(body, "model_path", str, required=False)
+        if (base is None) == (path is None):
+            raise BadRequest("create_sampling_session takes exactly one of base_model and model_path")
+        sampling_id = f"{session_id}:sample:{seq}"
+        served = await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
+        self.sampling_sessions[sampling_id] = {"base_model": served, "model_path": path}
+        return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampling_id})
+
+    async def get_sampler(self, request: web.Request) -> web.Response:
+        sampler_id = request.match_info["sampler_id"]
+        if sampler_id not in self.sampling_sessions:
+            raise BadRequest(f"unknown sampler {sampler_id!r}", status=404)
+        info = self.sampling_sessions[sampler_id]
+        return web.json_response({"sampler_id": sampler_id, "base_model": info["base_model"], "model_path": info["model_path"]})
+
+    async def asample(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        sampling_id = _get(body, "sampling_session_id", str, required=False)
+        if sampling_id is None:
+            base = _get(body, "base_model", str, required=False)
+            path = _get(body, "model_path", str, required=False)
+            if (base is None) == (path is None):
+                raise BadRequest("asample takes a sampling_session_id, a base_model or a model_path")
+            sampling_id = f"adhoc:{uuid.uuid4().hex}"
+            await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
+        elif sampling_id not in self.service.samplers:
+            raise BadRequest(f"unknown sampling_session_id {sampling_id!r}", status=404)
+        n = _get(body, "num_samples", int, required=False, default=1)
+        prompt = _get(body, "prompt", dict)
+        chunks = _get(prompt, "chunks", list)
+        tokens: list[int] = []
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+                raise BadRequest(f"prompt.chunks[{i}]: only encoded_text chunks are served")
+            ids = _get(chunk, "tokens", list)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRequest(f"prompt.chunks[{i}].tokens: expected a list of token ids")
+            tokens += ids
+        params = dict(_get(body, "sampling_params", dict))
+        for key, kind in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_k", int), ("top_p", float)):
+            value = _get(params, key, kind, required=False)
+            if value is None:
+                params.pop(key, None)
+            else:
+                params[key] = value
+        prompt_logprobs = bool(_get(body, "prompt_logprobs", bool, required=False, default=False))
+        if not 1 <= n <= 1024:
+            raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
+        request_id, future = self._new_future()
+        ids = [f"{request_id}:{i}" for i in range(n)]
+        asyncio.get_running_loop().create_task(self._settle(future, "proto", lambda: _wire.sample_response(
+            self.service.sample(sampling_id, tokens, n, params, prompt_logprobs))))
+        return web.json_response({"request_id": request_id, "sample_sequence_ids": ids})
+
+    # -- futures ------------------------------------------------------------------------
+
+    async def retrieve_future(self, request: web.Request) -> web.Response:
+        request_id = _get(_body_json(await request.read()), "request_id", str)
+        future = self.futures.get(request_id)
+        if future is None:
+            raise BadRequest(f"unknown request_id {request_id!r}", status=404)
+        if not future.event.is_set():
+            try:
+                await asyncio.wait_for(asyncio.shield(future.event.wait()), self.spec.server.poll_seconds)
+            except asyncio.TimeoutError:
+                return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if future.kind == "proto":
+            return web.Response(body=future.value, content_type=_wire.PROTOBUF)
+        return web.json_response(future.value)
+
+    async def not_served(self, request: web.Request) -> web.Response:
+        raise BadRequest(f"{request.method} {request.path} is not served by this server", status=404)
+
+
+STATE = web.AppKey("state", App)
+
+
+def make_app(spec: Any, service: Service) -> web.Application:
+    state = App(spec, service)
+    app = web.Application(middlewares=[state.middleware], client_max_size=_wire.MAX_BODY)
+    app[STATE] = state
+    post, get = web.post, web.get
+    v1 = "/api/v1"
+    app.add_routes([
+        get(f"{v1}/healthz", state.healthz),
+        post(f"{v1}/client/config", state.client_config),
+        post(f"{v1}/client/dynamic_config", state.dynamic_config),
+        post(f"{v1}/create_session", state.create_session),
+        post(f"{v1}/session_heartbeat", state.heartbeat),
+        post(f"{v1}/telemetry", state.telemetry),
+        post(f"{v1}/sessions/{{session_id}}/finish", state.finish),
+        get(f"{v1}/get_server_capabilities", state.capabilities),
+        post(f"{v1}/create_model", state.create_model),
+        post(f"{v1}/get_info", state.get_info),
+        post(f"{v1}/unload_model", state.unload_model),
+        post(f"{v1}/forward_backward", state.forward_backward),
+        post(f"{v1}/optim_step", state.optim_step),
+        post(f"{v1}/save_weights_for_sampler", state.save_weights_for_sampler),
+        post(f"{v1}/create_sampling_session", state.create_sampling_session),
+        get(f"{v1}/samplers/{{sampler_id}}", state.get_sampler),
+        post(f"{v1}/asample", state.asample),
+        post(f"{v1}/retrieve_future", state.retrieve_future),
+        web.route("*", "/{tail:.*}", state.not_served),
+    ])
+    return app
+
+
+def runner(app: web.Application) -> web.AppRunner:
+    """The app's runner: request bodies arrive as sent (this server decodes zstd itself,
+    with a size bound; aiohttp's own decoding of zstd needs another package)."""
+    return web.AppRunner(app, auto_decompress=False, access_log=None)
+
+
+async def serve_forever(app: web.Application, host: str, port: int) -> None:
+    run = runner(app)
+    await run.setup()
+    await web.TCPSite(run, host, port).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await run.cleanup()
+
+
+def build(spec: Any, host: Any) -> web.Application:
+    """Load the base models and engines of ``spec`` and make the application."""
+    from skyrl_server._storage import Storage
+
+    service = Service(spec, Storage(spec.server.storage), host)
+    service.load_bases()
+    return make_app(spec, service)
+
+
+__all__ = ["STATE", "build", "make_app", "runner", "serve_forever"]

@@ -1,0 +1,193 @@
+"""The server file of ``skyrl serve`` (``server.toml``), validated like a job file.
+
+```toml
+[server]
+port = 8000
+api_keys = ["tml-..."]            # and/or api_keys_env / api_keys_file, and the env SKYRL_API_KEYS
+storage = "runs/tinker"           # any fsspec URL: sampler weights and checkpoints
+
+[models."skyrl/qwen-tiny"]        # the base-model name the SDK sends
+family = "qwen"                   # a model plugin; the rest of the table is the family's options
+preset = "tiny"
+
+[engine]                          # optional; default: name = "embedded"
+name = "embedded"
+
+[backend]                         # optional; default: name = "torch" (the request's LoraConfig sets lora_rank)
+name = "torch"
+```
+
+Problems are collected and raised together as one :class:`UserError`, each located
+``file:line: key`` with the host's own helpers (:mod:`skyrl_host.config`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Mapping
+
+import attrs
+
+from skyrl_host.config import Located, PluginChoice, locate_keys, read_toml, structure_table
+from skyrl_host.errors import UserError, did_you_mean, quoted_list
+from skyrl_host.options import OptionError, ge, gt, in_interval, option
+
+ENV_KEYS = "SKYRL_API_KEYS"
+KEY_PREFIX = "tml-"  # the SDK refuses keys without it
+# A preset model's character tokenizer: printable ASCII unless [models."NAME"] alphabet says otherwise.
+DEFAULT_ALPHABET = "".join(chr(c) for c in range(32, 127))
+
+
+def _port(_inst: Any, _attr: Any, value: int) -> None:
+    if not 1 <= value <= 65535:
+        raise ValueError(f"expected a TCP port in [1, 65535], found {value!r}")
+
+
+_port.__doc__ = "in [1, 65535]"
+
+
+@attrs.frozen
+class ServerSection:
+    """``[server]``: where the server listens, who may call it, where it keeps weights."""
+
+    host: str = option("127.0.0.1", help="address to listen on (--host overrides it)")
+    port: int = option(8000, help="TCP port to listen on (--port overrides it)", validator=_port)
+    api_keys: list[str] = option(factory=list, help="API keys the SDK may send as X-API-Key (each starts with 'tml-')")
+    api_keys_env: str | None = option(None, help="name of an environment variable holding comma-separated API keys")
+    api_keys_file: str | None = option(None, help="a file with one API key a line (blank lines and # comments skipped)")
+    storage: str = option("tinker-storage", help="fsspec URL (or folder) where sampler weights are written")
+    max_lora_rank: int = option(64, help="the largest LoRA rank a create_model request may ask for", validator=gt(0))
+    poll_seconds: float = option(
+        20.0, help="how long retrieve_future waits for a result before answering try_again (the SDK times out at 45 s)",
+        validator=in_interval(0, 40, low_open=True),
+    )
+    order_wait_seconds: float = option(
+        2.0, help="how long a model's request waits for a missing lower seq_id before it runs anyway", validator=ge(0)
+    )
+    seed: int = option(0, help="seed of the base models' preset weights (and of adapters whose request names none)")
+
+    def __attrs_post_init__(self) -> None:
+        bad = [k for k in self.api_keys if not k.startswith(KEY_PREFIX)]
+        if bad:
+            raise OptionError("api_keys", f"every key must start with {KEY_PREFIX!r} (the SDK refuses others), found {bad[0]!r}")
+
+
+@attrs.frozen
+class ServerSpec:
+    """A validated server file."""
+
+    path: pathlib.Path
+    server: ServerSection
+    api_keys: frozenset[str]
+    models: Mapping[str, PluginChoice]  # base-model name (as the SDK sends it) -> the family and its options
+    engine: PluginChoice
+    backend: PluginChoice
+    alphabets: Mapping[str, str]  # base-model name -> the characters of a preset's tokenizer (unused with path)
+
+
+TABLES = ("server", "models", "engine", "backend")
+
+
+def _choice(host: Any, kind: str, table: str, selector: str, section: Mapping[str, Any], prefix: str,
+            default: str | None, out: Located, also: tuple[str, ...] = ()) -> PluginChoice | None:
+    name = section.get(selector, default)
+    key = f"{prefix}.{selector}"
+    if not isinstance(name, str):
+        out.add(key, "missing required key" if name is None else f"expected a string, found {name!r}")
+        return None
+    try:
+        reg = host.get(kind, name)
+    except UserError as exc:
+        for p in exc.problems:
+            out.add(key, p.message)
+        return None
+    if reg.config is None:
+        extra = [k for k in section if k != selector and k not in also]
+        for k in extra:
+            out.add(f"{prefix}.{k}", f"unknown key: {reg.name!r} takes no options")
+        return None if extra else PluginChoice(table, reg, None)
+    config = structure_table(reg.config, section, prefix, out, skip=[selector, *also])
+    return None if config is None else PluginChoice(table, reg, config)
+
+
+def _read_keys_file(path: str, base: pathlib.Path, out: Located) -> list[str]:
+    p = pathlib.Path(path)
+    p = p if p.is_absolute() else base / p
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        out.add("server.api_keys_file", f"cannot read {str(p)!r}: {exc.strerror or exc}")
+        return []
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def api_keys(server: ServerSection, base: pathlib.Path, environ: Mapping[str, str], out: Located) -> frozenset[str]:
+    """Every accepted key: the file's list, its env var, its key file and ``SKYRL_API_KEYS``."""
+    keys = list(server.api_keys)
+    if server.api_keys_env is not None:
+        value = environ.get(server.api_keys_env)
+        if value is None:
+            out.add("server.api_keys_env", f"the environment variable {server.api_keys_env!r} is not set")
+        else:
+            keys += [k.strip() for k in value.split(",") if k.strip()]
+    if server.api_keys_file is not None:
+        keys += _read_keys_file(server.api_keys_file, base, out)
+    keys += [k.strip() for k in environ.get(ENV_KEYS, "").split(",") if k.strip()]
+    bad = [k for k in keys if not k.startswith(KEY_PREFIX)]
+    if bad:
+        out.add("server.api_keys", f"every key must start with {KEY_PREFIX!r} (the SDK refuses others); "
+                f"one key read from the file, its env var or {ENV_KEYS} does not")
+    if not keys:
+        out.add("server", f"no API keys: set [server] api_keys, api_keys_env or api_keys_file, or the env {ENV_KEYS}")
+    return frozenset(keys)
+
+
+def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, str] | None = None) -> ServerSpec:
+    """Read and validate a server file, or raise a UserError listing every problem."""
+    environ = os.environ if environ is None else environ
+    data, text = read_toml(path)
+    out = Located(str(path), locate_keys(text))
+    for key, value in data.items():
+        if key not in TABLES:
+            out.add(key, f"unknown table{did_you_mean(key, TABLES)}; valid tables: {quoted_list(TABLES)}")
+        elif not isinstance(value, dict):
+            out.add(key, f"expected a table [{key}], found {value!r}")
+
+    def table(name: str) -> dict[str, Any]:
+        value = data.get(name, {})
+        return value if isinstance(value, dict) else {}
+
+    server = structure_table(ServerSection, table("server"), "server", out)
+    keys = api_keys(server, pathlib.Path(path).resolve().parent, environ, out) if server is not None else frozenset()
+
+    models: dict[str, PluginChoice] = {}
+    alphabets: dict[str, str] = {}
+    if not table("models"):
+        out.add("models", 'missing required table: at least one [models."NAME"] with family = "..." (and preset or path)')
+    for name, section in table("models").items():
+        prefix = f"models.{name}"
+        if not isinstance(section, dict):
+            out.add(prefix, f'expected a table [models."{name}"] with family = "...", found {section!r}')
+            continue
+        choice = _choice(host, "models", "model", "family", section, prefix, None, out, also=("alphabet",))
+        alphabet = section.get("alphabet", DEFAULT_ALPHABET)
+        if not isinstance(alphabet, str) or not alphabet or len(set(alphabet)) != len(alphabet):
+            out.add(f"{prefix}.alphabet", f"expected a string of distinct characters, found {alphabet!r}")
+        elif choice is not None:
+            models[name] = choice
+            alphabets[name] = alphabet
+
+    engine = _choice(host, "engines", "engine", "name", table("engine"), "engine", "embedded", out)
+    backend = _choice(host, "backends", "backend", "name", table("backend"), "backend", "torch", out)
+    if backend is not None and getattr(backend.config, "lora_rank", 0):
+        out.add("backend.lora_rank", "each create_model request chooses its LoRA rank (LoraConfig.rank); "
+                "limit it with [server] max_lora_rank")
+    if out.problems:
+        out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
+        raise UserError(out.problems)
+    assert server is not None and engine is not None and backend is not None
+    return ServerSpec(pathlib.Path(path), server, keys, models, engine, backend, alphabets)
+
+
+__all__ = ["ServerSection", "ServerSpec", "load_server_file", "api_keys", "ENV_KEYS"]

@@ -1,0 +1,121 @@
+"""The protobuf bodies, through the messages the SDK itself ships (``tinker.proto.tinker_public_pb2``):
+ForwardBackwardRequest in, ForwardBackwardOutput and SampleResponse out."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from skyrl_server._errors import BadRequest
+
+MAX_BODY = 1 << 30  # the largest (decompressed) body accepted
+
+PROTOBUF = "application/x-protobuf"
+
+
+def _pb() -> Any:
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
+def decompress(body: bytes, encoding: str | None) -> bytes:
+    """The body as sent before ``Content-Encoding`` (zstd or none)."""
+    if not encoding or encoding == "identity":
+        return body
+    if encoding != "zstd":
+        raise BadRequest(f"Content-Encoding {encoding!r} is not accepted (zstd or none)", status=415)
+    import zstandard
+
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
+    except zstandard.ZstdError as exc:
+        raise BadRequest(f"the zstd body does not decompress: {exc}") from None
+
+
+def _array(msg: Any, what: str) -> np.ndarray:
+    pb = _pb()
+    dtypes = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+    if msg.dtype not in dtypes:
+        raise BadRequest(f"{what}: tensor dtype {msg.dtype} is not accepted (float32, int64 or int32)")
+    if msg.HasField("sparse_csr"):
+        raise BadRequest(f"{what}: sparse tensors are not served yet; send it dense")
+    dtype = np.dtype(dtypes[msg.dtype])
+    if len(msg.dense) % dtype.itemsize:
+        raise BadRequest(f"{what}: {len(msg.dense)} bytes is not a whole number of {dtype.name} values")
+    arr = np.frombuffer(msg.dense, dtype=dtype)
+    shape = list(msg.shape)
+    if shape and int(np.prod(shape)) != arr.size:
+        raise BadRequest(f"{what}: shape {shape} does not hold {arr.size} values")
+    if dtype.kind == "f" and not np.isfinite(arr).all():
+        raise BadRequest(f"{what}: holds a NaN or an infinity")
+    return arr
+
+
+def forward_backward_request(body: bytes) -> dict[str, Any]:
+    """The request's fields; each datum as ``{"tokens": int64 [N], "inputs": {name: array}}``."""
+    from google.protobuf.message import DecodeError
+
+    msg = _pb().ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise BadRequest(f"the body is not a ForwardBackwardRequest protobuf ({exc})") from None
+    data = []
+    for i, datum in enumerate(msg.data):
+        parts = []
+        for chunk in datum.model_input:
+            kind = chunk.WhichOneof("chunk")
+            if kind != "encoded_text":
+                raise BadRequest(f"datum {i}: only encoded_text chunks are served (found {kind or 'an empty chunk'})")
+            tokens = chunk.encoded_text.tokens
+            if len(tokens) % 4:
+                raise BadRequest(f"datum {i}: encoded_text tokens are not whole int32 values")
+            parts.append(np.frombuffer(tokens, dtype=np.int32))
+        tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        inputs = {name: _array(t, f"datum {i}: loss_fn_inputs[{name!r}]") for name, t in datum.loss_fn_inputs.items()}
+        data.append({"tokens": tokens, "inputs": inputs})
+    config = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        if v.WhichOneof("value") == "number":
+            config[k] = float(v.number)
+    if not msg.model_id:
+        raise BadRequest("model_id: missing")
+    return {"model_id": msg.model_id, "seq_id": int(msg.seq_id), "loss_fn": msg.loss_fn, "config": config,
+            "forward_only": bool(msg.forward_only), "data": data}
+
+
+def _batched(arrays: Sequence[np.ndarray]) -> Any:
+    pb = _pb()
+    arrays = [np.ascontiguousarray(a, dtype=np.float32) for a in arrays]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([a.nbytes for a in arrays])
+    data = b"".join(a.tobytes() for a in arrays)
+    return pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32)
+
+
+def forward_backward_output(outputs: Sequence[Mapping[str, np.ndarray]], metrics: Mapping[str, float]) -> bytes:
+    pb = _pb()
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=dict(metrics))
+    if outputs:
+        record = msg.loss_fn_outputs.add()
+        record.type_tag = "ArrayRecord"
+        record.num_datums = len(outputs)
+        for name in outputs[0]:
+            record.fields[name].CopyFrom(_batched([o[name] for o in outputs]))
+    return msg.SerializeToString()
+
+
+def sample_response(result: Mapping[str, Any]) -> bytes:
+    pb = _pb()
+    reasons = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+    msg = pb.SampleResponse()
+    for seq in result["sequences"]:
+        s = msg.sequences.add()
+        s.stop_reason = reasons[seq["stop_reason"]]
+        s.tokens = np.ascontiguousarray(seq["tokens"], dtype=np.int32).tobytes()
+        s.logprobs = np.ascontiguousarray(seq["logprobs"], dtype=np.float32).tobytes()
+    if result.get("prompt_logprobs") is not None:
+        msg.prompt_logprobs = np.ascontiguousarray(result["prompt_logprobs"], dtype=np.float32).tobytes()
+    return msg.SerializeToString()

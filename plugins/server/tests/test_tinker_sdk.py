@@ -1,0 +1,221 @@
+"""The official tinker SDK (tinker.ServiceClient) against ``skyrl serve``, on the tiny preset.
+
+One server for the module, on 127.0.0.1 at a free port, in a thread. The numbers are
+checked against the same preset built here and scored with plain torch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+torch = pytest.importorskip("torch")
+from tinker import types  # noqa: E402
+
+BASE = "skyrl/qwen-tiny"
+KEY = "tml-test-key"
+ALPHABET = "0123456789:abcdef"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from skyrl_host.plugins import build_host
+    from skyrl_server._app import STATE, build, runner
+    from skyrl_server._config import load_server_file
+
+    folder = tmp_path_factory.mktemp("serve")
+    path = folder / "server.toml"
+    path.write_text(f"""
+[server]
+api_keys = ["{KEY}"]
+storage = "{folder / 'storage'}"
+max_lora_rank = 8
+poll_seconds = 5
+
+[models."{BASE}"]
+family = "qwen"
+preset = "tiny"
+alphabet = "{ALPHABET}"
+""")
+    host = build_host()
+    spec = load_server_file(path, host, environ={})
+    app = build(spec, host)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    run = runner(app)
+    started = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(run.setup())
+        from aiohttp import web
+
+        loop.run_until_complete(web.TCPSite(run, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    base = app[STATE].service.bases[BASE]
+    yield {"url": f"http://127.0.0.1:{port}", "base": base, "host": host}
+    asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    client = tinker.ServiceClient(base_url=server["url"], api_key=KEY)
+    yield client
+    client.close("completed")
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """The preset's own weights, built again here: logprobs of plain torch."""
+    host = server["host"]
+    reg = host.get("models", "qwen")
+    family = reg.create(reg.config(preset="tiny"))
+    model = family.load(alphabet=ALPHABET, seed=0).model.float().eval()
+
+    def logprobs(inputs, targets):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([inputs])).logits[0].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(targets)[:, None])[:, 0].numpy()
+
+    return logprobs
+
+
+def _datum(tokens, weights=None, **extra):
+    inputs = {"target_tokens": np.array(tokens[1:], dtype=np.int64)}
+    if weights is not None:
+        inputs["weights"] = np.asarray(weights, dtype=np.float32)
+    inputs.update({k: np.asarray(v, dtype=np.float32) for k, v in extra.items()})
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def _post(url, path, body, key):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **({"X-API-Key": key} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_cross_entropy_loss_and_logprobs_equal_a_hand_computation(service, reference) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    a, b = [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]
+    wa = [1.0, 0.5, 0.0, 2.0, 1.0, 1.0, 0.25]
+    out = training.forward_backward([_datum(a, wa), _datum(b, [1.0, 1.0, 1.0])], "cross_entropy").result()
+    lp_a, lp_b = (o["logprobs"].to_numpy() for o in out.loss_fn_outputs)
+    # B = 0 at the start: the adapted model is the base, scored here with plain torch.
+    np.testing.assert_allclose(lp_a, reference(a[:-1], a[1:]), atol=1e-5)
+    np.testing.assert_allclose(lp_b, reference(b[:-1], b[1:]), atol=1e-5)
+    hand = -(np.dot(wa, lp_a) + lp_b.sum())
+    assert out.metrics["loss:sum"] == pytest.approx(hand, rel=1e-5)
+    assert lp_a.max() < -1.0  # a random model: far from certain of any token
+
+
+def test_optim_step_lowers_the_loss_and_importance_sampling_matches(service) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+    data = [_datum([5, 6, 7, 8, 9, 5, 6, 7], [1.0] * 7)]
+    before = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    again = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert again == before  # forward-only: no gradient, no change
+    losses = []
+    for _ in range(6):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert losses[0] == pytest.approx(before, rel=1e-6)
+    assert after < 0.8 * before, (before, losses, after)
+
+    # importance_sampling: -sum(exp(logprobs - sampling_logprobs) * advantages)
+    tokens = [1, 2, 3, 4, 5, 6]
+    lp = training.forward([_datum(tokens, [1.0] * 5)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    sampling = lp - np.array([0.1, -0.2, 0.0, 0.3, 0.05], dtype=np.float32)
+    adv = np.array([1.0, -0.5, 2.0, 0.0, 1.5], dtype=np.float32)
+    out = training.forward([_datum(tokens, logprobs=sampling, advantages=adv)], "importance_sampling").result()
+    hand = -(np.exp(lp - sampling) * adv).sum()
+    assert out.metrics["loss:sum"] == pytest.approx(hand, rel=1e-5)
+
+
+def test_sampler_sees_the_trained_adapter_and_its_logprobs_equal_the_trainers(service) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    data = [_datum([9, 8, 7, 6, 5, 4], [1.0] * 5)]
+    for _ in range(3):
+        training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = [3, 1, 4]
+    res = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=3,
+                         sampling_params=types.SamplingParams(max_tokens=6, seed=7)).result()
+    assert len(res.sequences) == 3 and len({s.sequence_id for s in res.sequences}) == 3
+    for seq in res.sequences:
+        assert 1 <= len(seq.tokens) <= 6 and seq.stop_reason in ("stop", "length")
+        full = prompt + list(seq.tokens)
+        lp = training.forward([_datum(full, [1.0] * (len(full) - 1))], "cross_entropy").result()
+        trained = lp.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:]
+        np.testing.assert_allclose(np.array(seq.logprobs), trained, atol=1e-4)
+    # The same seed gives the same samples; a stop token ends a sequence at it.
+    again = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=3,
+                           sampling_params=types.SamplingParams(max_tokens=6, seed=7)).result()
+    assert [list(s.tokens) for s in again.sequences] == [list(s.tokens) for s in res.sequences]
+    first = res.sequences[0].tokens
+    stop = first[1] if len(first) > 1 else first[0]
+    cut = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=3,
+                         sampling_params=types.SamplingParams(max_tokens=6, seed=7, stop=[stop])).result()
+    expected = list(first[: list(first).index(stop) + 1])
+    assert list(cut.sequences[0].tokens) == expected and cut.sequences[0].stop_reason == "stop"
+    # The base model's sampler differs from the trained one's (the adapter is applied).
+    base = service.create_sampling_client(base_model=BASE).result()
+    base_res = base.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=1, seed=7)).result()
+    tok = int(base_res.sequences[0].tokens[0])
+    base_lp = base_res.sequences[0].logprobs[0]
+    trained_lp = training.forward([_datum(prompt + [tok], [1.0] * 3)], "cross_entropy").result()
+    assert abs(trained_lp.loss_fn_outputs[0]["logprobs"].to_numpy()[-1] - base_lp) > 1e-3
+
+
+def test_keys_and_bad_requests_answer_4xx(server, service) -> None:
+    url = server["url"]
+    with urllib.request.urlopen(url + "/api/v1/healthz", timeout=10) as r:
+        assert r.status == 200  # health needs no key
+    for key in (None, "tml-wrong"):
+        status, body = _post(url, "/api/v1/create_session", {"tags": [], "sdk_version": "x"}, key)
+        assert status == 401 and "X-API-Key" in body["error"]
+    status, body = _post(url, "/api/v1/create_session", {"tags": [], "sdk_version": "x"}, KEY)
+    session = body["session_id"]
+    lora = {"session_id": session, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 64}}
+    status, body = _post(url, "/api/v1/create_model", lora, KEY)
+    assert status == 400 and "rank must be in [1, 8]" in body["error"]
+    status, body = _post(url, "/api/v1/create_model", {**lora, "base_model": "nope", "lora_config": {"rank": 2}}, KEY)
+    assert status == 404 and "unknown base_model" in body["error"]
+    status, body = _post(url, "/api/v1/retrieve_future", {"request_id": 3}, KEY)
+    assert status == 400 and "request_id" in body["error"]
+    req = urllib.request.Request(url + "/api/v1/forward_backward", data=b"\xff\x00garbage", method="POST",
+                                 headers={"Content-Type": "application/x-protobuf", "X-API-Key": KEY})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 400
+    with pytest.raises(tinker.APIStatusError) as exc:
+        service.create_lora_training_client(base_model=BASE, rank=9).result()
+    assert exc.value.status_code == 400
+
+
+def test_a_wrong_key_is_refused_by_the_sdk(server) -> None:
+    with pytest.raises(tinker.APIStatusError) as exc:
+        tinker.ServiceClient(base_url=server["url"], api_key="tml-wrong").create_lora_training_client(
+            base_model=BASE, rank=2).result()
+    assert exc.value.status_code == 401

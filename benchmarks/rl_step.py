@@ -519,6 +519,8 @@ def summarize(records: list[dict[str, Any]], blocks: list[list[int]]) -> dict[st
         "tokenizer_time_excluded_per_step_median_s": round(median([r["tokenizer_time"] for r in m]), 5),
         "tokenizer_decode_calls_per_step_median": median([r["decode_calls"] for r in m]),
         "reward_mean_last_steps": round(statistics.fmean(r["reward_mean"] for r in m[-5:]), 3),
+        "step_times_s": [round(r["time"], 4) for r in m],  # in order, tokenizer time taken out
+        "tokens_per_step": [r["tokens"] for r in m],
     }
     if "train_tokens_per_s" in m[0]:
         out["train_tokens_per_s_median"] = round(median([r["train_tokens_per_s"] for r in m]), 1)

@@ -365,12 +365,15 @@ class App:
             else:
                 params[key] = value
         prompt_logprobs = bool(_get(body, "prompt_logprobs", bool, required=False, default=False))
+        last_n = _get(body, "prompt_logprobs_last_n", int, required=False)
+        if last_n is not None and last_n < 0:
+            raise BadRequest(f"prompt_logprobs_last_n must be >= 0, found {last_n}")
         if not 1 <= n <= 1024:
             raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
         request_id, future = self._new_future()
         ids = [f"{request_id}:{i}" for i in range(n)]
         asyncio.get_running_loop().create_task(self._settle(future, "proto", lambda: _wire.sample_response(
-            self.service.sample(sampling_id, tokens, n, params, prompt_logprobs))))
+            self.service.sample(sampling_id, tokens, n, params, prompt_logprobs, last_n))))
         return web.json_response({"request_id": request_id, "sample_sequence_ids": ids})
 
     # -- futures ------------------------------------------------------------------------

@@ -259,7 +259,7 @@ class Service:
         base.served = key
 
     def sample(self, sampling_session_id: str, prompt: Sequence[int], n: int, params: Mapping[str, Any],
-               prompt_logprobs: bool) -> dict[str, Any]:
+               prompt_logprobs: bool, last_n: int | None = None) -> dict[str, Any]:
         """``n`` sequences: tokens, logprobs, stop reason ("stop" or "length")."""
         weights = self.sampler(sampling_session_id)
         base = self.bases[weights.base]
@@ -309,7 +309,10 @@ class Service:
             sequences.append({"tokens": tokens, "logprobs": logprobs, "stop_reason": reason})
         result: dict[str, Any] = {"sequences": sequences}
         if prompt_logprobs:
-            result["prompt_logprobs"] = self._prompt_logprobs(base, prompt)
+            lp = self._prompt_logprobs(base, prompt)
+            if last_n is not None:  # only the last N are scored
+                lp[: max(len(lp) - last_n, 0)] = np.nan
+            result["prompt_logprobs"] = lp
         return result
 
     def _prompt_logprobs(self, base: BaseModel, prompt: list[int]) -> np.ndarray:

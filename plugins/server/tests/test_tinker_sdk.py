@@ -219,3 +219,38 @@ def test_a_wrong_key_is_refused_by_the_sdk(server) -> None:
         tinker.ServiceClient(base_url=server["url"], api_key="tml-wrong").create_lora_training_client(
             base_model=BASE, rank=2).result()
     assert exc.value.status_code == 401
+
+
+def test_compute_logprobs_and_models_that_share_a_base_stay_apart(service) -> None:
+    one = service.create_lora_training_client(base_model=BASE, rank=2, seed=3).result()
+    two = service.create_lora_training_client(base_model=BASE, rank=2, seed=3).result()
+    data = [_datum([4, 4, 2, 2, 4, 4], [1.0] * 5)]
+    start = two.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    for _ in range(3):
+        one.forward_backward(data, "cross_entropy").result()
+        one.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    trained = one.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    untouched = two.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_array_equal(untouched, start)  # training one adapter leaves the other (and the base) alone
+    assert trained.sum() > start.sum() + 0.5
+    sampler = one.save_weights_and_get_sampling_client().result()
+    tokens = [4, 4, 2, 2, 4, 4]
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert scored[0] is None and len(scored) == len(tokens)
+    np.testing.assert_allclose(np.array(scored[1:], dtype=np.float32), trained, atol=1e-4)
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=2).result()
+    assert last[:-2] == [None] * 4 and np.allclose(last[-2:], trained[-2:], atol=1e-4)
+
+
+def test_a_repeated_seq_id_is_answered_once(server, service) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=2).result()
+    url, model_id = server["url"], training.model_id
+    adam = {"learning_rate": 0.1}
+    status, first = _post(url, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 1, "optim_params": adam}, KEY)
+    assert status == 200
+    status, again = _post(url, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 1, "optim_params": adam}, KEY)
+    assert status == 200 and again["request_id"] == first["request_id"]
+    status, done = _post(url, "/api/v1/retrieve_future", {"request_id": first["request_id"]}, KEY)
+    assert status == 200 and "grad_norm:mean" in done["metrics"]
+    status, late = _post(url, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 0, "optim_params": adam}, KEY)
+    assert status == 400 and "seq_id" in late["error"]

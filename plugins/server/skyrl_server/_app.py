@@ -435,14 +435,27 @@ def runner(app: web.Application) -> web.AppRunner:
     return web.AppRunner(app, auto_decompress=False, access_log=None)
 
 
-async def serve_forever(app: web.Application, host: str, port: int) -> None:
+async def serve_forever(app: web.Application, host: str, port: int, on_start: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then close every connection."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
     run = runner(app)
     await run.setup()
     await web.TCPSite(run, host, port).start()
+    if on_start is not None:
+        on_start()
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await run.cleanup()
+        app[STATE].worker.shutdown(wait=True)
 
 
 def build(spec: Any, host: Any) -> web.Application:

@@ -25,11 +25,16 @@ def serve(path: str, host_plugins: object, *, host: str | None = None, port: int
     server = attrs.evolve(spec.server, **{k: v for k, v in (("host", host), ("port", port)) if v is not None})
     spec = attrs.evolve(spec, server=server)
     app = build(spec, host_plugins)
-    click.echo(f"skyrl serve: {', '.join(spec.models)} on http://{server.host}:{server.port}", err=True)
+
+    def started() -> None:
+        click.echo(f"skyrl serve: {', '.join(spec.models)} on http://{server.host}:{server.port}", err=True)
+
     try:
-        asyncio.run(serve_forever(app, server.host, server.port))
-    except KeyboardInterrupt:
-        pass
+        asyncio.run(serve_forever(app, server.host, server.port, started))
+    except OSError as exc:  # the address is taken or cannot be bound
+        from skyrl_host.errors import UserError
+
+        raise UserError(f"cannot listen on {server.host}:{server.port}: {exc.strerror or exc}") from None
 
 
 @hookimpl

@@ -81,3 +81,38 @@ def test_skyrl_serve_exits_2_with_one_line(host, tmp_path, capsys) -> None:
     assert main(["serve", str(path)], host=host) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"{path}:3: server.port" in err
+
+
+def test_skyrl_serve_serves_until_sigterm(tmp_path) -> None:
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = _write(tmp_path, GOOD.replace("port = 8123", f"port = 1\nstorage = \"{tmp_path / 'store'}\""))
+    proc = subprocess.Popen([sys.executable, "-c", "from skyrl_host.cli import entry; entry()", "serve", str(path),
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while not any(f"on http://127.0.0.1:{port}" in line for line in seen):  # printed once it listens
+            line = proc.stderr.readline()
+            assert line, "".join(seen)  # it exited
+            seen.append(line)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=10) as r:
+            assert json.loads(r.read()) == {"status": "ok"}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/get_server_capabilities",
+                                     headers={"X-API-Key": "tml-a"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read())["supported_models"][0]["model_name"] == "Qwen/Qwen3-0.6B"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0 and time.monotonic() - start < 30
+    finally:
+        proc.kill()
+        proc.wait()

@@ -15,6 +15,7 @@ from skyrl_host.errors import Problem, UserError
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
 from skyrl_models.kimi import (
+    FULL_MODEL_TYPES,
     FULL_PRESETS,
     INITIALIZER_RANGE,
     MAX_POSITION_EMBEDDINGS,
@@ -76,24 +77,25 @@ def preset_config(config: KimiConfig, tokenizer: Any) -> Any:
 
 
 def full_config(name: str) -> Any:
-    """The ``DeepseekV3Config`` of a full-size Kimi K2 architecture ('kimi-k2',
-    'kimi-k2.6', 'kimi-k2.7'): a configuration only, no weights are built."""
-    from transformers import DeepseekV3Config
+    """The config of a full-size architecture: ``DeepseekV3Config`` for Kimi K2
+    ('kimi-k2', 'kimi-k2.6', 'kimi-k2.7'), ``DeepseekV32Config`` for 'deepseek-v3.2'
+    (:data:`FULL_MODEL_TYPES`): a configuration only, no weights are built."""
+    from transformers import AutoConfig
 
     if name not in FULL_PRESETS:
         names = ", ".join(repr(p) for p in FULL_PRESETS)
         raise ValueError(f"expected one of {names}, found {name!r}")
-    return DeepseekV3Config(**dict(FULL_PRESETS[name]))
+    return AutoConfig.for_model(FULL_MODEL_TYPES.get(name, "deepseek_v3"), **dict(FULL_PRESETS[name]))
 
 
 def estimate_parameters(hf_config: Any) -> tuple[int, int]:
     """(total, active per token) parameters of a ``DeepseekV3Config``, counted on
     a model built on the meta device (no memory is allocated for weights).
     Active = total minus the routed experts a token does not use."""
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config)
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
     e, k = hf_config.n_routed_experts, hf_config.num_experts_per_tok

@@ -45,7 +45,7 @@ def _family_presets(family: str) -> Iterator[tuple[str, str, bool]]:
         for name in mod.PRESETS:
             yield name, mod.PRESET_MODEL_TYPES[name], True
         for name in mod.FULL_PRESETS:
-            yield name, "deepseek_v3", False
+            yield name, mod.FULL_MODEL_TYPES.get(name, "deepseek_v3"), False
     elif family == "nemotron":
         for name in mod.PRESETS:
             yield name, "nemotron_h", True

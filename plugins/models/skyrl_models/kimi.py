@@ -145,11 +145,20 @@ _KIMI_K2: Mapping[str, Any] = {
     "tie_word_embeddings": False,
     "num_mtp_layers": 0,
 }
+# DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2-Exp): transformers' DeepseekV32Config
+# defaults, which its documentation names after that checkpoint and which are the
+# published config.json's numbers (61 layers, the first 3 dense, 256 experts top-8 in 8
+# groups of which 4 are eligible, MLA, the indexer keeping 2,048 keys with 64 heads of
+# 128): an empty mapping means exactly those defaults. ~671B parameters, ~37B active
+# (its multi-token-prediction layer is not part of transformers' model).
 FULL_PRESETS: Mapping[str, Mapping[str, Any]] = {
     "kimi-k2": _KIMI_K2,
     "kimi-k2.6": _KIMI_K2,
     "kimi-k2.7": _KIMI_K2,
+    "deepseek-v3.2": {},
 }
+FULL_MODEL_TYPES: Mapping[str, str] = {"deepseek-v3.2": "deepseek_v32"}
+"""The ``model_type`` of each full-size architecture not built as ``deepseek_v3``."""
 
 
 _check_preset = preset_validator(PRESETS, FULL_PRESETS)

@@ -144,7 +144,7 @@ def test_greedy_generation_through_the_embedded_engine() -> None:
 
 
 def test_full_size_configs_count_about_1t_total_32b_active_on_meta() -> None:
-    assert set(FULL_PRESETS) == {"kimi-k2", "kimi-k2.6", "kimi-k2.7"}
+    assert set(FULL_PRESETS) == {"kimi-k2", "kimi-k2.6", "kimi-k2.7", "deepseek-v3.2"}
     cfg = _kimi_impl.full_config("kimi-k2")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok) == (7168, 61, 384, 8)
     assert (cfg.n_shared_experts, cfg.vocab_size, cfg.kv_lora_rank, cfg.q_lora_rank) == (1, 163840, 512, 1536)
@@ -153,6 +153,19 @@ def test_full_size_configs_count_about_1t_total_32b_active_on_meta() -> None:
     assert 1.0e12 < total < 1.06e12 and 31e9 < active < 34e9
     with pytest.raises(ValueError, match="kimi-k2"):
         _kimi_impl.full_config("kimi-k3")
+
+
+def test_deepseek_v32_full_config_is_the_published_one_about_671b_total_37b_active() -> None:
+    cfg = _kimi_impl.full_config("deepseek-v3.2")
+    assert cfg.model_type == "deepseek_v32"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.vocab_size) == (7168, 61, 3, 129280)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group) == (256, 8, 8, 4)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim) == (1536, 512, 128, 64)
+    assert (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (2048, 64, 128)
+    total, active = _kimi_impl.estimate_parameters(cfg)
+    assert 6.6e11 < total < 6.9e11 and 36e9 < active < 39e9, (total, active)
+    with pytest.raises(ValueError, match="full-size architecture"):
+        KimiConfig(preset="deepseek-v3.2")
 
 
 def test_a_kimi_k25_folder_loads_its_text_model(tmp_path: pathlib.Path) -> None:

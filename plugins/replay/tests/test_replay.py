@@ -97,6 +97,7 @@ MOE_PRESETS = [
     ("kimi", "tiny-kimi-linear"),
     ("kimi", "tiny-kimi"),
     ("nemotron", "tiny-nemotron-h"),
+    ("nemotron", "tiny-nemotron-3-super"),
 ]
 
 

@@ -251,6 +251,13 @@ FULL_PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     ),
 }
 FULL_PRESETS = {**FULL_PRESETS, "glm-4.6": FULL_PRESETS["glm-4.5"], "glm-4.7": FULL_PRESETS["glm-4.5"]}
+# GLM-5.3-Flash's text model: transformers' Glm5NextTextConfig defaults, which its
+# documentation names after zai-org/GLM-5.3-Flash (an empty mapping = exactly those):
+# 45 layers (34 Kimi-Delta linear-attention, 11 MLA with the sparse-attention indexer;
+# the first 3 dense), hidden 4096, 288 routed experts top-8, 4 hyper-connection streams;
+# ~313B parameters, ~17.4B active on the meta device. Not checked against the
+# checkpoint's own config.json (none can be downloaded here): a folder's config wins.
+FULL_PRESETS = {**FULL_PRESETS, "glm-5.3-flash": ("glm5_next_text", {})}
 
 
 _check_preset = preset_validator(PRESETS, FULL_PRESETS, full_config="skyrl_models.glm.full_config")

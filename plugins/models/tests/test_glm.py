@@ -357,5 +357,10 @@ def test_full_configs_build_without_weights() -> None:
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok) == (2048, 47, 64, 4)
     assert cfg.vocab_size == 154880 and cfg.routed_scaling_factor == 1.8
     assert full_config("glm-4.7").to_dict() == full_config("glm-4.5").to_dict()
+    # GLM-5.3-Flash: the text config's class defaults (named after zai-org/GLM-5.3-Flash)
+    cfg = full_config("glm-5.3-flash")
+    assert cfg.model_type == "glm5_next_text" and cfg.layer_types.count("indexed_attention") == 11
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok) == (4096, 45, 288, 8)
+    assert abs(count_parameters(cfg) / 1e9 - 313.3) < 0.5
     with pytest.raises(KeyError):
         glm.full_config("glm-9")

@@ -15,6 +15,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import time
 import traceback
 import uuid
 from typing import Any, Awaitable, Callable, Mapping
@@ -30,16 +31,21 @@ log = logging.getLogger("skyrl.serve")
 OPEN_ROUTES = {"/api/v1/healthz"}
 
 
+KEEP_SECONDS = 900.0  # a finished future's result stays retrievable this long (the SDK retries a lost poll)
+
+
 class Future:
-    __slots__ = ("event", "kind", "value")
+    __slots__ = ("event", "kind", "value", "finished_at")
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.kind = ""  # "json" | "proto" | "error"
         self.value: Any = None
+        self.finished_at = 0.0
 
     def finish(self, kind: str, value: Any) -> None:
         self.kind, self.value = kind, value
+        self.finished_at = time.monotonic()
         self.event.set()
 
 
@@ -139,10 +145,20 @@ class App:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
 
     def _new_future(self) -> tuple[str, Future]:
+        if len(self.futures) % 1024 == 1023:
+            self._forget_old_futures()
         request_id = uuid.uuid4().hex
         future = Future()
         self.futures[request_id] = future
         return request_id, future
+
+    def _forget_old_futures(self) -> None:
+        """Drop results finished more than KEEP_SECONDS ago (memory stays bounded by the recent rate)."""
+        cutoff = time.monotonic() - KEEP_SECONDS
+        old = {rid for rid, f in self.futures.items() if f.event.is_set() and f.finished_at < cutoff}
+        for rid in old:
+            del self.futures[rid]
+        self.seen = {k: rid for k, rid in self.seen.items() if rid not in old}
 
     async def _settle(self, future: Future, kind: str, fn: Callable[[], Any]) -> None:
         try:
@@ -370,6 +386,8 @@ class App:
             raise BadRequest(f"prompt_logprobs_last_n must be >= 0, found {last_n}")
         if not 1 <= n <= 1024:
             raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
+        if params.get("max_tokens", 1) < 1:
+            raise BadRequest(f"sampling_params.max_tokens must be at least 1, found {params['max_tokens']}")
         request_id, future = self._new_future()
         ids = [f"{request_id}:{i}" for i in range(n)]
         asyncio.get_running_loop().create_task(self._settle(future, "proto", lambda: _wire.sample_response(

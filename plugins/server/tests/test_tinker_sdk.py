@@ -254,3 +254,40 @@ def test_a_repeated_seq_id_is_answered_once(server, service) -> None:
     assert status == 200 and "grad_norm:mean" in done["metrics"]
     status, late = _post(url, "/api/v1/optim_step", {"model_id": model_id, "seq_id": 0, "optim_params": adam}, KEY)
     assert status == 400 and "seq_id" in late["error"]
+
+
+ROUTES = ["client/config", "create_session", "session_heartbeat", "telemetry", "sessions/nope/finish", "create_model",
+          "get_info", "unload_model", "forward_backward", "optim_step", "save_weights_for_sampler",
+          "create_sampling_session", "asample", "retrieve_future", "save_weights", "load_weights"]
+BODIES = [b"", b"{}", b"[]", b"null", b'"x"', b"\xff\xfe\x00", b'{"model_id": 5, "seq_id": "a"}',
+          b'{"session_id": "nope", "model_seq_id": -1, "base_model": "' + BASE.encode() + b'", "lora_config": {"rank": "8"}}',
+          b'{"sampling_session_id": "nope", "prompt": {"chunks": [{"tokens": [1, -5]}]}, "sampling_params": {}}',
+          b'{"base_model": "' + BASE.encode() + b'", "prompt": {"chunks": [{"tokens": [1, 2]}]}, '
+          b'"sampling_params": {"max_tokens": -3}, "num_samples": 2}',
+          b'{"model_id": "x:train:0", "optim_params": {"learning_rate": "fast"}}']
+
+
+def test_fuzzed_bodies_get_4xx_never_5xx(server) -> None:
+    url = server["url"]
+    for route in ROUTES:
+        for body in BODIES:
+            for ctype in ("application/json", "application/x-protobuf"):
+                req = urllib.request.Request(f"{url}/api/v1/{route}", data=body, method="POST",
+                                             headers={"Content-Type": ctype, "X-API-Key": KEY})
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as r:
+                        status, text = r.status, r.read()
+                except urllib.error.HTTPError as e:
+                    status, text = e.code, e.read()
+                assert status < 500, (route, body, status, text)
+                if status >= 400:
+                    message = json.loads(text)["error"]
+                    assert message and "\n" not in message, (route, body, message)
+    status, reply = _post(url, "/api/v1/asample", json.loads(BODIES[9]), KEY)
+    assert status == 400 and "max_tokens must be at least 1" in reply["error"]
+    # A prompt longer than the context is refused when it is computed: the future holds a user error.
+    long = {"base_model": BASE, "prompt": {"chunks": [{"tokens": [1] * 600}]}, "sampling_params": {"max_tokens": 4}}
+    status, reply = _post(url, "/api/v1/asample", long, KEY)
+    assert status == 200 and len(reply["sample_sequence_ids"]) == 1
+    status, result = _post(url, "/api/v1/retrieve_future", {"request_id": reply["request_id"]}, KEY)
+    assert status == 200 and result["category"] == "user" and "context" in result["error"]

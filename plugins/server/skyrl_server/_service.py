@@ -65,8 +65,13 @@ class TrainingModel:
     steps: int = 0
 
 
-LOSSES = ("cross_entropy", "importance_sampling")
-LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"), "importance_sampling": ("target_tokens", "logprobs", "advantages")}
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"), "importance_sampling": _RL_INPUTS, "ppo": _RL_INPUTS,
+               "cispo": _RL_INPUTS}
+# loss_fn_config keys and their defaults (the SDK's documented ones): bounds of the clipped ratio.
+LOSS_CONFIG = {"ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+               "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}}
 
 
 class Service:
@@ -145,6 +150,13 @@ class Service:
         base = self.bases[tm.base]
         if loss_fn not in LOSSES:
             raise BadRequest(f"loss_fn {loss_fn!r} is not served yet; served: {list(LOSSES)}")
+        known = LOSS_CONFIG.get(loss_fn, {})
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise BadRequest(f"loss_fn_config: {loss_fn!r} takes {sorted(known) or 'no keys'}, found {unknown}")
+        config = {**known, **config}
+        if known and not config["clip_low_threshold"] <= config["clip_high_threshold"]:
+            raise BadRequest("loss_fn_config: clip_low_threshold must not exceed clip_high_threshold")
         for i, datum in enumerate(data):
             tokens = datum["tokens"]
             if len(tokens) == 0:
@@ -360,7 +372,9 @@ def _loss(name: str, logprobs: Any, inputs: Mapping[str, np.ndarray], config: Ma
     """The per-token loss (float32 [N]) of ``name``: the SDK's definitions.
 
     - ``cross_entropy``: ``-weights * logprobs``;
-    - ``importance_sampling``: ``-exp(logprobs - sampling_logprobs) * advantages``."""
+    - ``importance_sampling``: ``-ratio * advantages``, ``ratio = exp(logprobs - sampling_logprobs)``;
+    - ``ppo``: ``-min(ratio * advantages, clip(ratio, low, high) * advantages)``;
+    - ``cispo``: ``-sg(clip(ratio, low, high)) * logprobs * advantages`` (sg: no gradient)."""
     import torch
 
     def tensor(key: str) -> Any:
@@ -369,7 +383,13 @@ def _loss(name: str, logprobs: Any, inputs: Mapping[str, np.ndarray], config: Ma
     if name == "cross_entropy":
         return -tensor("weights") * logprobs
     ratio = torch.exp(logprobs - tensor("logprobs"))
-    return -ratio * tensor("advantages")
+    adv = tensor("advantages")
+    if name == "importance_sampling":
+        return -ratio * adv
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    if name == "ppo":
+        return -torch.minimum(ratio * adv, clipped * adv)
+    return -clipped.detach() * logprobs * adv
 
 
 def safetensors_bytes(tensors: Mapping[str, Any], config: Mapping[str, Any], base: str) -> bytes:

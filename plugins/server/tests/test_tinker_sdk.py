@@ -291,3 +291,32 @@ def test_fuzzed_bodies_get_4xx_never_5xx(server) -> None:
     assert status == 200 and len(reply["sample_sequence_ids"]) == 1
     status, result = _post(url, "/api/v1/retrieve_future", {"request_id": reply["request_id"]}, KEY)
     assert status == 200 and result["category"] == "user" and "context" in result["error"]
+
+
+def test_ppo_and_cispo_equal_hand_computations(service) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=2, seed=4).result()
+    tokens = [7, 3, 5, 1, 2, 6, 4]
+    lp = training.forward([_datum(tokens, [1.0] * 6)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    lp = lp.astype(np.float64)
+    shift = np.array([0.5, -0.5, 0.05, -0.05, 1.5, 0.0])  # ratios e^0.5, e^-0.5, ~1, ~1, e^1.5, 1
+    sampling = (lp - shift).astype(np.float32)
+    adv = np.array([1.0, 1.0, -1.0, 2.0, -0.5, 1.0], dtype=np.float32)
+    ratio = np.exp(lp - sampling.astype(np.float64))
+    cases = [
+        ("ppo", None, -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).sum()),
+        ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
+         -np.minimum(ratio * adv, np.clip(ratio, 0.5, 2.0) * adv).sum()),
+        ("cispo", None, -(np.clip(ratio, 0.0, 4.0) * lp * adv).sum()),
+        ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, -(np.clip(ratio, 0.9, 1.1) * lp * adv).sum()),
+    ]
+    data = [_datum(tokens, logprobs=sampling, advantages=adv)]
+    for loss_fn, config, hand in cases:
+        out = training.forward(data, loss_fn, loss_fn_config=config).result()
+        assert out.metrics["loss:sum"] == pytest.approx(hand, rel=1e-5), (loss_fn, config)
+    with pytest.raises(Exception, match="clip_lo_threshold"):
+        training.forward(data, "ppo", loss_fn_config={"clip_lo_threshold": 0.5}).result()
+    # A loss with a gradient trains: cispo's step raises the logprob of positive-advantage tokens.
+    training.forward_backward(data, "cispo").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = training.forward([_datum(tokens, [1.0] * 6)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert np.dot(after - lp, adv) > 0

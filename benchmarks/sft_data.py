@@ -2,7 +2,7 @@
 
     python benchmarks/sft_data.py [--tokens 1e9] [--small-tokens 1e7] [--sample-tokens 2e8]
         [--hf-tokens 5e7] [--hf-sample-tokens 3e7] [--tokens-per-step 16384] [--max-seq-len 4096]
-        [--strategy shuffled] [--repeats 3] [--opens 5] [--cold-tokens 2e7] [--tmp-dir /tmp]
+        [--strategy shuffled] [--repeats 5] [--opens 5] [--cold-tokens 2e7] [--tmp-dir /tmp]
         [--keep] [--seed 0] [--quick]
 
 The corpus. ``--tokens`` synthetic token ids (uniform in a 50,257-id vocabulary, so
@@ -376,7 +376,7 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=4096, help="the job's max_seq_len (longer documents are split)")
     ap.add_argument("--strategy", choices=("shuffled", "sequential"), default="shuffled", help="the job's [data] strategy")
     ap.add_argument("--opens", type=int, default=5, help="processes timing open_corpus, per corpus")
-    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds of the compared runs")
+    ap.add_argument("--repeats", type=int, default=5, help="alternating rounds of the compared runs")
     ap.add_argument("--tmp-dir", default="/tmp", help="where the corpora are written (needs ~3.1 GB per 1B tokens)")
     ap.add_argument("--keep", action="store_true", help="keep the corpora (printed paths)")
     ap.add_argument("--seed", type=int, default=0)

@@ -327,6 +327,49 @@ class App:
 
         return web.json_response(self._model_future(model_id, seq_id, "json", run))
 
+    async def save_weights(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        model_id = _get(body, "model_id", str)
+        seq_id = _get(body, "seq_id", int, required=False)
+        name = _get(body, "path", str, required=False) or f"state-{uuid.uuid4().hex[:12]}"
+        path = sampler_path(model_id, name, "weights")
+
+        def run() -> dict[str, Any]:
+            self.service.save_state(model_id, path)
+            return {"type": "save_weights", "path": path}
+
+        return web.json_response(self._model_future(model_id, seq_id, "json", run))
+
+    async def load_weights(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        path = _get(body, "path", str)
+        optimizer = _get(body, "optimizer", bool, required=False, default=False)
+        model_id = _get(body, "model_id", str, required=False)
+        if model_id is not None:  # into an existing model (load_state)
+            seq_id = _get(body, "seq_id", int, required=False)
+            return web.json_response(self._model_future(model_id, seq_id, "json", lambda: (
+                self.service.load_state(model_id, path, optimizer, create=False, base_model=None),
+                {"type": "load_weights", "path": path, "model_id": model_id})[1]))
+        # a new model from the state (create_training_client_from_state[_with_optimizer])
+        session_id = _get(body, "session_id", str)
+        self._session(session_id)
+        model_seq_id = _get(body, "model_seq_id", int)
+        base = _get(body, "base_model", str, required=False)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.service.models or model_id in self.creating:
+            raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
+        self.creating.add(model_id)
+        request_id, future = self._new_future()
+
+        async def create() -> None:
+            await self._settle(future, "json", lambda: (
+                self.service.load_state(model_id, path, optimizer, create=True, base_model=base),
+                {"type": "load_weights", "path": path, "model_id": model_id})[1])
+            self.creating.discard(model_id)
+
+        asyncio.get_running_loop().create_task(create())
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
     # -- sampling ---------------------------------------------------------------------
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
@@ -438,6 +481,8 @@ def make_app(spec: Any, service: Service) -> web.Application:
         post(f"{v1}/forward_backward", state.forward_backward),
         post(f"{v1}/optim_step", state.optim_step),
         post(f"{v1}/save_weights_for_sampler", state.save_weights_for_sampler),
+        post(f"{v1}/save_weights", state.save_weights),
+        post(f"{v1}/load_weights", state.load_weights),
         post(f"{v1}/create_sampling_session", state.create_sampling_session),
         get(f"{v1}/samplers/{{sampler_id}}", state.get_sampler),
         post(f"{v1}/asample", state.asample),

@@ -131,6 +131,38 @@ class Service:
         optimizer = torch.optim.AdamW(params, lr=1e-4)
         self.models[model_id] = TrainingModel(model_id, base_name, rank, backend, params, optimizer)
 
+    def save_state(self, model_id: str, path: str) -> None:
+        """The model's adapters and optimizer state at ``path`` (a tinker://.../weights/NAME)."""
+        tm = self.model(model_id)
+        tensors = {n: t.detach().to("cpu", copy=True) for n, t in tm.backend.named_adapters()}
+        self.storage.write_state(path, {"base": tm.base, "rank": tm.rank, "adapters": tensors,
+                                        "config": dict(tm.backend.adapter_config()), "steps": tm.steps,
+                                        "optimizer": tm.optimizer.state_dict()})
+
+    def load_state(self, model_id: str, path: str, optimizer: bool, *, create: bool, base_model: str | None) -> None:
+        """Load the state at ``path`` into ``model_id`` (with ``create``: a new model made
+        from it), with its optimizer state when ``optimizer``."""
+        state = self.storage.read_state(path)
+        if create:
+            if base_model is not None and base_model != state["base"]:
+                raise BadRequest(f"base_model {base_model!r}: the state at {path!r} was trained on {state['base']!r}")
+            self.create_model(model_id, state["base"], int(state["rank"]), None)
+        tm = self.model(model_id)
+        if tm.base != state["base"] or tm.rank != int(state["rank"]):
+            raise BadRequest(f"the state at {path!r} is a rank-{state['rank']} adapter of {state['base']!r}; "
+                             f"model {model_id!r} is a rank-{tm.rank} adapter of {tm.base!r}")
+        own = dict(tm.backend.module.named_parameters())
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in state["adapters"].items():
+                if name not in own or own[name].shape != tensor.shape:
+                    raise BadRequest(f"the state at {path!r} does not fit model {model_id!r} (adapter {name!r})")
+                own[name].copy_(tensor)
+        if optimizer:
+            tm.optimizer.load_state_dict(state["optimizer"])
+            tm.steps = int(state["steps"])
+
     def model(self, model_id: str) -> TrainingModel:
         if model_id not in self.models:
             raise BadRequest(f"unknown model_id {model_id!r}", status=404)

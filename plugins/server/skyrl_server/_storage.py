@@ -16,10 +16,13 @@ SCHEME = "tinker://"
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
-def sampler_path(model_id: str, name: str) -> str:
+def sampler_path(model_id: str, name: str, kind: str = "sampler_weights") -> str:
     if not _NAME.match(name) or name in (".", ".."):
         raise BadRequest(f"path {name!r}: expected a name of letters, digits, '.', '_' or '-'")
-    return f"{SCHEME}{model_id}/sampler_weights/{name}"
+    return f"{SCHEME}{model_id}/{kind}/{name}"
+
+
+_EXTENSION = {"sampler_weights": "safetensors", "weights": "pt"}
 
 
 class Storage:
@@ -29,15 +32,40 @@ class Storage:
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.fs.makedirs(self.root, exist_ok=True)
 
-    def _file(self, path: str) -> str:
-        if not path.startswith(SCHEME):
-            raise BadRequest(f"model_path {path!r}: expected tinker://MODEL_ID/sampler_weights/NAME")
+    def _file(self, path: str, kind: str = "sampler_weights") -> str:
+        expected = f"expected tinker://MODEL_ID/{kind}/NAME"
+        if not isinstance(path, str) or not path.startswith(SCHEME):
+            raise BadRequest(f"path {path!r}: {expected}")
         model_id, _, rest = path[len(SCHEME):].partition("/")
-        kind, _, name = rest.partition("/")
-        if kind != "sampler_weights" or not _NAME.match(name) or not model_id or "/" in model_id or ".." in model_id:
-            raise BadRequest(f"model_path {path!r}: expected tinker://MODEL_ID/sampler_weights/NAME")
+        found, _, name = rest.partition("/")
+        if found != kind or not _NAME.match(name) or not model_id or "/" in model_id or ".." in model_id:
+            raise BadRequest(f"path {path!r}: {expected}")
         safe_id = model_id.replace(":", "_")
-        return f"{self.root.rstrip('/')}/{safe_id}/sampler_weights/{name}.safetensors"
+        return f"{self.root.rstrip('/')}/{safe_id}/{kind}/{name}.{_EXTENSION[kind]}"
+
+    def write_state(self, path: str, state: dict[str, Any]) -> None:
+        """A training state (adapters, their config, base model, optimizer) at a ``.../weights/NAME`` path."""
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        file = self._file(path, "weights")
+        self.fs.makedirs(file.rsplit("/", 1)[0], exist_ok=True)
+        with self.fs.open(file, "wb") as f:
+            f.write(buf.getvalue())
+
+    def read_state(self, path: str) -> dict[str, Any]:
+        import io
+
+        import torch
+
+        file = self._file(path, "weights")
+        if not self.fs.exists(file):
+            raise BadRequest(f"path {path!r}: no such training state", status=404)
+        with self.fs.open(file, "rb") as f:
+            return torch.load(io.BytesIO(f.read()), weights_only=True)  # tensors and plain values only
 
     def write_sampler_weights(self, path: str, weights: Any) -> None:
         from skyrl_server._service import safetensors_bytes

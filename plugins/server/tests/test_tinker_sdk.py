@@ -320,3 +320,27 @@ def test_ppo_and_cispo_equal_hand_computations(service) -> None:
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = training.forward([_datum(tokens, [1.0] * 6)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     assert np.dot(after - lp, adv) > 0
+
+
+def test_save_state_and_resume_with_the_optimizer(service) -> None:
+    data = [_datum([2, 4, 6, 8, 1, 3, 5], [1.0] * 6)]
+    adam = types.AdamParams(learning_rate=1e-2)
+    first = service.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    for _ in range(2):
+        first.forward_backward(data, "cross_entropy").result()
+        first.optim_step(adam).result()
+    path = first.save_state("step2").result().path
+    assert path == f"tinker://{first.model_id}/weights/step2"
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    plain = service.create_training_client_from_state(path).result()
+    lp = [c.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy() for c in (first, resumed, plain)]
+    np.testing.assert_array_equal(lp[1], lp[0])  # the same adapters
+    np.testing.assert_array_equal(lp[2], lp[0])
+    for client in (first, resumed, plain):  # one more step each
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(adam).result()
+    after = [c.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy() for c in (first, resumed, plain)]
+    np.testing.assert_allclose(after[1], after[0], atol=1e-6)  # the same Adam moments: the same step
+    assert np.abs(after[2] - after[0]).max() > 1e-4  # a fresh optimizer steps differently
+    with pytest.raises(Exception, match="no such training state"):
+        service.create_training_client_from_state(f"tinker://{first.model_id}/weights/nope").result()

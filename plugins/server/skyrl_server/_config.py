@@ -180,7 +180,9 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
 
     engine = _choice(host, "engines", "engine", "name", table("engine"), "engine", "embedded", out)
     backend = _choice(host, "backends", "backend", "name", table("backend"), "backend", "torch", out)
-    if backend is not None and getattr(backend.config, "lora_rank", 0):
+    if backend is not None and backend.name != "torch":
+        out.add("backend.name", f"training clients run on the torch backend only (yet), found {backend.name!r}")
+    elif backend is not None and getattr(backend.config, "lora_rank", 0):
         out.add("backend.lora_rank", "each create_model request chooses its LoRA rank (LoraConfig.rank); "
                 "limit it with [server] max_lora_rank")
     if out.problems:

@@ -120,11 +120,9 @@ class Service:
     def create_model(self, model_id: str, base_name: str, rank: int, seed: int | None) -> None:
         import torch
 
-        from skyrl_backends.torch_backend import TorchBackend
-
         base = self.base(base_name)
         config = attrs.evolve(self.spec.backend.config, lora_rank=rank)
-        backend = TorchBackend(config) if self.spec.backend.name == "torch" else self.spec.backend.registration.create(config)
+        backend = self.spec.backend.registration.create(config)  # the torch backend (the file is checked for it)
         backend.start(base.loaded, seed=self.spec.server.seed if seed is None else int(seed), total_steps=1,
                       reference=False)
         params = [p for p in backend.module.parameters() if p.requires_grad]

@@ -142,6 +142,7 @@ def test_kl_in_reward_penalises_rewards(skyrl_cli, skyrl_tiny_rl_job, tmp_path) 
         ("qwen", "tiny-moe"), ("qwen", "tiny-qwen3.5-moe"), ("qwen", "tiny-qwen3-next"),
         ("glm", "tiny-glm4-moe"), ("glm", "tiny-glm4-moe-lite"), ("glm", "tiny-glm-moe-dsa"), ("glm", "tiny-glm5-next"),
         ("kimi", "tiny-kimi"), ("kimi", "tiny-deepseek-v3.2"), ("kimi", "tiny-kimi-linear"), ("nemotron", "tiny-nemotron-h"),
+        ("nemotron", "tiny-nemotron-3-super"),
         ("qwen", "tiny-qwen3.5"),
     ],
 )

@@ -559,7 +559,7 @@ def run_config(
         if getattr(args, key) is not None:
             p[key] = getattr(args, key)
     rounds_wanted, block, max_rounds, warmup = p["rounds"], p["block"], max(p["max_rounds"], p["rounds"]), p["warmup"]
-    total = warmup + max_rounds * block
+    total = warmup + (max_rounds + 1) * block  # one block to spare: TRL may end its epoch a step early
     folder = tmp / f"{preset}-{prompts}x{n}-gc{int(checkpointing)}"
     folder.mkdir()
 

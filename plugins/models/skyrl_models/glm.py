@@ -105,6 +105,9 @@ PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
         ),
     ),
     "tiny-glm4-moe-lite": ("glm4_moe_lite", dict(_TINY_MOE, **_TINY_MLA, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # GLM-5: MLA whose keys a sparse-attention indexer picks (the best 8 per query); layer
+    # 2 reuses layer 1's pick (``indexer_types = "shared"``, as GLM-5 configs may set with
+    # ``index_topk_freq``), so both indexer paths that r3 replays are exercised.
     "tiny-glm-moe-dsa": (
         "glm_moe_dsa",
         dict(
@@ -114,6 +117,7 @@ PRESETS: Mapping[str, tuple[str, Mapping[str, Any]]] = {
             index_topk=8,
             index_head_dim=32,
             index_n_heads=2,
+            indexer_types=["full", "full", "shared"],
         ),
     ),
     # GLM-5.3-Flash's text model: one layer of each kind in four. Layer 0: linear

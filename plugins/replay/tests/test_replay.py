@@ -331,12 +331,16 @@ def test_support_removes_the_top_p_gap(skyrl_host) -> None:
     a trainer normalising over the whole vocabulary is off by the log of the kept mass,
     one normalising over the kept set is not. The entropy metric follows the sets."""
     out = {}
-    for name, replay in (("none", []), ("support", [SupportReplay(chunk=50)])):
+    for name, replay, options in (("none", [], {}), ("support", [SupportReplay(chunk=50)], {}),
+                                  ("support-flat", [SupportReplay(chunk=50)], {"pack_length": 4})):
         loaded = load(skyrl_host, "qwen", "tiny")
         _, batch = generate(loaded, routes=False, sampler=TruncatedSampler(temperature=0.9, top_p=0.7, return_support=True))
-        out[name] = step(skyrl_host, backend(skyrl_host, loaded, replay), batch, temperature=0.9)
+        be = backend(skyrl_host, loaded, replay, **options)
+        out[name] = step(skyrl_host, be, batch, temperature=0.9)
     assert out["none"]["logprob_diff_mean"] > 0.05
     assert out["support"]["logprob_diff_max"] <= 1e-5
+    assert be._segment_attention and out["support-flat"]["logprob_diff_max"] <= 1e-5  # flat rows (pack_length 4)
+    assert out["support-flat"]["entropy"] == pytest.approx(out["support"]["entropy"], rel=1e-5)
     assert out["support"]["entropy"] < out["none"]["entropy"]
 
 

@@ -158,7 +158,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
-    ap.add_argument("--checkpoint", default=None, help="a folder build_checkpoint(..., 'qwen3') wrote (default: build one)")
+    ap.add_argument("--kind", default="qwen3", choices=("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"),
+                    help="the real-shaped checkpoint's kind (build_checkpoint): dense Qwen3 or a MoE one")
+    ap.add_argument("--checkpoint", default=None, help="a folder build_checkpoint(..., KIND) wrote (default: build one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -172,7 +174,7 @@ def main() -> None:
         if path is None:
             tmp = tempfile.TemporaryDirectory(prefix="skyrl-train-step-")
             path = tmp.name
-        build_checkpoint(path, "qwen3")
+        build_checkpoint(path, args.kind)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     vocab = base.config.vocab_size
     batch, adv = rl_batch(args.sequences, vocab)
@@ -210,7 +212,8 @@ def main() -> None:
     padded_tokens = sum(int(ids.numel()) for ids, *_ in padded.micros)
     out = {
         "config": {
-            "model": "qwen3 real-shaped (Qwen3-0.6B widths, 2 layers, vocab %d), float32, sdpa" % vocab,
+            "model": "%s real-shaped (2 layers, vocab %d), float32, sdpa" % (args.kind, vocab),
+            "flat_rows": str(be._segment_attention),
             "sequences": args.sequences, "tokens": batch.n_tokens, "loss_tokens": padded.n_loss,
             "seq_len_range": [int(batch.seq_lens.min()), int(batch.seq_lens.max())],
             "padded_tokens": padded_tokens, "padded_micro_batches": len(padded.micros),

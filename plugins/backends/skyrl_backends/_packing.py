@@ -89,10 +89,19 @@ def install_segment_attention() -> None:
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
 
 
-def segment_attention_supported(model: Any, device: torch.device) -> bool:
-    """Whether ``model`` can run flat rows with per-sequence attention: sdpa attention,
-    no sliding-window or recurrent layers, and the flat row's logits equal the padded
-    rows' on a probe of three sequences (installs the attention routing first)."""
+SEGMENT_MODES = ("prepared", "built")
+"""How a flat row reaches the model, in order of preference: ``"prepared"`` hands it an
+empty prepared-mask mapping (no mask is built at all); ``"built"``, for forwards that take
+no mapping, lets transformers build the block-diagonal mask from the positions (an
+``[N, N]`` boolean, cheap beside the row's activations), which the per-sequence
+attention does not read."""
+
+
+def segment_attention_supported(model: Any, device: torch.device) -> str | bool:
+    """How ``model`` can run flat rows with per-sequence attention (a mode of
+    :data:`SEGMENT_MODES`), or False: sdpa attention, no sliding-window or recurrent
+    layers, and the flat row's logits equal the padded rows' on a probe of three
+    sequences (installs the attention routing first)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or has_recurrent_layers(config):
         return False
@@ -110,22 +119,28 @@ def segment_attention_supported(model: Any, device: torch.device) -> bool:
     ids = (np.arange(int(lens.sum())) * 7 + 3) % vocab
     local = np.flatnonzero(np.concatenate([np.arange(n) for n in lens]) > 0)  # every token with a context
     z = np.zeros(len(local))
-    rows, flat = (micro_batch(ids, lens, local, z, z, z, 1, 3, pack_length=1, device=device, segment_attention=s)
-                  for s in (False, True))
+    rows = micro_batch(ids, lens, local, z, z, z, 1, 3, pack_length=1, device=device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             want = model(input_ids=rows.ids, position_ids=rows.pos, use_cache=False).logits
             want = want.reshape(-1, want.shape[-1])[rows.keep]
-            got = model(input_ids=flat.ids, position_ids=flat.pos, use_cache=False, **flat.model_kwargs).logits
-            got = got.reshape(-1, got.shape[-1])[flat.keep]
-    except Exception:  # a model whose forward takes no prepared masks or extra keywords: keep the padded rows
+            scale = float(want.abs().max()) + 1.0
+            for mode in SEGMENT_MODES:
+                flat = micro_batch(ids, lens, local, z, z, z, 1, 3, pack_length=1, device=device, segment_attention=mode)
+                try:
+                    got = model(input_ids=flat.ids, position_ids=flat.pos, use_cache=False, **flat.model_kwargs).logits
+                except Exception:  # noqa: BLE001 - a forward that takes no prepared masks: try the next mode
+                    continue
+                got = got.reshape(-1, got.shape[-1])[flat.keep]
+                if got.shape == want.shape and bool((got.float() - want.float()).abs().max() <= 1e-4 * scale):
+                    return mode
+    except Exception:  # noqa: BLE001 - the padded rows themselves fail: leave the layout alone
         return False
     finally:
         model.train(was_training)
-    scale = float(want.abs().max()) + 1.0
-    return got.shape == want.shape and bool((got.float() - want.float()).abs().max() <= 1e-4 * scale)
+    return False
 
 
 class MicroBatch:
@@ -257,7 +272,7 @@ def layout_flat(seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, Segments]
 
 def plan_mini_batches(
     batch: Any, advantages: np.ndarray, *, mini_batches: int, micro_batch_tokens: int, pack_length: int,
-    device: torch.device, segment_attention: bool = False,
+    device: torch.device, segment_attention: str | bool = False,
 ) -> list[list[MicroBatch]]:
     """The mini-batches of ``batch`` (this rank's share), each a list of packed
     micro-batches on ``device``. ``segment_attention``: a micro-batch with a sequence
@@ -280,7 +295,7 @@ def plan_mini_batches(
                                 np.asarray(batch.logprobs)[idx[local]], seq_ids,
                                 int(len(np.unique(owner))), len(group), pack_length=pack_length, device=device,
                                 token_index=idx,
-                                segment_attention=segment_attention and int(lens[group].max()) > pack_length)
+                                segment_attention=segment_attention if int(lens[group].max()) > pack_length else False)
             micro.batch_idx = idx[local]
             micro.batch = batch
             micros.append(micro)
@@ -289,13 +304,13 @@ def plan_mini_batches(
 
 
 def micro_batch(ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequences, *, pack_length: int,
-                device: torch.device, token_index=None, segment_attention: bool = False) -> MicroBatch:
+                device: torch.device, token_index=None, segment_attention: str | bool = False) -> MicroBatch:
     """``ids``: the group's tokens end to end; ``seq_lens``: its sequences'
     lengths; ``local``: the indices (into ``ids``) of its loss tokens.
     ``segment_attention``: one flat row (:func:`layout_flat`) instead of padded rows."""
     d = device
     segments = None
-    if segment_attention:
+    if segment_attention:  # True / "prepared" or "built" (see segment_attention_supported)
         where, positions, segments = layout_flat(seq_lens)
         n_rows, R = 1, len(ids)
     else:
@@ -316,8 +331,12 @@ def micro_batch(ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequenc
         n_seqs=n_seqs, n_tokens=len(ids), n_sequences=n_sequences,
     )
     if segments is not None:
-        # A prepared (empty) mask for every layer type: transformers builds no [N, N] mask.
-        micro.model_kwargs = {"attention_mask": {"full_attention": None}, SEGMENTS_KEY: segments}
+        micro.model_kwargs = {SEGMENTS_KEY: segments}
+        if segment_attention != "built":
+            # A prepared (empty) mask for every layer type: transformers builds no [N, N] mask.
+            micro.model_kwargs["attention_mask"] = {"full_attention": None}
+        # "built": the model's forward takes no prepared masks (transformers 5.24's MoE models), so it
+        # builds the block-diagonal mask from the positions, which the per-sequence attention ignores.
     if token_index is not None:
         slots = np.full(n_rows * R, -1, dtype=np.int64)
         slots[where] = token_index

@@ -95,9 +95,10 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
             flag = self._all_reduce(torch.tensor([int(plain)], dtype=torch.int64), dist.ReduceOp.MIN)
             plain = bool(flag[0])
         segments = segment_attention_supported(model, self.device)
-        if self._dp and self.world > 1:
-            flag = self._all_reduce(torch.tensor([int(segments)], dtype=torch.int64), dist.ReduceOp.MIN)
-            segments = bool(flag[0])
+        if self._dp and self.world > 1:  # every rank the same mode (0: none, 1: built, 2: prepared)
+            code = {False: 0, "built": 1, "prepared": 2}[segments]
+            flag = self._all_reduce(torch.tensor([code], dtype=torch.int64), dist.ReduceOp.MIN)
+            segments = {0: False, 1: "built", 2: "prepared"}[int(flag[0])]
         self._segment_attention = segments
         if reference and self.lora is None:
             ref = copy.deepcopy(model)

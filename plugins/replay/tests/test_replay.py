@@ -151,11 +151,14 @@ def test_r3_removes_a_routing_mismatch(skyrl_host) -> None:
         ("none", [], {}),
         ("r3", [RoutingReplay()], {}),
         ("r3-ckpt-micro", [RoutingReplay()], {"gradient_checkpointing": True, "micro_batch_tokens": 24, "pack_length": 16}),
+        # every sequence longer than pack_length: each micro-batch one flat row, attention per sequence
+        ("r3-flat", [RoutingReplay()], {"pack_length": 4}),
     ):
         loaded = load(skyrl_host, "kimi", "tiny-kimi")
         _, batch = generate(loaded)
         set_bias(loaded.model, loaded, 0.1, seed=0)  # the trainer's model only: the engine has its own module
         be = backend(skyrl_host, loaded, replay, **options)
+        assert be._segment_attention == "built"  # MLA + MoE: flat rows, transformers builds the (unread) mask
         router = loaded.routers[0].path + ".weight"
         before = dict(loaded.model.named_parameters())[router].detach().clone()
         results[name] = step(skyrl_host, be, batch)
@@ -165,10 +168,12 @@ def test_r3_removes_a_routing_mismatch(skyrl_host) -> None:
     assert results["none"]["logprob_diff_max"] > 1e-3
     assert results["r3"]["logprob_diff_max"] <= 1e-5
     assert results["r3-ckpt-micro"]["logprob_diff_max"] <= 1e-5
+    assert results["r3-flat"]["logprob_diff_max"] <= 1e-5
     # The same update however the batch is cut (lr 1e-3; Adam's m / sqrt(v) turns round-off
     # in a near-zero gradient into a visible step, hence 2% of lr).
     for k, v in results["r3"]["params"].items():
         torch.testing.assert_close(results["r3-ckpt-micro"]["params"][k], v, atol=2e-5, rtol=0)
+        torch.testing.assert_close(results["r3-flat"]["params"][k], v, atol=2e-5, rtol=0)
 
 
 def test_r3_errors_name_the_problem(skyrl_host) -> None:
@@ -339,7 +344,7 @@ def test_support_removes_the_top_p_gap(skyrl_host) -> None:
         out[name] = step(skyrl_host, be, batch, temperature=0.9)
     assert out["none"]["logprob_diff_mean"] > 0.05
     assert out["support"]["logprob_diff_max"] <= 1e-5
-    assert be._segment_attention and out["support-flat"]["logprob_diff_max"] <= 1e-5  # flat rows (pack_length 4)
+    assert be._segment_attention == "prepared" and out["support-flat"]["logprob_diff_max"] <= 1e-5  # flat rows
     assert out["support-flat"]["entropy"] == pytest.approx(out["support"]["entropy"], rel=1e-5)
     assert out["support"]["entropy"] < out["none"]["entropy"]
 

@@ -30,7 +30,6 @@ MODES = ("none", "routes_only", "r3")
 
 def one_run(host, family: str, preset: str, mode: str, seed: int, weight_seed: int) -> tuple[float, float]:
     from skyrl_engines.embedded import Embedded, EmbeddedConfig
-    from skyrl_replay._impl import RoutingReplay
     from skyrl_samplers.processing import TruncatedSampler
 
     reg = host.registry.get("models", family)
@@ -42,7 +41,8 @@ def one_run(host, family: str, preset: str, mode: str, seed: int, weight_seed: i
     batch = engine.generate(prompts, n=4, sampler=TruncatedSampler(temperature=1.0), max_new_tokens=12, seed=seed)
     breg = host.registry.get("backends", "torch")
     backend = breg.create(breg.config(lr=1e-3))
-    replay = [] if mode == "none" else [RoutingReplay()]
+    rreg = host.registry.get("replay_strategies", "r3")  # the r3 strategy as a job gets it
+    replay = [] if mode == "none" else [rreg.create(rreg.config() if rreg.config else None)]
     backend.start(loaded, seed=0, total_steps=2, reference=False, replay=replay)
     if mode == "routes_only":
         replay[0].indexers.remove()

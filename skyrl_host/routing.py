@@ -79,7 +79,42 @@ def weights_at(info: RouterInfo, logits: torch.Tensor, ids: torch.Tensor) -> tor
     return w * info.scale if info.scale != 1.0 else w
 
 
-class RouterHooks:
+class _LayerRecorder:
+    """What the router and indexer hooks share: per-layer records of the last forward,
+    kept inside :meth:`recording` and handed out (and forgotten) by :meth:`take`.
+    A subclass sets ``_record_layers`` (one entry per hooked layer) and ``_what``."""
+
+    _record: list[list[torch.Tensor]] | None = None
+    _record_layers: Sequence[Any] = ()
+    _what = "layer"
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Inside the block, the hooked layers' outputs are recorded; :meth:`take`
+        returns those of the last forward."""
+        prev = self._record
+        self._record = [[] for _ in self._record_layers]
+        try:
+            yield
+        finally:
+            self._record = prev
+
+    def take(self) -> torch.Tensor:
+        """The last forward's records, stacked per layer: [N, L, ...] (and forget them)."""
+        if self._record is None:
+            raise RuntimeError("take() outside recording()")
+        if any(len(r) != 1 for r in self._record):
+            counts = sorted({len(r) for r in self._record})
+            raise RuntimeError(f"expected one {self._what} call per layer since the last take(), found {counts}")
+        import torch
+
+        out = torch.stack([r[0] for r in self._record], dim=1)
+        for r in self._record:
+            r.clear()
+        return out
+
+
+class RouterHooks(_LayerRecorder):
     """Forward hooks on every router of ``model`` (as ``routers`` lists them).
 
     Idle unless inside :meth:`recording` or :meth:`forcing`; both may be active at once
@@ -98,6 +133,7 @@ class RouterHooks:
         self._force: torch.Tensor | None = None  # long [N, L, k]
         self._mask: torch.Tensor | None = None  # bool [N]
         self._record: list[list[torch.Tensor]] | None = None
+        self._record_layers, self._what = self.routers, "router"
         self._handles = []
         for layer, info in enumerate(self.routers):
             try:
@@ -150,30 +186,7 @@ class RouterHooks:
         finally:
             self._force, self._mask = prev
 
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Inside the block, the routers' ids are recorded; :meth:`take` returns those
-        of the last forward."""
-        prev = self._record
-        self._record = [[] for _ in self.routers]
-        try:
-            yield
-        finally:
-            self._record = prev
-
-    def take(self) -> torch.Tensor:
-        """The ids of the last forward's tokens: [N, L, k] (and forget them)."""
-        if self._record is None:
-            raise RuntimeError("take() outside recording()")
-        if any(len(r) != 1 for r in self._record):
-            counts = sorted({len(r) for r in self._record})
-            raise RuntimeError(f"expected one router call per layer since the last take(), found {counts}")
-        import torch
-
-        ids = torch.stack([r[0] for r in self._record], dim=1)
-        for r in self._record:
-            r.clear()
-        return ids
+    # recording() / take(): the expert ids of the last forward's tokens, [N, L, k] (_LayerRecorder)
 
 
 # -- sparse-attention indexers (DeepSeek Sparse Attention) ------------------------------
@@ -217,7 +230,7 @@ def indexer_paths(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if type(m).__name__ in KEY_INDEXER_CLASSES]
 
 
-class IndexerHooks:
+class IndexerHooks(_LayerRecorder):
     """Forward hooks on every key indexer of ``model`` (:func:`indexer_paths`): record the
     key columns each indexer picked for each query of a forward, or force given ones.
 
@@ -242,6 +255,7 @@ class IndexerHooks:
         self.n_layers = len(modules)
         self._force: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self._record: list[list[torch.Tensor]] | None = None
+        self._record_layers, self._what = self.paths, "indexer"
         self._handles = [m.register_forward_hook(self._hook(i, p)) for i, (p, m) in enumerate(zip(self.paths, modules))]
 
     def remove(self) -> None:
@@ -306,31 +320,8 @@ class IndexerHooks:
         finally:
             self._force = prev
 
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        """Inside the block, the indexers' picks are recorded; :meth:`take` returns those
-        of the last forward."""
-        prev = self._record
-        self._record = [[] for _ in self.paths]
-        try:
-            yield
-        finally:
-            self._record = prev
-
-    def take(self) -> torch.Tensor:
-        """The key columns of the last forward's queries: long [N, L, index_topk] (-1
-        padded), and forget them."""
-        if self._record is None:
-            raise RuntimeError("take() outside recording()")
-        if any(len(r) != 1 for r in self._record):
-            counts = sorted({len(r) for r in self._record})
-            raise RuntimeError(f"expected one indexer call per layer since the last take(), found {counts}")
-        import torch
-
-        cols = torch.stack([r[0] for r in self._record], dim=1)
-        for r in self._record:
-            r.clear()
-        return cols
+    # recording() / take(): the key columns of the last forward's queries, long [N, L, index_topk]
+    # (-1 padded) (_LayerRecorder)
 
 
 def columns_to_positions(cols: torch.Tensor, first: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ class Storage:
             return torch.load(io.BytesIO(f.read()), weights_only=True)  # tensors and plain values only
 
     def write_sampler_weights(self, path: str, weights: Any) -> None:
-        from skyrl_server._service import safetensors_bytes
+        from skyrl_server._sampling import safetensors_bytes
 
         file = self._file(path)
         self.fs.makedirs(file.rsplit("/", 1)[0], exist_ok=True)
@@ -76,7 +76,7 @@ class Storage:
             f.write(safetensors_bytes(weights.tensors, weights.config, weights.base))
 
     def read_sampler_weights(self, path: str) -> Any:
-        from skyrl_server._service import SamplerWeights, from_safetensors_bytes
+        from skyrl_server._sampling import SamplerWeights, from_safetensors_bytes
 
         file = self._file(path)
         if not self.fs.exists(file):

@@ -1,0 +1,161 @@
+"""Training models: one torch backend per LoRA model over its shared frozen base.
+
+``create_model`` starts the backend (``lora_rank`` from the request) on the base's
+loaded model; ``forward_backward`` runs the adapted forward on each datum and
+accumulates the loss's gradient into the adapters; ``optim_step`` applies AdamW with
+the request's AdamParams and clears them; ``save_state`` / ``load_state`` keep the
+adapters with the optimizer. Mixed into :class:`skyrl_server._service.Service`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from skyrl_server._errors import BadRequest
+
+from skyrl_server._losses import LOSS_INPUTS, loss_config, loss_terms
+
+
+@attrs.define
+class TrainingModel:
+    model_id: str
+    base: str
+    rank: int
+    backend: Any
+    params: list[Any]
+    optimizer: Any
+    steps: int = 0
+
+
+
+class TrainingMixin:
+    """The training half of :class:`skyrl_server._service.Service`."""
+
+    # -- training models -----------------------------------------------------------
+
+    def create_model(self, model_id: str, base_name: str, rank: int, seed: int | None) -> None:
+        import torch
+
+        base = self.base(base_name)
+        config = attrs.evolve(self.spec.backend.config, lora_rank=rank)
+        backend = self.spec.backend.registration.create(config)  # the torch backend (the file is checked for it)
+        backend.start(base.loaded, seed=self.spec.server.seed if seed is None else int(seed), total_steps=1,
+                      reference=False)
+        params = [p for p in backend.module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        self.models[model_id] = TrainingModel(model_id, base_name, rank, backend, params, optimizer)
+
+    def save_state(self, model_id: str, path: str) -> None:
+        """The model's adapters and optimizer state at ``path`` (a tinker://.../weights/NAME)."""
+        tm = self.model(model_id)
+        tensors = {n: t.detach().to("cpu", copy=True) for n, t in tm.backend.named_adapters()}
+        self.storage.write_state(path, {"base": tm.base, "rank": tm.rank, "adapters": tensors,
+                                        "config": dict(tm.backend.adapter_config()), "steps": tm.steps,
+                                        "optimizer": tm.optimizer.state_dict()})
+
+    def load_state(self, model_id: str, path: str, optimizer: bool, *, create: bool, base_model: str | None) -> None:
+        """Load the state at ``path`` into ``model_id`` (with ``create``: a new model made
+        from it), with its optimizer state when ``optimizer``."""
+        state = self.storage.read_state(path)
+        if create:
+            if base_model is not None and base_model != state["base"]:
+                raise BadRequest(f"base_model {base_model!r}: the state at {path!r} was trained on {state['base']!r}")
+            self.create_model(model_id, state["base"], int(state["rank"]), None)
+        tm = self.model(model_id)
+        if tm.base != state["base"] or tm.rank != int(state["rank"]):
+            raise BadRequest(f"the state at {path!r} is a rank-{state['rank']} adapter of {state['base']!r}; "
+                             f"model {model_id!r} is a rank-{tm.rank} adapter of {tm.base!r}")
+        own = dict(tm.backend.module.named_parameters())
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in state["adapters"].items():
+                if name not in own or own[name].shape != tensor.shape:
+                    raise BadRequest(f"the state at {path!r} does not fit model {model_id!r} (adapter {name!r})")
+                own[name].copy_(tensor)
+        if optimizer:
+            tm.optimizer.load_state_dict(state["optimizer"])
+            tm.steps = int(state["steps"])
+
+    def model(self, model_id: str) -> TrainingModel:
+        if model_id not in self.models:
+            raise BadRequest(f"unknown model_id {model_id!r}", status=404)
+        return self.models[model_id]
+
+    def unload(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+
+    def forward_backward(self, model_id: str, data: Sequence[Mapping[str, Any]], loss_fn: str,
+                         config: Mapping[str, float], forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Per datum: ``logprobs`` and ``elementwise_loss`` (float32 [N]); metrics
+        ``loss:sum``. Without ``forward_only`` the loss's gradient is added to the
+        adapters' (summed over the data, like the loss)."""
+        import torch
+
+        tm = self.model(model_id)
+        base = self.bases[tm.base]
+        config = loss_config(loss_fn, config)
+        for i, datum in enumerate(data):
+            tokens = datum["tokens"]
+            if len(tokens) == 0:
+                raise BadRequest(f"datum {i}: model_input has no tokens")
+            if len(tokens) > base.context:
+                raise BadRequest(f"datum {i}: {len(tokens)} tokens, longer than the model's context ({base.context})")
+            if tokens.min() < 0 or tokens.max() >= base.vocab:
+                raise BadRequest(f"datum {i}: model_input holds a token outside the vocabulary (0..{base.vocab - 1})")
+            for key in LOSS_INPUTS[loss_fn]:
+                if key not in datum["inputs"]:
+                    raise BadRequest(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
+                if datum["inputs"][key].size != len(tokens):
+                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has {datum['inputs'][key].size} values "
+                                     f"for {len(tokens)} input tokens")
+            targets = datum["inputs"]["target_tokens"]
+            if targets.min() < 0 or targets.max() >= base.vocab:
+                raise BadRequest(f"datum {i}: target_tokens holds a token outside the vocabulary (0..{base.vocab - 1})")
+        backend = tm.backend
+        module, device = backend.module, backend.device
+        outputs: list[dict[str, np.ndarray]] = []
+        total = 0.0
+        grad = torch.enable_grad() if not forward_only else torch.no_grad()
+        with grad:
+            for datum in data:
+                ids = torch.as_tensor(np.array(datum["tokens"], dtype=np.int64), device=device)[None]
+                targets = torch.as_tensor(np.array(datum["inputs"]["target_tokens"], dtype=np.int64), device=device)
+                logits = module(input_ids=ids).logits[0].float()
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+                elementwise = loss_terms(loss_fn, logprobs, datum["inputs"], config, device)
+                loss = elementwise.sum()
+                if not forward_only:
+                    loss.backward()
+                total += float(loss.detach())
+                outputs.append({"logprobs": logprobs.detach().cpu().numpy().astype(np.float32),
+                                "elementwise_loss": elementwise.detach().cpu().numpy().astype(np.float32)})
+        return outputs, {"loss:sum": total}
+
+    def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
+        import torch
+
+        tm = self.model(model_id)
+        lr, b1, b2, eps = (float(adam.get(k, d)) for k, d in
+                           (("learning_rate", 1e-4), ("beta1", 0.9), ("beta2", 0.95), ("eps", 1e-12)))
+        wd, clip = float(adam.get("weight_decay", 0.0)), float(adam.get("grad_clip_norm", 0.0))
+        problems = [n for n, v, ok in (("learning_rate", lr, lr >= 0), ("beta1", b1, 0 <= b1 < 1),
+                                        ("beta2", b2, 0 <= b2 < 1), ("eps", eps, eps > 0), ("weight_decay", wd, wd >= 0),
+                                        ("grad_clip_norm", clip, clip >= 0)) if not (ok and math.isfinite(v))]
+        if problems:
+            raise BadRequest(f"adam_params.{problems[0]}: out of range")
+        for group in tm.optimizer.param_groups:
+            group.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+        grads = [p.grad for p in tm.params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if clip > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(tm.params, clip)
+        tm.optimizer.step()
+        tm.optimizer.zero_grad(set_to_none=True)
+        tm.steps += 1
+        return {"grad_norm:mean": norm, "learning_rate:mean": lr}
+

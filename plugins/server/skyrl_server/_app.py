@@ -13,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import json
 import logging
 import time
 import traceback
 import uuid
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from skyrl_server import _wire
 from skyrl_server._errors import BadRequest
+from skyrl_server._http import _body_json, _get
+from skyrl_server._sample_routes import SamplingRoutes
 from skyrl_server._service import Service
 from skyrl_server._storage import sampler_path
 
@@ -81,33 +82,7 @@ class ModelQueue:
             await job()
 
 
-def _body_json(raw: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"the body is not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise BadRequest("the body must be a JSON object")
-    return value
-
-
-def _get(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, required: bool = True, default: Any = None) -> Any:
-    if key not in body or body[key] is None:
-        if required:
-            raise BadRequest(f"{key}: missing")
-        return default
-    value = body[key]
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise BadRequest(f"{key}: expected {getattr(kind, '__name__', kind)}, found a boolean")
-    if float in (kind if isinstance(kind, tuple) else (kind,)) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind):
-        names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise BadRequest(f"{key}: expected {names}, found {type(value).__name__}")
-    return value
-
-
-class App:
+class App(SamplingRoutes):
     """State of one server: sessions, futures, the models' queues, the worker thread."""
 
     def __init__(self, spec: Any, service: Service):
@@ -369,73 +344,6 @@ class App:
 
         asyncio.get_running_loop().create_task(create())
         return web.json_response({"request_id": request_id, "model_id": model_id})
-
-    # -- sampling ---------------------------------------------------------------------
-
-    async def create_sampling_session(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
-        session_id = _get(body, "session_id", str)
-        self._session(session_id)
-        seq = _get(body, "sampling_session_seq_id", int)
-        base = _get(body, "base_model", str, required=False)
-        path = _get(body, "model_path", str, required=False)
-        if (base is None) == (path is None):
-            raise BadRequest("create_sampling_session takes exactly one of base_model and model_path")
-        sampling_id = f"{session_id}:sample:{seq}"
-        served = await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
-        self.sampling_sessions[sampling_id] = {"base_model": served, "model_path": path}
-        return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampling_id})
-
-    async def get_sampler(self, request: web.Request) -> web.Response:
-        sampler_id = request.match_info["sampler_id"]
-        if sampler_id not in self.sampling_sessions:
-            raise BadRequest(f"unknown sampler {sampler_id!r}", status=404)
-        info = self.sampling_sessions[sampler_id]
-        return web.json_response({"sampler_id": sampler_id, "base_model": info["base_model"], "model_path": info["model_path"]})
-
-    async def asample(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
-        sampling_id = _get(body, "sampling_session_id", str, required=False)
-        if sampling_id is None:
-            base = _get(body, "base_model", str, required=False)
-            path = _get(body, "model_path", str, required=False)
-            if (base is None) == (path is None):
-                raise BadRequest("asample takes a sampling_session_id, a base_model or a model_path")
-            sampling_id = f"adhoc:{uuid.uuid4().hex}"
-            await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
-        elif sampling_id not in self.service.samplers:
-            raise BadRequest(f"unknown sampling_session_id {sampling_id!r}", status=404)
-        n = _get(body, "num_samples", int, required=False, default=1)
-        prompt = _get(body, "prompt", dict)
-        chunks = _get(prompt, "chunks", list)
-        tokens: list[int] = []
-        for i, chunk in enumerate(chunks):
-            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-                raise BadRequest(f"prompt.chunks[{i}]: only encoded_text chunks are served")
-            ids = _get(chunk, "tokens", list)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise BadRequest(f"prompt.chunks[{i}].tokens: expected a list of token ids")
-            tokens += ids
-        params = dict(_get(body, "sampling_params", dict))
-        for key, kind in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_k", int), ("top_p", float)):
-            value = _get(params, key, kind, required=False)
-            if value is None:
-                params.pop(key, None)
-            else:
-                params[key] = value
-        prompt_logprobs = bool(_get(body, "prompt_logprobs", bool, required=False, default=False))
-        last_n = _get(body, "prompt_logprobs_last_n", int, required=False)
-        if last_n is not None and last_n < 0:
-            raise BadRequest(f"prompt_logprobs_last_n must be >= 0, found {last_n}")
-        if not 1 <= n <= 1024:
-            raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
-        if params.get("max_tokens", 1) < 1:
-            raise BadRequest(f"sampling_params.max_tokens must be at least 1, found {params['max_tokens']}")
-        request_id, future = self._new_future()
-        ids = [f"{request_id}:{i}" for i in range(n)]
-        asyncio.get_running_loop().create_task(self._settle(future, "proto", lambda: _wire.sample_response(
-            self.service.sample(sampling_id, tokens, n, params, prompt_logprobs, last_n))))
-        return web.json_response({"request_id": request_id, "sample_sequence_ids": ids})
 
     # -- futures ------------------------------------------------------------------------
 

@@ -66,6 +66,10 @@ class ServerSection:
         2.0, help="how long a model's request waits for a missing lower seq_id before it runs anyway", validator=ge(0)
     )
     seed: int = option(0, help="seed of the base models' preset weights (and of adapters whose request names none)")
+    max_queued_tokens: int = option(
+        1 << 22, help="admission control: past this many tokens (prompt + max_tokens) of sampling requests queued or "
+        "decoding, asample answers 429", validator=gt(0),
+    )
 
     def __attrs_post_init__(self) -> None:
         bad = [k for k in self.api_keys if not k.startswith(KEY_PREFIX)]

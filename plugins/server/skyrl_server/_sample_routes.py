@@ -1,0 +1,83 @@
+"""The sampling routes (create_sampling_session, samplers/{id}, asample), mixed into
+:class:`skyrl_server._app.App`: sampling futures live in memory only."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from aiohttp import web
+
+from skyrl_server import _wire
+from skyrl_server._errors import BadRequest
+from skyrl_server._http import _body_json, _get
+
+
+class SamplingRoutes:
+    """The sampling half of the App's routes (``self`` is the App)."""
+
+    async def create_sampling_session(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        session_id = _get(body, "session_id", str)
+        self._session(session_id)
+        seq = _get(body, "sampling_session_seq_id", int)
+        base = _get(body, "base_model", str, required=False)
+        path = _get(body, "model_path", str, required=False)
+        if (base is None) == (path is None):
+            raise BadRequest("create_sampling_session takes exactly one of base_model and model_path")
+        sampling_id = f"{session_id}:sample:{seq}"
+        served = await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
+        self.sampling_sessions[sampling_id] = {"base_model": served, "model_path": path}
+        return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampling_id})
+
+    async def get_sampler(self, request: web.Request) -> web.Response:
+        sampler_id = request.match_info["sampler_id"]
+        if sampler_id not in self.sampling_sessions:
+            raise BadRequest(f"unknown sampler {sampler_id!r}", status=404)
+        info = self.sampling_sessions[sampler_id]
+        return web.json_response({"sampler_id": sampler_id, "base_model": info["base_model"], "model_path": info["model_path"]})
+
+    async def asample(self, request: web.Request) -> web.Response:
+        body = _body_json(await request.read())
+        sampling_id = _get(body, "sampling_session_id", str, required=False)
+        if sampling_id is None:
+            base = _get(body, "base_model", str, required=False)
+            path = _get(body, "model_path", str, required=False)
+            if (base is None) == (path is None):
+                raise BadRequest("asample takes a sampling_session_id, a base_model or a model_path")
+            sampling_id = f"adhoc:{uuid.uuid4().hex}"
+            await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
+        elif sampling_id not in self.service.samplers:
+            raise BadRequest(f"unknown sampling_session_id {sampling_id!r}", status=404)
+        n = _get(body, "num_samples", int, required=False, default=1)
+        prompt = _get(body, "prompt", dict)
+        chunks = _get(prompt, "chunks", list)
+        tokens: list[int] = []
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+                raise BadRequest(f"prompt.chunks[{i}]: only encoded_text chunks are served")
+            ids = _get(chunk, "tokens", list)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRequest(f"prompt.chunks[{i}].tokens: expected a list of token ids")
+            tokens += ids
+        params = dict(_get(body, "sampling_params", dict))
+        for key, kind in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_k", int), ("top_p", float)):
+            value = _get(params, key, kind, required=False)
+            if value is None:
+                params.pop(key, None)
+            else:
+                params[key] = value
+        prompt_logprobs = bool(_get(body, "prompt_logprobs", bool, required=False, default=False))
+        last_n = _get(body, "prompt_logprobs_last_n", int, required=False)
+        if last_n is not None and last_n < 0:
+            raise BadRequest(f"prompt_logprobs_last_n must be >= 0, found {last_n}")
+        if not 1 <= n <= 1024:
+            raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
+        if params.get("max_tokens", 1) < 1:
+            raise BadRequest(f"sampling_params.max_tokens must be at least 1, found {params['max_tokens']}")
+        request_id, future = self._new_future()
+        ids = [f"{request_id}:{i}" for i in range(n)]
+        asyncio.get_running_loop().create_task(self._settle(future, "proto", lambda: _wire.sample_response(
+            self.service.sample(sampling_id, tokens, n, params, prompt_logprobs, last_n))))
+        return web.json_response({"request_id": request_id, "sample_sequence_ids": ids})
+

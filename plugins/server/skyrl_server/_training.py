@@ -127,8 +127,7 @@ class TrainingMixin:
                 targets = torch.as_tensor(np.array(datum["inputs"]["target_tokens"], dtype=np.int64), device=device)
                 logits = module(input_ids=ids).logits[0].float()
                 logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
-                elementwise = loss_terms(loss_fn, logprobs, datum["inputs"], config, device)
-                loss = elementwise.sum()
+                elementwise, loss = loss_terms(loss_fn, logprobs, datum["inputs"], config, device, self.host)
                 if not forward_only:
                     loss.backward()
                 total += float(loss.detach())

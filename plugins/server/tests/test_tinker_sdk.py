@@ -344,3 +344,34 @@ def test_save_state_and_resume_with_the_optimizer(service) -> None:
     assert np.abs(after[2] - after[0]).max() > 1e-4  # a fresh optimizer steps differently
     with pytest.raises(Exception, match="no such training state"):
         service.create_training_client_from_state(f"tinker://{first.model_id}/weights/nope").result()
+
+
+def test_dro_equals_the_hand_computation_and_custom_losses_train(service) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
+    tokens = [4, 9, 2, 8, 1, 3, 6]
+    lp = training.forward([_datum(tokens, [1.0] * 6)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    lp = lp.astype(np.float64)
+    sampling = (lp - np.array([0.3, -0.2, 0.0, 0.7, -1.0, 0.1])).astype(np.float32)
+    adv = np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0], dtype=np.float32)
+    data = [_datum(tokens, logprobs=sampling, advantages=adv)]
+    for beta in (None, 0.5):
+        b = 0.05 if beta is None else beta
+        hand = -(lp * adv - 0.5 * b * (lp - sampling.astype(np.float64)) ** 2)
+        out = training.forward(data, "dro", loss_fn_config=None if beta is None else {"beta": beta}).result()
+        assert out.metrics["loss:sum"] == pytest.approx(hand.sum(), rel=1e-5)
+        np.testing.assert_allclose(out.loss_fn_outputs[0]["elementwise_loss"].to_numpy(), hand, rtol=1e-4, atol=1e-6)
+    with pytest.raises(Exception, match="beta must be >= 0"):
+        training.forward(data, "dro", loss_fn_config={"beta": -1.0}).result()
+
+    # forward_backward_custom: the SDK's forward, its local loss, then a weighted cross_entropy backward here.
+    plain = [_datum(tokens, [1.0] * 6)]
+
+    def squared(batch, logprobs):
+        loss = sum((x ** 2).sum() for x in logprobs)
+        return loss, {"squared:sum": float(loss)}
+
+    result = training.forward_backward_custom(plain, squared).result()
+    assert result.metrics["squared:sum"] == pytest.approx(float((lp ** 2).sum()), rel=1e-4)
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = training.forward(plain, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert (after.astype(np.float64) ** 2).sum() < 0.97 * (lp ** 2).sum()  # the custom loss went down

@@ -13,6 +13,11 @@ generate call pins the serving (bank, version) once, at its start, and uses exac
 that bank for every forward, so a swap during a call never mixes versions; the next
 call sees the new one.
 
+The continuous batcher (``skyrl_engines._continuous``) serves several adapters in one
+batch instead: :meth:`EngineAdapters.build` makes a bank of its own for each adapter it
+serves, and inside :meth:`EngineAdapters.per_row` every forward of that thread adds each
+bank's ``scale * B @ A @ x`` to its own rows only (rows of no bank get none).
+
 Adapter names: ``<module path>.lora_A`` ``[rank, in_features]`` and ``<module
 path>.lora_B`` ``[out_features, rank]`` (the torch backend's names); the modules are
 the ``nn.Linear`` modules whose last path component is in the config's ``targets``.
@@ -112,10 +117,8 @@ class EngineAdapters:
 
     # -- staging and the swap ------------------------------------------------------
 
-    def stage(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int) -> _Bank:
-        """Validate a complete adapter and copy it into a bank no generate call uses.
-        Raises :class:`AdapterError` (naming the version and the tensor) and changes
-        nothing served when it does not fit."""
+    def _validated(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any],
+                   version: int) -> tuple[dict[str, tuple[int, ...]], dict[str, Any], list[str], tuple, float]:
         rank, alpha, targets = _config_values(config)
         slots = self.slots(config)
         given: dict[str, Any] = {}
@@ -135,17 +138,39 @@ class EngineAdapters:
         if missing:
             raise AdapterError(f"adapter version {version}: tensor {missing[0]!r} is missing ({len(missing)} of {len(slots)})")
         modules = [n[: -len(".lora_A")] for n in slots if n.endswith(".lora_A")]
-        signature = (rank, tuple(modules))
+        return slots, given, modules, (rank, tuple(modules)), alpha / rank
+
+    def stage(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int) -> _Bank:
+        """Validate a complete adapter and copy it into a bank no generate call uses.
+        Raises :class:`AdapterError` (naming the version and the tensor) and changes
+        nothing served when it does not fit."""
+        slots, given, modules, signature, scale = self._validated(named_tensors, config, version)
         with self._lock:
             spare, self._spare = self._spare, None
         # The spare bank no longer serves and no call pins it any more: reuse its buffers.
         bank = spare if spare is not None and spare.pins == 0 and spare.signature == signature else None
         if bank is None:
-            bank = _Bank(
-                {m: (torch.empty(slots[f"{m}.lora_A"], dtype=self.dtype, device=self.device),
-                     torch.empty(slots[f"{m}.lora_B"], dtype=self.dtype, device=self.device)) for m in modules},
-                signature,
-            )
+            bank = self._new_bank(slots, modules, signature)
+        self.staged_bytes = self._fill(bank, given, scale)
+        return bank
+
+    def build(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int = 0) -> _Bank:
+        """A bank of its own (never the serving one, never reused by :meth:`stage`) for
+        :meth:`per_row`; validated like :meth:`stage` (raises :class:`AdapterError`)."""
+        slots, given, modules, signature, scale = self._validated(named_tensors, config, version)
+        bank = self._new_bank(slots, modules, signature)
+        self._fill(bank, given, scale)
+        self._hook_modules(bank)
+        return bank
+
+    def _new_bank(self, slots: Mapping[str, tuple[int, ...]], modules: list[str], signature: tuple) -> _Bank:
+        return _Bank(
+            {m: (torch.empty(slots[f"{m}.lora_A"], dtype=self.dtype, device=self.device),
+                 torch.empty(slots[f"{m}.lora_B"], dtype=self.dtype, device=self.device)) for m in modules},
+            signature,
+        )
+
+    def _fill(self, bank: _Bank, given: Mapping[str, Any], scale: float) -> int:
         nbytes = 0
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only numpy views (Ray's object store) are only read
@@ -154,21 +179,24 @@ class EngineAdapters:
                     src_t = torch.from_numpy(src) if isinstance(src, np.ndarray) else torch.as_tensor(src)
                     dst.copy_(src_t)
                     nbytes += src_t.numel() * src_t.element_size()
-        bank.scale = alpha / rank
-        self.staged_bytes = nbytes
-        return bank
+        bank.scale = scale
+        return nbytes
 
     def activate(self, bank: _Bank, version: int) -> None:
         """Serve ``bank`` as ``version`` from the next generate call on (one assignment)."""
-        for name in bank.tensors:  # hook each adapted module once
-            if name not in self._hooked:
-                module = self.model.get_submodule(name)
-                self._hooked[name] = module.register_forward_hook(self._hook(name))
+        self._hook_modules(bank)
         with self._lock:
             old = self.serving.bank
             self.serving = Serving(bank, int(version))
             if old is not None and old is not bank:
                 self._spare = old
+
+    def _hook_modules(self, bank: _Bank) -> None:
+        with self._lock:
+            for name in bank.tensors:  # hook each adapted module once
+                if name not in self._hooked:
+                    module = self.model.get_submodule(name)
+                    self._hooked[name] = module.register_forward_hook(self._hook(name))
 
     def set_version(self, version: int) -> None:
         """New base weights: keep the adapter, report ``version``."""
@@ -179,6 +207,21 @@ class EngineAdapters:
         local = self._local
 
         def hook(_module: Any, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+            groups = getattr(local, "groups", None)
+            if groups is not None:  # per_row: each bank adds to its own rows
+                out = output
+                for bank, rows in groups:
+                    ab = bank.tensors.get(name)
+                    if ab is None:
+                        continue
+                    a, b = ab
+                    if rows is None:  # every row of the batch
+                        out = out + torch.nn.functional.linear(torch.nn.functional.linear(args[0], a), b) * bank.scale
+                    else:
+                        x = args[0].index_select(0, rows)
+                        delta = torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * bank.scale
+                        out = out.index_add(0, rows, delta)
+                return out
             bank = getattr(local, "bank", None)
             if bank is None:
                 return None
@@ -207,6 +250,19 @@ class EngineAdapters:
             with self._lock:
                 if serving.bank is not None:
                     serving.bank.pins -= 1
+
+
+    @contextlib.contextmanager
+    def per_row(self, groups: list[tuple[_Bank, torch.Tensor | None]]) -> Iterator[None]:
+        """Inside the block, every forward of this thread adds each ``(bank, rows)``
+        group's adapter to the batch rows ``rows`` (an index tensor; None: every row) and
+        nothing to the other rows, whatever bank :meth:`pinned` would give."""
+        before = getattr(self._local, "groups", None)
+        self._local.groups = list(groups)
+        try:
+            yield
+        finally:
+            self._local.groups = before
 
 
 def adapter_tensors(bank: _Bank | None) -> Iterator[tuple[str, torch.Tensor]]:

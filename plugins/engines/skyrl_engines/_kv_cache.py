@@ -98,3 +98,127 @@ def select_rows(cache: Any, index: torch.Tensor) -> None:
             layer.reorder_cache(index)
         else:  # pragma: no cover - a layer kind this engine does not know
             raise NotImplementedError(f"cannot select batch rows of cache layer {type(layer).__name__}")
+
+
+# -- the continuous batcher's cache: rows that come and go -----------------------------
+
+
+class SlotLayer(DynamicLayer):
+    """A full-attention cache layer over ``[max_rows, heads, capacity, dim]`` buffers in
+    which the first ``rows`` rows are live (the continuous batcher's running batch).
+    Every live row shares one filled length (rows are left-padded to it; the attention
+    mask hides the padding), so a decode forward writes one column for all of them.
+    Rows join with :meth:`put_rows`, leave by :meth:`move_rows` (a finished row's slot is
+    refilled from the tail), and the filled columns move with :meth:`shift`."""
+
+    is_sliding = False
+
+    def __init__(self, max_rows: int):
+        super().__init__()
+        self.max_rows = max_rows
+        self.capacity = 0
+        self.rows = 0
+        self.length = 0
+
+    def _views(self) -> None:
+        self.keys = self.key_buffer[: self.rows, :, : self.length]
+        self.values = self.value_buffer[: self.rows, :, : self.length]
+
+    def reserve(self, capacity: int, like: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Room for ``capacity`` columns (the filled ones kept); ``like``: the key and value
+        tensors whose heads, dim and dtype the buffers take, before the first allocation."""
+        if self.is_initialized and capacity <= self.capacity:
+            return
+        if not self.is_initialized:
+            k, v = like
+            self.device = k.device
+            self.key_buffer = k.new_zeros((self.max_rows, k.shape[1], capacity, k.shape[-1]))
+            self.value_buffer = v.new_zeros((self.max_rows, v.shape[1], capacity, v.shape[-1]))
+            self.is_initialized = True
+        else:
+            kb, vb = self.key_buffer, self.value_buffer
+            self.key_buffer = kb.new_zeros((kb.shape[0], kb.shape[1], capacity, kb.shape[-1]))
+            self.value_buffer = vb.new_zeros((vb.shape[0], vb.shape[1], capacity, vb.shape[-1]))
+            self.key_buffer[: self.rows, :, : self.length] = kb[: self.rows, :, : self.length]
+            self.value_buffer[: self.rows, :, : self.length] = vb[: self.rows, :, : self.length]
+        self.capacity = capacity
+        self._views()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        rows, start = key_states.shape[0], self.length
+        end = start + key_states.shape[-2]
+        if rows != self.rows:
+            raise RuntimeError(f"a forward of {rows} rows over a cache holding {self.rows}")
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} tokens for a capacity of {self.capacity}")
+        self.key_buffer[:rows, :, start:end] = key_states
+        self.value_buffer[:rows, :, start:end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def put_rows(self, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows ``[at, at + len(keys))`` become ``keys``/``values`` (``[k, heads, width,
+        dim]``, width <= the filled length), right-aligned to the filled length; the
+        columns left of them are zeroed (masked, but never garbage)."""
+        k, width = keys.shape[0], keys.shape[-2]
+        self.key_buffer[at : at + k, :, : self.length - width] = 0
+        self.value_buffer[at : at + k, :, : self.length - width] = 0
+        self.key_buffer[at : at + k, :, self.length - width : self.length] = keys
+        self.value_buffer[at : at + k, :, self.length - width : self.length] = values
+        self.rows = max(self.rows, at + k)
+        self._views()
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
+        """Rows ``src`` are copied to slots ``dst`` (disjoint); then ``rows`` rows are live."""
+        if src.numel():
+            self.key_buffer[dst, :, : self.length] = self.key_buffer[src, :, : self.length]
+            self.value_buffer[dst, :, : self.length] = self.value_buffer[src, :, : self.length]
+        self.rows = rows
+        self._views()
+
+    def shift(self, delta: int) -> None:
+        """Move the filled columns of the live rows ``delta`` to the right (zeros come in
+        on the left; room must be reserved) or ``-delta`` to the left (dropping the first
+        ``-delta`` columns, which no live row may use)."""
+        n, r = self.length, self.rows
+        if delta > 0:
+            for buf in (self.key_buffer, self.value_buffer):
+                buf[:r, :, delta : delta + n] = buf[:r, :, :n].clone()
+                buf[:r, :, :delta] = 0
+        elif delta < 0:
+            for buf in (self.key_buffer, self.value_buffer):
+                buf[:r, :, : n + delta] = buf[:r, :, -delta:n].clone()
+        self.length = n + delta
+        self._views()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the continuous batcher's cache is never cropped")
+
+    def reset(self) -> None:
+        self.rows = self.length = 0
+        if self.is_initialized:
+            self._views()
+
+
+def make_slot_cache(config: Any, max_rows: int) -> Any:
+    """A DynamicCache of :class:`SlotLayer` s (buffers allocated at the first rows put).
+    Only full-attention (and sliding-window, masked) layers can take rows that come and
+    go; a model with other layer kinds (linear attention / Mamba states) raises."""
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            raise NotImplementedError(
+                f"continuous batching needs attention KV caches; this model has a {type(layer).__name__} layer")
+    cache.layers = [SlotLayer(max_rows) for _ in cache.layers]
+    return cache
+
+
+def slot_layers(cache: Any) -> list[SlotLayer]:
+    return list(cache.layers)

@@ -24,6 +24,7 @@ import attrs
 
 from skyrl_server._errors import BadRequest
 from skyrl_server._sampling import SamplerWeights, SamplingMixin
+from skyrl_server._stability import RouteStore, StabilityMixin
 from skyrl_server._training import TrainingModel, TrainingMixin
 
 
@@ -46,7 +47,10 @@ class BaseModel:
 
 
 
-class Service(TrainingMixin, SamplingMixin):
+ROUTE_CACHE_BYTES = 1 << 30  # the routes store's bound unless [server] route_cache_bytes says otherwise
+
+
+class Service(TrainingMixin, SamplingMixin, StabilityMixin):
     """The models one server holds (see the module docstring)."""
 
     def __init__(self, spec: Any, storage: Any, host: Any):
@@ -57,6 +61,9 @@ class Service(TrainingMixin, SamplingMixin):
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, SamplerWeights] = {}
         self._keys = 0
+        # R3 for Tinker clients: routes recorded at sampling, replayed from provenance spans.
+        self.route_store = RouteStore(getattr(spec.server, "route_cache_bytes", ROUTE_CACHE_BYTES))
+        self.route_hooks: dict[str, Any] = {}  # model_id -> (its module, RouterHooks on it)
 
     # -- base models -------------------------------------------------------------
 
@@ -71,12 +78,21 @@ class Service(TrainingMixin, SamplingMixin):
                 model = model.float()  # float32 master weights, as the torch backend trains them
             model.requires_grad_(False)
             loaded = attrs.evolve(loaded, model=model)
-            engine = self.spec.engine.create()
+            engine = self._engine_for(loaded)
             engine.start(attrs.evolve(loaded, model=_detached_tree(model)))
             cfg = getattr(model, "config", None)
             context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
             vocab = int(model.get_input_embeddings().num_embeddings)
             self.bases[name] = BaseModel(name, family, loaded, engine, context, vocab)
+
+    def _engine_for(self, loaded: Any) -> Any:
+        """The ``[engine]`` plugin for a base; on a mixture-of-experts base it records the
+        routers' choices (``return_routed_experts``), which R3 replays for the trainer."""
+        choice = self.spec.engine
+        config = choice.config
+        if loaded.routers and config is not None and hasattr(config, "return_routed_experts"):
+            config = attrs.evolve(config, return_routed_experts=True)
+        return choice.registration.create(config)
 
     def capabilities(self) -> list[dict[str, Any]]:
         return [{"model_name": b.name, "max_context_length": b.context, "trainable": True, "sampleable": True}

@@ -118,14 +118,16 @@ class TrainingMixin:
                 raise BadRequest(f"datum {i}: target_tokens holds a token outside the vocabulary (0..{base.vocab - 1})")
         backend = tm.backend
         module, device = backend.module, backend.device
+        plans = self.replay_plans(tm, data, device)  # R3 from the provenance spans, checked before any gradient
         outputs: list[dict[str, np.ndarray]] = []
         total = 0.0
         grad = torch.enable_grad() if not forward_only else torch.no_grad()
         with grad:
-            for datum in data:
+            for datum, plan in zip(data, plans):
                 ids = torch.as_tensor(np.array(datum["tokens"], dtype=np.int64), device=device)[None]
                 targets = torch.as_tensor(np.array(datum["inputs"]["target_tokens"], dtype=np.int64), device=device)
-                logits = module(input_ids=ids).logits[0].float()
+                with plan:
+                    logits = module(input_ids=ids).logits[0].float()
                 logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
                 elementwise, loss = loss_terms(loss_fn, logprobs, datum["inputs"], config, device, self.host)
                 if not forward_only:
@@ -133,7 +135,7 @@ class TrainingMixin:
                 total += float(loss.detach())
                 outputs.append({"logprobs": logprobs.detach().cpu().numpy().astype(np.float32),
                                 "elementwise_loss": elementwise.detach().cpu().numpy().astype(np.float32)})
-        return outputs, {"loss:sum": total}
+        return outputs, {"loss:sum": total, **self.replay_metrics(plans)}
 
     def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
         import torch

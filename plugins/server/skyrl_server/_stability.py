@@ -1,0 +1,190 @@
+"""Routing replay (R3) for Tinker clients: the experts the engine routed each token to,
+recorded when a sampling request asks for it (``record_stability_info``), replayed when
+a forward_backward datum names those tokens through the SDK's provenance spans.
+
+At sampling time a mixture-of-experts base samples with an engine that records its
+routers' choices (``return_routed_experts``); each sampled sequence's record (its
+prompt tokens and their routes, its sampled tokens and theirs) is kept under its
+``sequence_id`` in a :class:`RouteStore` bounded by bytes (least recently used first
+out). In forward_backward, a datum whose ``model_input_spans`` tile its input tokens
+with runs of recorded prompts and sampled tokens is scored with those experts forced
+(``skyrl_host.routing.RouterHooks``): the trainer's logprobs then equal the sampler's,
+as ``skyrl run``'s ``r3`` makes them. A run naming a sequence the store no longer
+holds (evicted, or never recorded) is scored with free routing, and the metric
+``replay_missed_tokens:sum`` counts it; ``replay_tokens:sum`` counts the forced ones.
+A run whose tokens differ from the recorded ones is a user error (the spans lie).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from skyrl_server._errors import BadRequest
+
+
+@attrs.define
+class RouteRecord:
+    prompt: np.ndarray  # int64 [P]
+    prompt_routes: np.ndarray  # [P, L, k]
+    tokens: np.ndarray  # int64 [R]: the sampled tokens
+    routes: np.ndarray  # [R, L, k]: the last one was never fed back (not replayed)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.prompt.nbytes + self.prompt_routes.nbytes + self.tokens.nbytes + self.routes.nbytes)
+
+
+class RouteStore:
+    """Records by sequence id, at most ``max_bytes`` of them (the oldest used go first)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self.evicted = 0
+        self._records: collections.OrderedDict[str, RouteRecord] = collections.OrderedDict()
+        self._lock = threading.Lock()  # sampling and training run on different threads
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def put(self, sequence_id: str, record: RouteRecord) -> None:
+        with self._lock:
+            old = self._records.pop(sequence_id, None)
+            if old is not None:
+                self.bytes -= old.nbytes
+            if record.nbytes > self.max_bytes:
+                self.evicted += 1
+                return
+            self._records[sequence_id] = record
+            self.bytes += record.nbytes
+            while self.bytes > self.max_bytes:
+                _, gone = self._records.popitem(last=False)
+                self.bytes -= gone.nbytes
+                self.evicted += 1
+
+    def get(self, sequence_id: str) -> RouteRecord | None:
+        with self._lock:
+            record = self._records.get(sequence_id)
+            if record is not None:
+                self._records.move_to_end(sequence_id)
+            return record
+
+
+def batch_records(batch: Any, prompt_len: int) -> list[RouteRecord]:
+    """One record per sequence of an engine batch sampled with ``routed_experts``
+    (prompt routes, then response routes, sequence by sequence)."""
+    routes = batch.side_channels["routed_experts"]
+    out = []
+    for i in range(batch.n_sequences):
+        seq = np.asarray(batch.sequence(i), dtype=np.int64)
+        rows = routes[batch.cu_seqlens[i] : batch.cu_seqlens[i + 1]]
+        out.append(RouteRecord(seq[:prompt_len].copy(), rows[:prompt_len].copy(), seq[prompt_len:].copy(),
+                               rows[prompt_len:].copy()))
+    return out
+
+
+def forced_routes(store: RouteStore, spans: Sequence[tuple[str, str, int, int]], tokens: np.ndarray,
+                  n_layers: int, k: int, datum: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Expert ids [N, L, k] and mask [N] (forced where true) for a datum's N input
+    tokens from its ``model_input_spans`` ``(kind, sequence_id, offset, length)``;
+    with the forced and the missed token counts."""
+    n = len(tokens)
+    ids = np.zeros((n, n_layers, k), dtype=np.int64)
+    mask = np.zeros(n, dtype=bool)
+    forced = missed = 0
+    at = 0
+    for kind, sequence_id, offset, length in spans:
+        record = store.get(sequence_id)
+        if record is None:
+            missed += length
+            at += length
+            continue
+        own, rows = (record.prompt, record.prompt_routes) if kind == "prompt" else (record.tokens, record.routes)
+        if offset + length > len(own):
+            raise BadRequest(f"datum {datum}: model_input_spans: a {kind} run of sequence {sequence_id!r} at offset "
+                             f"{offset} with length {length} passes its {len(own)} tokens")
+        if not np.array_equal(own[offset : offset + length], tokens[at : at + length]):
+            raise BadRequest(f"datum {datum}: model_input_spans: the tokens at positions {at}..{at + length - 1} are "
+                             f"not the {kind} tokens of sequence {sequence_id!r} they claim to be")
+        if rows.shape[1:] != (n_layers, k):
+            raise BadRequest(f"datum {datum}: sequence {sequence_id!r} was recorded on another model")
+        ids[at : at + length] = rows[offset : offset + length]
+        fed = np.ones(length, dtype=bool)
+        if kind == "sampled":  # the last sampled token was never fed to the engine: it routes freely
+            fed &= np.arange(offset, offset + length) < len(own) - 1
+        mask[at : at + length] = fed
+        forced += int(fed.sum())
+        at += length
+    return ids, mask, forced, missed
+
+
+class ReplayPlan:
+    """One datum's forced routes (or none): a context manager around its forward."""
+
+    def __init__(self, hooks: Any = None, ids: Any = None, mask: Any = None, forced: int = 0, missed: int = 0):
+        self.hooks, self.ids, self.mask, self.forced, self.missed = hooks, ids, mask, forced, missed
+        self._ctx: Any = None
+
+    def __enter__(self) -> "ReplayPlan":
+        if self.hooks is not None and self.forced:
+            self._ctx = self.hooks.forcing(self.ids, self.mask)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(*exc)
+
+
+class StabilityMixin:
+    """The replay half of :class:`skyrl_server._service.Service` (``self.route_store``,
+    ``self.route_hooks``: the router hooks on each MoE training model's module)."""
+
+    def replay_plans(self, tm: Any, data: Sequence[Any], device: Any) -> list[ReplayPlan]:
+        """One plan per datum: its spans checked (all before any gradient is added) and,
+        on a mixture-of-experts base, the recorded experts to force."""
+        import torch
+
+        base = self.bases[tm.base]
+        routers = list(getattr(base.loaded, "routers", ()) or ())
+        if not routers or not any(d.get("spans") for d in data):
+            return [ReplayPlan() for _ in data]
+        hooks = self.route_hooks.get(tm.model_id)
+        if hooks is None or hooks[0] is not tm.backend.module:
+            from skyrl_host.routing import RouterHooks
+
+            hooks = self.route_hooks[tm.model_id] = (tm.backend.module, RouterHooks(tm.backend.module, routers))
+        hooks = hooks[1]
+        plans = []
+        for i, datum in enumerate(data):
+            if not datum.get("spans"):
+                plans.append(ReplayPlan())
+                continue
+            ids, mask, forced, missed = forced_routes(self.route_store, datum["spans"], datum["tokens"],
+                                                      hooks.n_layers, hooks.k, i)
+            plans.append(ReplayPlan(hooks, torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device),
+                                    forced, missed))
+        return plans
+
+    def record_routes(self, batch: Any, prompt_len: int, sequence_ids: Sequence[str]) -> None:
+        """Keep the routes of an engine batch's sequences under their sequence ids."""
+        if "routed_experts" not in batch.side_channels:
+            return
+        for sequence_id, record in zip(sequence_ids, batch_records(batch, prompt_len)):
+            self.route_store.put(sequence_id, record)
+
+    @staticmethod
+    def replay_metrics(plans: Sequence[ReplayPlan]) -> dict[str, float]:
+        if not any(p.hooks is not None for p in plans):
+            return {}
+        return {"replay_tokens:sum": float(sum(p.forced for p in plans)),
+                "replay_missed_tokens:sum": float(sum(p.missed for p in plans))}
+
+
+__all__ = ["ReplayPlan", "RouteRecord", "RouteStore", "StabilityMixin", "batch_records", "forced_routes"]

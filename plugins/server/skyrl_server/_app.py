@@ -6,6 +6,18 @@ one worker thread; ``retrieve_future`` waits for it at most ``[server] poll_seco
 and then answers ``try_again`` (the SDK polls again). A model's requests run in
 ``seq_id`` order; the same ``(model_id, seq_id)`` sent again gets the first one's
 future and runs once. Bad input is a 4xx with a one-line ``{"error": ...}``.
+
+Durability (:mod:`skyrl_server._store`): sessions, models and every finished training
+future are written to ``[server] database`` on the worker thread before the future
+finishes (one transaction per request); an optim_step first writes its model's adapters,
+optimizer state and steps to the storage root. After a restart (even a SIGKILL) the
+server comes back with them: models from their last durable state, finished futures
+retrievable by request_id, each model's seq_id order. A request that had not finished
+at the crash did not happen (nothing of it was kept): retrieve_future answers it with an
+error saying so, and the same ``(model_id, seq_id)`` sent again runs it. Gradients of
+acknowledged forward_backward calls are not persisted: after a restart the model's next
+optim_step fails with a user error (409) saying they were lost (it never steps with
+part of them). Sampling futures and sampling sessions live in memory only.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from skyrl_server._http import _body_json, _get
 from skyrl_server._sample_routes import SamplingRoutes
 from skyrl_server._service import Service
 from skyrl_server._storage import sampler_path
+from skyrl_server._store import Loaded, Record, Store, model_row
 
 log = logging.getLogger("skyrl.serve")
 OPEN_ROUTES = {"/api/v1/healthz"}
@@ -83,19 +96,35 @@ class ModelQueue:
 
 
 class App(SamplingRoutes):
-    """State of one server: sessions, futures, the models' queues, the worker thread."""
+    """State of one server: sessions, futures, the models' queues, the worker thread, and
+    the durable store they are kept in (``loaded``: what it held at start)."""
 
-    def __init__(self, spec: Any, service: Service):
+    def __init__(self, spec: Any, service: Service, store: Store, loaded: Loaded):
         self.spec = spec
         self.service = service
+        self.store = store
+        self.boot = loaded.boot  # request ids start with it
+        self.past_boots = {b: t for b, t in loaded.boots.items() if b != loaded.boot}
         self.keys = [k.encode() for k in spec.api_keys]
-        self.sessions: dict[str, dict[str, Any]] = {}
+        self.sessions: dict[str, dict[str, Any]] = {sid: {"finished": done} for sid, done in loaded.sessions.items()}
         self.futures: dict[str, Future] = {}
         self.seen: dict[tuple[str, int], str] = {}  # (model_id, seq_id) -> request_id
         self.queues: dict[str, ModelQueue] = {}
         self.sampling_sessions: dict[str, dict[str, Any]] = {}
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyrl-serve")
         self.creating: set[str] = set()
+        now, wall = time.monotonic(), time.time()
+        for f in loaded.futures:
+            future = Future()
+            future.finish(f["kind"], f["value"])
+            future.finished_at = now - max(0.0, wall - f["finished"])
+            self.futures[f["request_id"]] = future
+            if f["model_id"] is not None and f["seq_id"] is not None:
+                self.seen[(f["model_id"], f["seq_id"])] = f["request_id"]
+        for row in loaded.models:
+            if row["last_seq"]:
+                self.queues[row["id"]] = queue = ModelQueue(spec.server.order_wait_seconds)
+                queue.last = row["last_seq"]
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -122,7 +151,7 @@ class App(SamplingRoutes):
     def _new_future(self) -> tuple[str, Future]:
         if len(self.futures) % 1024 == 1023:
             self._forget_old_futures()
-        request_id = uuid.uuid4().hex
+        request_id = self.boot + uuid.uuid4().hex[:24]
         future = Future()
         self.futures[request_id] = future
         return request_id, future
@@ -134,20 +163,49 @@ class App(SamplingRoutes):
         for rid in old:
             del self.futures[rid]
         self.seen = {k: rid for k, rid in self.seen.items() if rid not in old}
+        self.worker.submit(self._forget_stored, time.time() - KEEP_SECONDS)
 
-    async def _settle(self, future: Future, kind: str, fn: Callable[[], Any]) -> None:
+    def _forget_stored(self, before: float) -> None:
         try:
-            value = await self._compute(fn)
-        except BadRequest as exc:
-            future.finish("error", {"error": exc.message, "category": "user"})
-        except Exception as exc:  # noqa: BLE001 - a fault: logged with its traceback, answered as the server's
-            log.error("request failed:\n%s", traceback.format_exc())
-            future.finish("error", {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "category": "server"})
-        else:
-            future.finish(kind, value)
+            self.store.forget(before)
+        except Exception:  # noqa: BLE001 - the next sweep tries again
+            log.error("could not delete old futures from the database:\n%s", traceback.format_exc())
 
-    def _model_future(self, model_id: str, seq_id: int | None, kind: str, fn: Callable[[], Any]) -> dict[str, Any]:
-        """A future for a model's request, run in seq_id order (a repeated seq_id: the first's future)."""
+    async def _settle(self, future: Future, kind: str, fn: Callable[[], Any], record: Record | None = None) -> None:
+        """Run ``fn`` on the worker and finish ``future`` with its result or error; with
+        ``record`` (a training request), first store the outcome durably (same thread)."""
+
+        def run() -> tuple[str, Any]:
+            try:
+                out = (kind, fn())
+            except BadRequest as exc:
+                out = ("error", {"error": exc.message, "category": "user"})
+            except Exception as exc:  # noqa: BLE001 - a fault: logged with its traceback, answered as the server's
+                log.error("request failed:\n%s", traceback.format_exc())
+                out = ("error", {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "category": "server"})
+            if record is not None:
+                if out[0] == "error":
+                    record.new_model = record.checkpoint = record.after = None
+                record.kind, record.value = out
+                try:
+                    self.store.record(record)
+                except Exception as exc:  # noqa: BLE001 - not kept: the client must not take it as done
+                    log.error("could not store request %s:\n%s", record.request_id, traceback.format_exc())
+                    return ("error", {"error": f"the result could not be stored durably ({type(exc).__name__}: "
+                                               f"{exc}".splitlines()[0] + ")", "category": "server"})
+                if record.after is not None:
+                    try:
+                        record.after()
+                    except Exception:  # noqa: BLE001 - a stale file, deleted at the next start
+                        log.warning("after storing request %s:\n%s", record.request_id, traceback.format_exc())
+            return out
+
+        future.finish(*await self._compute(run))
+
+    def _model_future(self, model_id: str, seq_id: int | None, kind: str,
+                      fn: Callable[[Record], Any]) -> dict[str, Any]:
+        """A future for a model's request, run in seq_id order (a repeated seq_id: the
+        first's future); ``fn(record)`` computes it and notes what the store must keep."""
         if model_id not in self.service.models and model_id not in self.creating:
             raise BadRequest(f"unknown model_id {model_id!r}", status=404)
         if seq_id is not None:
@@ -160,11 +218,12 @@ class App(SamplingRoutes):
             if seq_id <= queue.last:
                 raise BadRequest(f"seq_id {seq_id} arrived after seq_id {queue.last} of model {model_id!r} ran")
         request_id, future = self._new_future()
+        record = Record(request_id, model_id, seq_id)
         if seq_id is None:
-            asyncio.get_running_loop().create_task(self._settle(future, kind, fn))
+            asyncio.get_running_loop().create_task(self._settle(future, kind, lambda: fn(record), record))
         else:
             self.seen[(model_id, seq_id)] = request_id
-            queue.submit(seq_id, lambda: self._settle(future, kind, fn))
+            queue.submit(seq_id, lambda: self._settle(future, kind, lambda: fn(record), record))
         return {"request_id": request_id, "model_id": model_id}
 
     # -- session routes ---------------------------------------------------------------
@@ -182,7 +241,8 @@ class App(SamplingRoutes):
     async def create_session(self, request: web.Request) -> web.Response:
         _body_json(await request.read())
         session_id = uuid.uuid4().hex
-        self.sessions[session_id] = {"finished": False, "models": 0}
+        await self._compute(lambda: self.store.add_session(session_id))
+        self.sessions[session_id] = {"finished": False}
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     def _session(self, session_id: Any) -> dict[str, Any]:
@@ -201,7 +261,11 @@ class App(SamplingRoutes):
         return web.json_response({"status": "accepted"})
 
     async def finish(self, request: web.Request) -> web.Response:
-        self._session(request.match_info["session_id"])["finished"] = True
+        session_id = request.match_info["session_id"]
+        session = self._session(session_id)
+        if not session["finished"]:
+            await self._compute(lambda: self.store.finish_session(session_id))
+            session["finished"] = True
         return web.json_response({})
 
     async def capabilities(self, request: web.Request) -> web.Response:
@@ -229,10 +293,15 @@ class App(SamplingRoutes):
             raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
         self.creating.add(model_id)
         request_id, future = self._new_future()
+        record = Record(request_id, model_id, None)
+
+        def run() -> dict[str, Any]:
+            self.service.create_model(model_id, base, rank, seed)
+            record.new_model = model_row(model_id, session_id, base, rank, self.service.models[model_id].seed)
+            return {"model_id": model_id, "type": "create_model"}
 
         async def create() -> None:
-            await self._settle(future, "json", lambda: (self.service.create_model(model_id, base, rank, seed),
-                                                        {"model_id": model_id, "type": "create_model"})[1])
+            await self._settle(future, "json", run, record)
             self.creating.discard(model_id)
 
         asyncio.get_running_loop().create_task(create())
@@ -249,8 +318,13 @@ class App(SamplingRoutes):
     async def unload_model(self, request: web.Request) -> web.Response:
         model_id = _get(_body_json(await request.read()), "model_id", str)
         self.service.model(model_id)
-        return web.json_response(self._model_future(model_id, None, "json", lambda: (
-            self.service.unload(model_id), {"model_id": model_id, "type": "unload_model"})[1]))
+
+        def run(record: Record) -> dict[str, Any]:
+            self.service.unload(model_id)
+            record.changes["unloaded"] = True
+            return {"model_id": model_id, "type": "unload_model"}
+
+        return web.json_response(self._model_future(model_id, None, "json", run))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
         raw = _wire.decompress(await request.read(), request.headers.get("Content-Encoding"))
@@ -261,9 +335,11 @@ class App(SamplingRoutes):
         if not req["data"]:
             raise BadRequest("data: no datum")
 
-        def run() -> bytes:
+        def run(record: Record) -> bytes:
             outputs, metrics = self.service.forward_backward(req["model_id"], req["data"], req["loss_fn"], req["config"],
                                                              req["forward_only"])
+            if not req["forward_only"]:
+                record.changes["grads"] = True  # acknowledged gradients wait for a step (not persisted)
             return _wire.forward_backward_output(outputs, metrics)
 
         return web.json_response(self._model_future(req["model_id"], req["seq_id"] or None, "proto", run))
@@ -276,8 +352,23 @@ class App(SamplingRoutes):
         adam = {k: _get(params, k, float, required=False)
                 for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
         adam = {k: v for k, v in adam.items() if v is not None}
-        return web.json_response(self._model_future(model_id, seq_id, "json", lambda: {
-            "metrics": self.service.optim_step(model_id, adam)}))
+
+        def run(record: Record) -> dict[str, Any]:
+            if self.service.model(model_id).grads_lost:
+                record.changes["grads"] = False  # the failed step below clears them
+            metrics = self.service.optim_step(model_id, adam)
+            self._keep_state(model_id, record)
+            return {"metrics": metrics}
+
+        return web.json_response(self._model_future(model_id, seq_id, "json", run))
+
+    def _keep_state(self, model_id: str, record: Record) -> None:
+        """(On the worker.) The model's whole state written to the storage root as its new
+        durable state, and the row's columns that point at it (committed with the result)."""
+        tm = self.service.model(model_id)
+        file = self.service.save_durable(model_id, f"{tm.steps}-{record.request_id}")
+        record.changes.update(state=file, steps=tm.steps, grads=False)
+        record.after = lambda: self.service.storage.prune_durable(model_id, file)
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         body = _body_json(await request.read())
@@ -292,9 +383,11 @@ class App(SamplingRoutes):
         if session_id is not None:
             self.sampling_sessions[session_id] = {"base_model": None, "model_path": None, "model_id": model_id}
 
-        def run() -> dict[str, Any]:
+        def run(record: Record) -> dict[str, Any]:
             self.service.save_for_sampler(model_id, session_id, path)
             base = self.service.models[model_id].base
+            if path is not None:
+                record.checkpoint = (path, "sampler_weights")
             if session_id is not None:
                 self.sampling_sessions[session_id]["base_model"] = base
                 return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
@@ -309,8 +402,9 @@ class App(SamplingRoutes):
         name = _get(body, "path", str, required=False) or f"state-{uuid.uuid4().hex[:12]}"
         path = sampler_path(model_id, name, "weights")
 
-        def run() -> dict[str, Any]:
+        def run(record: Record) -> dict[str, Any]:
             self.service.save_state(model_id, path)
+            record.checkpoint = (path, "weights")
             return {"type": "save_weights", "path": path}
 
         return web.json_response(self._model_future(model_id, seq_id, "json", run))
@@ -322,9 +416,13 @@ class App(SamplingRoutes):
         model_id = _get(body, "model_id", str, required=False)
         if model_id is not None:  # into an existing model (load_state)
             seq_id = _get(body, "seq_id", int, required=False)
-            return web.json_response(self._model_future(model_id, seq_id, "json", lambda: (
-                self.service.load_state(model_id, path, optimizer, create=False, base_model=None),
-                {"type": "load_weights", "path": path, "model_id": model_id})[1]))
+
+            def load(record: Record) -> dict[str, Any]:
+                self.service.load_state(model_id, path, optimizer, create=False, base_model=None)
+                self._keep_state(model_id, record)
+                return {"type": "load_weights", "path": path, "model_id": model_id}
+
+            return web.json_response(self._model_future(model_id, seq_id, "json", load))
         # a new model from the state (create_training_client_from_state[_with_optimizer])
         session_id = _get(body, "session_id", str)
         self._session(session_id)
@@ -335,11 +433,21 @@ class App(SamplingRoutes):
             raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
         self.creating.add(model_id)
         request_id, future = self._new_future()
+        record = Record(request_id, model_id, None)
+
+        def run() -> dict[str, Any]:
+            self.service.load_state(model_id, path, optimizer, create=True, base_model=base)
+            tm = self.service.models[model_id]
+            record.new_model = model_row(model_id, session_id, tm.base, tm.rank, tm.seed)
+            try:
+                self._keep_state(model_id, record)
+            except BaseException:
+                self.service.unload(model_id)  # not kept: no model
+                raise
+            return {"type": "load_weights", "path": path, "model_id": model_id}
 
         async def create() -> None:
-            await self._settle(future, "json", lambda: (
-                self.service.load_state(model_id, path, optimizer, create=True, base_model=base),
-                {"type": "load_weights", "path": path, "model_id": model_id})[1])
+            await self._settle(future, "json", run, record)
             self.creating.discard(model_id)
 
         asyncio.get_running_loop().create_task(create())
@@ -351,6 +459,13 @@ class App(SamplingRoutes):
         request_id = _get(_body_json(await request.read()), "request_id", str)
         future = self.futures.get(request_id)
         if future is None:
+            started = self.past_boots.get(request_id[:len(self.boot)])
+            if started is not None:  # accepted before a restart, never finished: it did not happen
+                when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+                return web.json_response({"error": f"request {request_id} is from before the server restarted (it was "
+                                          f"accepted by the run started {when}) and its result was not kept: it is a "
+                                          "sampling request, or one that had not finished, and then nothing of it "
+                                          "was applied: send it again", "category": "server"})
             raise BadRequest(f"unknown request_id {request_id!r}", status=404)
         if not future.event.is_set():
             try:
@@ -368,8 +483,8 @@ class App(SamplingRoutes):
 STATE = web.AppKey("state", App)
 
 
-def make_app(spec: Any, service: Service) -> web.Application:
-    state = App(spec, service)
+def make_app(spec: Any, service: Service, store: Store, loaded: Loaded) -> web.Application:
+    state = App(spec, service, store, loaded)
     app = web.Application(middlewares=[state.middleware], client_max_size=_wire.MAX_BODY)
     app[STATE] = state
     post, get = web.post, web.get
@@ -427,15 +542,40 @@ async def serve_forever(app: web.Application, host: str, port: int, on_start: Ca
     finally:
         await run.cleanup()
         app[STATE].worker.shutdown(wait=True)
+        app[STATE].store.close()
 
 
 def build(spec: Any, host: Any) -> web.Application:
-    """Load the base models and engines of ``spec`` and make the application."""
+    """Load the base models and engines of ``spec``, open its database and bring back
+    what it kept (sessions, models from their durable states, finished training
+    futures), and make the application."""
     from skyrl_server._storage import Storage
 
-    service = Service(spec, Storage(spec.server.storage), host)
+    storage = Storage(spec.server.storage)
+    service = Service(spec, storage, host)
     service.load_bases()
-    return make_app(spec, service)
+    store = Store(spec.database)
+    loaded = store.start(KEEP_SECONDS)
+    restore(service, loaded)
+    return make_app(spec, service, store, loaded)
+
+
+def restore(service: Service, loaded: Loaded) -> None:
+    """The store's models back in ``service`` (unloaded ones and ones whose base this
+    server file no longer serves are skipped); stale durable files are deleted."""
+    for row in loaded.models:
+        model_id = row["id"]
+        if row["unloaded"]:
+            service.storage.prune_durable(model_id, None)
+            continue
+        if row["base"] not in service.bases:
+            log.warning("model %s is not restored: its base model %r is not in the server file", model_id, row["base"])
+            continue
+        service.restore_model(model_id, row["base"], row["rank"], row["seed"], row["state"], bool(row["grads"]))
+        service.storage.prune_durable(model_id, row["state"])
+    if loaded.models:
+        log.info("restored %d models, %d sessions, %d finished futures", len(service.models), len(loaded.sessions),
+                 len(loaded.futures))
 
 
 __all__ = ["STATE", "build", "make_app", "runner", "serve_forever"]

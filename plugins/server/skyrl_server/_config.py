@@ -5,6 +5,7 @@
 port = 8000
 api_keys = ["tml-..."]            # and/or api_keys_env / api_keys_file, and the env SKYRL_API_KEYS
 storage = "runs/tinker"           # any fsspec URL: sampler weights and checkpoints
+database = "state.sqlite"         # durable training state: an SQL URL or an SQLite file (default: in storage)
 
 [models."skyrl/qwen-tiny"]        # the base-model name the SDK sends
 family = "qwen"                   # a model plugin; the rest of the table is the family's options
@@ -66,6 +67,12 @@ class ServerSection:
         2.0, help="how long a model's request waits for a missing lower seq_id before it runs anyway", validator=ge(0)
     )
     seed: int = option(0, help="seed of the base models' preset weights (and of adapters whose request names none)")
+    database: str | None = option(
+        None, help="the durable store of sessions, models, training futures and checkpoints: an SQLAlchemy URL "
+        "(sqlite:///state.sqlite, postgresql://user@host/db: its driver must be installed) or a file path (an SQLite "
+        "file, relative to the server file's folder); default: tinker-state.sqlite in the storage root when that is "
+        "a local folder, else beside the server file",
+    )
     max_queued_tokens: int = option(
         1 << 22, help="admission control: past this many tokens (prompt + max_tokens) of sampling requests queued or "
         "decoding, asample answers 429", validator=gt(0),
@@ -88,6 +95,35 @@ class ServerSpec:
     engine: PluginChoice
     backend: PluginChoice
     alphabets: Mapping[str, str]  # base-model name -> the characters of a preset's tokenizer (unused with path)
+    database: str = ""  # the resolved SQLAlchemy URL of [server] database
+
+
+def database_url(server: ServerSection, base: pathlib.Path, out: Located) -> str:
+    """The SQLAlchemy URL of ``[server] database`` (see its help), checked: it parses and
+    its dialect and driver load (nothing connects yet)."""
+    value = server.database
+    if value is None:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(server.storage)
+        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        folder = pathlib.Path(root).resolve() if local else base
+        return f"sqlite:///{folder / 'tinker-state.sqlite'}"
+    if not value.strip():
+        out.add("server.database", "expected an SQL URL or a file path, found an empty string")
+        return ""
+    if "://" not in value:
+        p = pathlib.Path(value).expanduser()
+        return f"sqlite:///{p if p.is_absolute() else (base / p).resolve()}"
+    import sqlalchemy as sa
+
+    try:
+        sa.create_engine(sa.engine.make_url(value)).dispose()
+    except Exception as exc:  # noqa: BLE001 - a bad URL or a missing driver: the user's to fix
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        out.add("server.database", f"cannot use {value!r}: {first}")
+        return ""
+    return value
 
 
 TABLES = ("server", "models", "engine", "backend")
@@ -164,6 +200,7 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
 
     server = structure_table(ServerSection, table("server"), "server", out)
     keys = api_keys(server, pathlib.Path(path).resolve().parent, environ, out) if server is not None else frozenset()
+    database = database_url(server, pathlib.Path(path).resolve().parent, out) if server is not None else ""
 
     models: dict[str, PluginChoice] = {}
     alphabets: dict[str, str] = {}
@@ -193,7 +230,7 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
         out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)
     assert server is not None and engine is not None and backend is not None
-    return ServerSpec(pathlib.Path(path), server, keys, models, engine, backend, alphabets)
+    return ServerSpec(pathlib.Path(path), server, keys, models, engine, backend, alphabets, database)
 
 
 __all__ = ["ServerSection", "ServerSpec", "load_server_file", "api_keys", "ENV_KEYS"]

@@ -29,6 +29,10 @@ class TrainingModel:
     params: list[Any]
     optimizer: Any
     steps: int = 0
+    seed: int = 0
+    # Set when the model is restored after a restart while acknowledged forward_backward
+    # gradients waited for a step (they are not persisted): its next optim_step fails.
+    grads_lost: bool = False
 
 
 
@@ -43,19 +47,34 @@ class TrainingMixin:
         base = self.base(base_name)
         config = attrs.evolve(self.spec.backend.config, lora_rank=rank)
         backend = self.spec.backend.registration.create(config)  # the torch backend (the file is checked for it)
-        backend.start(base.loaded, seed=self.spec.server.seed if seed is None else int(seed), total_steps=1,
-                      reference=False)
+        seed = self.spec.server.seed if seed is None else int(seed)
+        backend.start(base.loaded, seed=seed, total_steps=1, reference=False)
         params = [p for p in backend.module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-        self.models[model_id] = TrainingModel(model_id, base_name, rank, backend, params, optimizer)
+        self.models[model_id] = TrainingModel(model_id, base_name, rank, backend, params, optimizer, seed=seed)
+
+    def state(self, model_id: str) -> dict[str, Any]:
+        """The model's adapters (copied to the CPU), their config, optimizer state and steps."""
+        tm = self.model(model_id)
+        tensors = {n: t.detach().to("cpu", copy=True) for n, t in tm.backend.named_adapters()}
+        return {"base": tm.base, "rank": tm.rank, "adapters": tensors, "config": dict(tm.backend.adapter_config()),
+                "steps": tm.steps, "optimizer": tm.optimizer.state_dict()}
 
     def save_state(self, model_id: str, path: str) -> None:
         """The model's adapters and optimizer state at ``path`` (a tinker://.../weights/NAME)."""
-        tm = self.model(model_id)
-        tensors = {n: t.detach().to("cpu", copy=True) for n, t in tm.backend.named_adapters()}
-        self.storage.write_state(path, {"base": tm.base, "rank": tm.rank, "adapters": tensors,
-                                        "config": dict(tm.backend.adapter_config()), "steps": tm.steps,
-                                        "optimizer": tm.optimizer.state_dict()})
+        self.storage.write_state(path, self.state(model_id))
+
+    def save_durable(self, model_id: str, name: str) -> str:
+        """The model's whole state as its durable state ``name``; the file (for the store's row)."""
+        return self.storage.write_durable(model_id, name, self.state(model_id))
+
+    def restore_model(self, model_id: str, base: str, rank: int, seed: int, file: str | None, grads_lost: bool) -> None:
+        """A model as the store left it: fresh from ``seed``, then its durable state (adapters,
+        optimizer, steps) from ``file`` when it has one."""
+        self.create_model(model_id, base, rank, seed)
+        if file is not None:
+            self._apply_state(model_id, self.storage.read_durable(file), True, file)
+        self.models[model_id].grads_lost = grads_lost
 
     def load_state(self, model_id: str, path: str, optimizer: bool, *, create: bool, base_model: str | None) -> None:
         """Load the state at ``path`` into ``model_id`` (with ``create``: a new model made
@@ -65,6 +84,9 @@ class TrainingMixin:
             if base_model is not None and base_model != state["base"]:
                 raise BadRequest(f"base_model {base_model!r}: the state at {path!r} was trained on {state['base']!r}")
             self.create_model(model_id, state["base"], int(state["rank"]), None)
+        self._apply_state(model_id, state, optimizer, path)
+
+    def _apply_state(self, model_id: str, state: Mapping[str, Any], optimizer: bool, path: str) -> None:
         tm = self.model(model_id)
         if tm.base != state["base"] or tm.rank != int(state["rank"]):
             raise BadRequest(f"the state at {path!r} is a rank-{state['rank']} adapter of {state['base']!r}; "
@@ -129,6 +151,7 @@ class TrainingMixin:
                 with plan:
                     logits = module(input_ids=ids).logits[0].float()
                 logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+                logprobs = plan.logprobs(logits, targets, logprobs)  # over the sampler's kept sets, where recorded
                 elementwise, loss = loss_terms(loss_fn, logprobs, datum["inputs"], config, device, self.host)
                 if not forward_only:
                     loss.backward()
@@ -141,6 +164,12 @@ class TrainingMixin:
         import torch
 
         tm = self.model(model_id)
+        if tm.grads_lost:
+            tm.grads_lost = False
+            tm.optimizer.zero_grad(set_to_none=True)
+            raise BadRequest(f"model {model_id!r}: the gradients of its forward_backward calls since its last optim_step "
+                             "were lost in a server restart; this step did not run (the gradients are cleared): "
+                             "run forward_backward again, then optim_step", status=409)
         lr, b1, b2, eps = (float(adam.get(k, d)) for k, d in
                            (("learning_rate", 1e-4), ("beta1", 0.9), ("beta2", 0.95), ("eps", 1e-12)))
         wd, clip = float(adam.get("weight_decay", 0.0)), float(adam.get("grad_clip_norm", 0.0))

@@ -1,0 +1,156 @@
+"""``skyrl serve`` killed with SIGKILL and started again on the same files: sessions,
+models (adapters and optimizer), finished training futures and seq_id order survive;
+the official SDK's clients go on. One subprocess server, killed once, on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+BASE = "skyrl/qwen-tiny"
+KEY = "tml-durable"
+ADAM = types.AdamParams(learning_rate=2e-2)
+
+
+def _datum(tokens):
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
+                                       "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+
+
+DATA = [_datum([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])]
+
+
+def _post(url, path, body):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "X-API-Key": KEY})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return r.status, body if "protobuf" in r.headers.get("Content-Type", "") else json.loads(body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _start(path, port):
+    proc = subprocess.Popen([sys.executable, "-c", "from skyrl_host.cli import entry; entry()", "serve", str(path),
+                             "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    seen = []
+    while not any(f"on http://127.0.0.1:{port}" in line for line in seen):  # printed once it listens
+        line = proc.stderr.readline()
+        if not line:
+            proc.wait(10)
+            raise AssertionError("".join(seen))
+        seen.append(line)
+    return proc
+
+
+def _loss(client):
+    return client.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+
+
+def _train(client, steps):
+    for _ in range(steps):
+        client.forward_backward(DATA, "cross_entropy").result()
+        client.optim_step(ADAM).result()
+
+
+def test_a_sigkilled_server_comes_back_with_its_models_futures_and_order(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    path = tmp_path / "server.toml"
+    path.write_text(f"""[server]
+api_keys = ["{KEY}"]
+storage = "{tmp_path / 'storage'}"
+max_lora_rank = 4
+order_wait_seconds = 30
+
+[models."{BASE}"]
+family = "qwen"
+preset = "tiny"
+alphabet = "0123456789"
+""")
+    database = tmp_path / "storage" / "tinker-state.sqlite"  # the default: in the (local) storage root
+    proc = _start(path, port)
+    service = tinker.ServiceClient(base_url=url, api_key=KEY)
+    try:
+        client = service.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+        _train(client, 2)
+        checkpoint = client.save_state("two").result().path
+        before = _loss(client)
+        client.forward_backward(DATA, "cross_entropy").result()  # acknowledged gradients, no step yet
+        # A model driven over HTTP: seq_id 1 finishes; seq_id 3 waits for 2 (never sent) when the server dies.
+        _, session = _post(url, "/api/v1/create_session", {"tags": [], "sdk_version": "test"})
+        raw = session["session_id"] + ":train:0"
+        status, made = _post(url, "/api/v1/create_model", {"session_id": session["session_id"], "model_seq_id": 0,
+                                                           "base_model": BASE, "lora_config": {"rank": 2}})
+        assert status == 200 and _post(url, "/api/v1/retrieve_future", made)[1]["model_id"] == raw
+        _, one = _post(url, "/api/v1/optim_step", {"model_id": raw, "seq_id": 1, "optim_params": {"learning_rate": 0.1}})
+        status, one_result = _post(url, "/api/v1/retrieve_future", {"request_id": one["request_id"]})
+        assert status == 200 and one_result["metrics"]["grad_norm:mean"] == 0.0
+        _, three = _post(url, "/api/v1/optim_step", {"model_id": raw, "seq_id": 3, "optim_params": {"learning_rate": 0.1}})
+        # A sampling request: answered, and never written to the database.
+        _, sample = _post(url, "/api/v1/asample", {"base_model": BASE, "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                                                   "sampling_params": {"max_tokens": 2, "seed": 1}})
+        status, sampled = _post(url, "/api/v1/retrieve_future", {"request_id": sample["request_id"]})
+        assert status == 200 and isinstance(sampled, bytes) and len(sampled) > 0  # a protobuf SampleResponse
+        with sqlite3.connect(database) as db:
+            stored = {r[0] for r in db.execute("SELECT request_id FROM futures")}
+        assert one["request_id"] in stored and made["request_id"] in stored
+        assert sample["request_id"] not in stored and three["request_id"] not in stored
+
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = _start(path, port)
+
+        # (c) a request finished before the crash is still there, and a retry of it is answered once.
+        assert _post(url, "/api/v1/retrieve_future", {"request_id": one["request_id"]}) == (200, one_result)
+        status, again = _post(url, "/api/v1/optim_step", {"model_id": raw, "seq_id": 1, "optim_params": {"learning_rate": 0.1}})
+        assert status == 200 and again["request_id"] == one["request_id"]
+        # One that had not finished did not happen: a clear error, and sending it again runs it (after seq_id 2).
+        status, lost = _post(url, "/api/v1/retrieve_future", {"request_id": three["request_id"]})
+        assert status == 200 and lost["category"] == "server" and "send it again" in lost["error"]
+        status, lost_sample = _post(url, "/api/v1/retrieve_future", {"request_id": sample["request_id"]})
+        assert status == 200 and "was not kept" in lost_sample["error"]
+        for seq in (2, 3):
+            _, sent = _post(url, "/api/v1/optim_step", {"model_id": raw, "seq_id": seq, "optim_params": {"learning_rate": 0.1}})
+            assert sent["request_id"] != three["request_id"]
+            assert "metrics" in _post(url, "/api/v1/retrieve_future", sent)[1]
+
+        # (a) the same SDK client goes on: its weights are the pre-crash ones; the lost
+        # gradients fail the next step (it never steps without them), then it trains on.
+        assert _loss(client) == before
+        with pytest.raises(tinker.RequestFailedError, match="lost in a server restart"):
+            client.optim_step(ADAM).result()
+        _train(client, 1)
+        after = _loss(client)
+        reference = service.create_lora_training_client(base_model=BASE, rank=4, seed=11).result()
+        _train(reference, 3)  # the same three steps, never interrupted
+        assert after == pytest.approx(_loss(reference), abs=1e-6) and after < before - 0.05
+        # (b) the checkpoint saved before the crash resumes with its optimizer state.
+        resumed = service.create_training_client_from_state_with_optimizer(checkpoint).result()
+        assert _loss(resumed) == before
+        _train(resumed, 1)
+        assert _loss(resumed) == pytest.approx(after, abs=1e-6)
+        with sqlite3.connect(database) as db:
+            assert db.execute("SELECT COUNT(*) FROM futures WHERE request_id = ?", (sample["request_id"],)).fetchone() == (0,)
+            steps = dict(db.execute("SELECT id, steps FROM models"))
+        assert steps[client.model_id] == 3 and steps[resumed.model_id] == 3 and steps[raw] == 3
+        service.close("completed")
+    finally:
+        proc.kill()
+        proc.wait()

@@ -75,7 +75,9 @@ def forward_backward_request(body: bytes) -> dict[str, Any]:
             parts.append(np.frombuffer(tokens, dtype=np.int32))
         tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
         inputs = {name: _array(t, f"datum {i}: loss_fn_inputs[{name!r}]") for name, t in datum.loss_fn_inputs.items()}
-        data.append({"tokens": tokens, "inputs": inputs, "spans": _spans(datum.model_input_spans, len(tokens), i)})
+        n_targets = inputs["target_tokens"].size if "target_tokens" in inputs else len(tokens)
+        data.append({"tokens": tokens, "inputs": inputs, "spans": _spans(datum.model_input_spans, len(tokens), i),
+                     "loss_spans": _spans(datum.loss_fn_input_spans, n_targets, i, "loss_fn_input_spans")})
     config = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         if v.WhichOneof("value") == "number":
@@ -86,23 +88,24 @@ def forward_backward_request(body: bytes) -> dict[str, Any]:
             "forward_only": bool(msg.forward_only), "data": data}
 
 
-def _spans(spans: Any, n_tokens: int, datum: int) -> list[tuple[str, str, int, int]] | None:
-    """A datum's ``model_input_spans`` as ``(kind, sequence_id, offset, length)`` runs
-    tiling its input tokens ("prompt" or "sampled"), or None when it has none."""
+def _spans(spans: Any, n_tokens: int, datum: int, field: str = "model_input_spans") -> list[tuple[str, str, int, int]] | None:
+    """A datum's provenance spans (``model_input_spans`` or ``loss_fn_input_spans``) as
+    ``(kind, sequence_id, offset, length)`` runs tiling its input (target) tokens
+    ("prompt" or "sampled"), or None when it has none."""
     if not len(spans):
         return None
     out = []
     for j, span in enumerate(spans):
         kind = span.WhichOneof("span")
         if kind is None:
-            raise BadRequest(f"datum {datum}: model_input_spans[{j}] is empty")
+            raise BadRequest(f"datum {datum}: {field}[{j}] is empty")
         arm = getattr(span, kind)
         if not arm.sequence_id or arm.offset < 0 or arm.length < 0:
-            raise BadRequest(f"datum {datum}: model_input_spans[{j}] needs a sequence_id, offset >= 0 and length >= 0")
+            raise BadRequest(f"datum {datum}: {field}[{j}] needs a sequence_id, offset >= 0 and length >= 0")
         out.append(("prompt" if kind == "prompt_tokens" else "sampled", arm.sequence_id, int(arm.offset), int(arm.length)))
     total = sum(r[3] for r in out)
     if total != n_tokens:
-        raise BadRequest(f"datum {datum}: model_input_spans cover {total} positions, the model_input has {n_tokens}")
+        raise BadRequest(f"datum {datum}: {field} cover {total} positions, the field has {n_tokens}")
     return out
 
 

@@ -84,7 +84,7 @@ def _sample(server, prompt, n, seed, ids):
     batch = base.engine.generate([prompt], n=n, sampler=reg.create(reg.config(temperature=1.0)), max_new_tokens=10,
                                  seed=seed)
     assert "routed_experts" in batch.side_channels  # the server turned recording on for the MoE base
-    service.record_routes(batch, len(prompt), ids)
+    service.record_stability(batch, len(prompt), ids)
     return batch
 
 
@@ -147,3 +147,28 @@ def test_unknown_or_evicted_sequences_fall_back_and_lying_spans_are_refused(serv
         assert store.evicted > before and store.get("newer") is not None
     finally:
         store.max_bytes = old_bound
+
+
+def test_kept_sets_make_truncated_sampling_logprobs_match(server) -> None:
+    """top_k / temperature sampling reports the logprobs of its truncated distribution;
+    with the kept sets recorded, the trainer scores the same distribution."""
+    service = server["service"]
+    training = server["client"].create_lora_training_client(base_model=MOE, rank=2, seed=3).result()
+    prompt = [5, 3, 5, 8, 9, 7]
+    reg = server["host"].get("samplers", "temperature")
+    sampler = reg.create(reg.config(temperature=0.7, top_k=3, return_support=True))
+    batch = service.bases[MOE].engine.generate([prompt], n=6, sampler=sampler, max_new_tokens=8, seed=11)
+    ids = [f"kept-{i}" for i in range(6)]
+    service.record_stability(batch, len(prompt), ids, temperature=0.7)
+    keep = [i for i in range(6) if len(batch.response(i)) >= 2]
+    data = [_datum(prompt, list(batch.response(i)), ids[i]) for i in keep]
+    out = training.forward(data, "cross_entropy").result()
+    free = training.forward([_datum(prompt, list(batch.response(i)), ids[i], spans=False) for i in keep],
+                            "cross_entropy").result()
+    p = len(prompt) - 1
+    for o, f, i in zip(out.loss_fn_outputs, free.loss_fn_outputs, keep):
+        engine = np.asarray(batch.response_logprobs(i), dtype=np.float64)
+        np.testing.assert_allclose(o["logprobs"].to_numpy()[p:], engine, atol=1e-5)
+        assert np.abs(f["logprobs"].to_numpy()[p:] - engine).max() > 1e-2  # raw logprobs: another distribution
+    assert out.metrics["support_tokens:sum"] == sum(len(batch.response(i)) for i in keep)
+    assert out.metrics["support_missed_tokens:sum"] == 0

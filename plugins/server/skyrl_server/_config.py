@@ -77,6 +77,11 @@ class ServerSection:
         1 << 22, help="admission control: past this many tokens (prompt + max_tokens) of sampling requests queued or "
         "decoding, asample answers 429", validator=gt(0),
     )
+    route_cache_bytes: int = option(
+        1 << 30, help="bound of what sampling requests with record_stability_info keep for replay (routes of MoE "
+        "bases, kept sets): past it the least recently used sequences are evicted and score without replay",
+        validator=gt(0),
+    )
 
     def __attrs_post_init__(self) -> None:
         bad = [k for k in self.api_keys if not k.startswith(KEY_PREFIX)]

@@ -47,9 +47,6 @@ class BaseModel:
 
 
 
-ROUTE_CACHE_BYTES = 1 << 30  # the routes store's bound unless [server] route_cache_bytes says otherwise
-
-
 class Service(TrainingMixin, SamplingMixin, StabilityMixin):
     """The models one server holds (see the module docstring)."""
 
@@ -62,7 +59,7 @@ class Service(TrainingMixin, SamplingMixin, StabilityMixin):
         self.samplers: dict[str, SamplerWeights] = {}
         self._keys = 0
         # R3 for Tinker clients: routes recorded at sampling, replayed from provenance spans.
-        self.route_store = RouteStore(getattr(spec.server, "route_cache_bytes", ROUTE_CACHE_BYTES))
+        self.route_store = RouteStore(spec.server.route_cache_bytes)
         self.route_hooks: dict[str, Any] = {}  # model_id -> (its module, RouterHooks on it)
 
     # -- base models -------------------------------------------------------------

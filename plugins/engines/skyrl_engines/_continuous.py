@@ -79,21 +79,25 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                keys: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                keys: torch.Tensor, steps: torch.Tensor, want_kept: bool = False) -> tuple[torch.Tensor, ...]:
     """One token per row of ``logits`` [R, V] with that row's parameters (``temperature``
     0: greedy; ``top_k`` 0: off; ``top_p`` 1: off) and its uniform from ``(keys, steps)``;
     returns (token ids int64 [R], logprobs float32 [R]). The truncation order and the
-    ranking (by scaled logit, equal logits by id) are ``skyrl_samplers``'."""
+    ranking (by scaled logit, equal logits by id) are ``skyrl_samplers``'. ``want_kept``:
+    also the bool [R, V] mask of the tokens each row could be drawn from (greedy: its token)."""
     rows, vocab = logits.shape
     tok = torch.empty(rows, dtype=torch.long, device=logits.device)
     lp = torch.empty(rows, dtype=torch.float32, device=logits.device)
     greedy = temperature == 0
+    kept = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device) if want_kept else None
     g = torch.nonzero(greedy)[:, 0]
     if g.numel():
         x = logits.index_select(0, g)
         t = torch.argmax(x, dim=-1)
         tok[g] = t
         lp[g] = torch.log_softmax(x, dim=-1).gather(-1, t[:, None])[:, 0]
+        if want_kept:
+            kept[g, t] = True
     s = torch.nonzero(~greedy)[:, 0]
     if s.numel():
         x = logits.index_select(0, s) / temperature.index_select(0, s)[:, None]
@@ -117,7 +121,9 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         idx = torch.minimum(idx, last_kept)
         tok[s] = idx
         lp[s] = logp.gather(-1, idx[:, None])[:, 0]
-    return tok, lp
+        if want_kept:
+            kept[s] = keep
+    return (tok, lp, kept) if want_kept else (tok, lp)
 
 
 @attrs.define(eq=False)
@@ -145,6 +151,7 @@ class _Request:
     stop_strings: tuple
     adapter: Adapter | None
     prompt_logprobs: bool
+    record: bool
     future: concurrent.futures.Future
     tokens: list = attrs.field(factory=list)
     logprobs: list = attrs.field(factory=list)
@@ -155,6 +162,9 @@ class _Request:
     bank: Any = None
     prompt_lp: Any = None
     version: int = 0
+    prompt_routes: Any = None
+    routes: list = attrs.field(factory=list)
+    kept: list = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -165,6 +175,8 @@ class _Row:
     first_col: int  # cache column of the prompt's first token
     tokens: list = attrs.field(factory=list)
     logprobs: list = attrs.field(factory=list)
+    routes: list = attrs.field(factory=list)  # with record: the routers' expert ids of each token fed back
+    kept: list = attrs.field(factory=list)  # with record: the ids each token could be drawn from
 
 
 class ContinuousBatcher:
@@ -184,6 +196,7 @@ class ContinuousBatcher:
         self.tokenizer = engine.tokenizer
         self.vocab = int(self.model.get_input_embeddings().num_embeddings)
         self._cache_kw = engine._cache_kw
+        self.hooks = engine._hooks  # RouterHooks when the engine records routes (nobody else records meanwhile)
         make_slot_cache(self.model.config, 1)  # raises now for a model whose layers cannot batch this way
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -210,11 +223,15 @@ class ContinuousBatcher:
     def submit(self, prompt_ids: Sequence[int], *, n: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, max_tokens: int = 16, stop_token_ids: Sequence[int] = (),
                stop_strings: Sequence[str] = (), adapter: Adapter | None = None,
-               prompt_logprobs: bool = False) -> concurrent.futures.Future:
+               prompt_logprobs: bool = False, record: bool = False) -> concurrent.futures.Future:
         """Queue ``n`` samples of ``prompt_ids``; the future's result is ``{"sequences": [{
         "tokens": int32, "logprobs": float32, "stop_reason": "stop" | "length"}] * n,
         "prompt_logprobs": float32 [len(prompt)] (NaN first) or None, "version": int}``.
-        The engine's own stop tokens always stop too; a stop token or string is kept."""
+        The engine's own stop tokens always stop too; a stop token or string is kept.
+        ``record``: each sequence also gets ``"kept"`` (a list of int32 arrays: the ids each
+        token could be drawn from) and, on an engine that records its MoE routers
+        (``return_routed_experts``), ``"routes"`` [tokens, layers, k] (the last token's row
+        0: never fed back); the result then has ``"prompt_routes"`` [prompt, layers, k]."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty: it needs at least one token")
@@ -230,9 +247,11 @@ class ContinuousBatcher:
         future: concurrent.futures.Future = concurrent.futures.Future()
         req = _Request(prompt, int(n), float(temperature), int(top_k), float(top_p), int(seed), int(max_tokens),
                        frozenset(int(t) for t in (*self.engine.stop_token_ids, *stop_token_ids)),
-                       tuple(s for s in stop_strings if s), adapter, bool(prompt_logprobs), future)
+                       tuple(s for s in (*getattr(self.engine.config, "stop_strings", ()), *stop_strings) if s),
+                       adapter, bool(prompt_logprobs), bool(record), future)
         req.left = req.n
         req.tokens, req.logprobs, req.reasons = [None] * req.n, [None] * req.n, [None] * req.n
+        req.routes, req.kept = [None] * req.n, [None] * req.n
         req.budget = self.cost(len(prompt), req.n, req.max_tokens)
         with self._cond:
             if self._closed:
@@ -365,6 +384,14 @@ class ContinuousBatcher:
         req.tokens[row.j] = np.asarray(row.tokens, dtype=np.int32)
         req.logprobs[row.j] = np.asarray(row.logprobs, dtype=np.float32)
         req.reasons[row.j] = reason
+        if req.record:
+            req.kept[row.j] = row.kept
+            if self.hooks is not None:
+                shape = (self.hooks.n_layers, self.hooks.k)
+                routes = np.zeros((len(row.tokens), *shape), dtype=self.engine.route_dtype)
+                if row.routes:
+                    routes[: len(row.routes)] = np.stack(row.routes)
+                req.routes[row.j] = routes
         req.left -= 1
         if req.left == 0:
             with self._cond:
@@ -373,6 +400,12 @@ class ContinuousBatcher:
             result = {"sequences": [{"tokens": t, "logprobs": p, "stop_reason": r}
                                     for t, p, r in zip(req.tokens, req.logprobs, req.reasons)],
                       "prompt_logprobs": req.prompt_lp, "version": req.version}
+            if req.record:
+                for j, seq in enumerate(result["sequences"]):
+                    seq["kept"] = req.kept[j]
+                    if self.hooks is not None:
+                        seq["routes"] = req.routes[j]
+                result["prompt_routes"] = req.prompt_routes
             if not req.future.done():
                 req.future.set_result(result)
 
@@ -419,9 +452,15 @@ class ContinuousBatcher:
         extra = {} if want_all else {"logits_to_keep": 1}
         if "logits_to_keep" not in self.engine._extra:
             extra = {}
-        with self._adapters([r.bank for r in reqs]):
+        routes = self.hooks is not None and any(r.record for r in reqs)
+        with self._adapters([r.bank for r in reqs]), (self.hooks.recording() if routes else contextlib.nullcontext()):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: pre_cache}, **extra)
+            if routes:
+                pre = self.hooks.take().reshape(len(reqs), width, self.hooks.n_layers, self.hooks.k).cpu().numpy()
+                for i, r in enumerate(reqs):
+                    if r.record and r.prompt_routes is None:
+                        r.prompt_routes = pre[i, width - lens[i]:].astype(self.engine.route_dtype)
         self.stats["prefill_forwards"] += 1
         logits = out.logits.float()
         version = int(self.engine.weight_version)
@@ -518,9 +557,14 @@ class ContinuousBatcher:
                 torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.long, device=dev),
             )
         temp, top_k, top_p, keys, steps = self._params
-        tok, lp = sample_rows(self.logits, temp, top_k, top_p, keys, steps)
+        recording = [i for i, r in enumerate(self.rows) if r.request.record]
+        out = sample_rows(self.logits, temp, top_k, top_p, keys, steps, want_kept=bool(recording))
         self._params = (temp, top_k, top_p, keys, steps + 1)
-        return tok, lp
+        if recording:
+            kept = out[2]
+            for i in recording:
+                self.rows[i].kept.append(torch.nonzero(kept[i])[:, 0].to(torch.int32).cpu().numpy())
+        return out[0], out[1]
 
     def _remove(self, finished: list[int], tok: torch.Tensor) -> torch.Tensor:
         """Drop the finished rows: live rows from the tail fill their slots."""
@@ -568,9 +612,16 @@ class ContinuousBatcher:
             self._grow(self.length + 1 + self.capacity // 2)
         self.attn[:n, self.length] = True
         mask = self.attn[:n, : self.length + 1]
-        with self._adapters([r.request.bank for r in self.rows]):
+        routes = self.hooks is not None and any(r.request.record for r in self.rows)
+        with self._adapters([r.request.bank for r in self.rows]), (
+                self.hooks.recording() if routes else contextlib.nullcontext()):
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=self.next_pos[:n, None],
                              use_cache=True, **{self._cache_kw: self.cache}, **self.engine._extra)
+            if routes:  # the routes of the token each row just fed
+                step = self.hooks.take().cpu().numpy().astype(self.engine.route_dtype)
+                for i, r in enumerate(self.rows):
+                    if r.request.record:
+                        r.routes.append(step[i])
         self.length += 1
         self.next_pos[:n] += 1
         self.logits = out.logits[:, -1, :].float()

@@ -206,3 +206,33 @@ def test_prompt_logprobs_and_a_bad_adapter_fail_alone() -> None:
     want = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0].numpy()
     assert np.isnan(lp[0]) and len(lp) == len(prompt)
     np.testing.assert_allclose(lp[1:], want, atol=1e-5)
+
+
+def test_recorded_routes_are_the_models_own_and_kept_sets_hold_the_token(skyrl_host) -> None:
+    from skyrl_host.routing import RouterHooks
+
+    reg = skyrl_host.registry.get("models", "qwen")
+    loaded = reg.create(reg.config(preset="tiny-moe")).load(alphabet="0123456789+=:", seed=0)
+    e = Embedded(EmbeddedConfig(return_routed_experts=True))
+    e.start(loaded)
+    b = ContinuousBatcher(e)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12]]
+    try:
+        futures = [b.submit(p, n=2, temperature=1.0, top_k=3, seed=5, max_tokens=6, record=True) for p in prompts]
+        results = [f.result(30) for f in futures]
+    finally:
+        b.close()
+    hooks = RouterHooks(loaded.model, loaded.routers)  # a teacher-forced forward of each whole sequence
+    try:
+        for p, r in zip(prompts, results):
+            for seq in r["sequences"]:
+                toks = seq["tokens"].tolist()
+                assert all(len(k) == 3 and t in k for t, k in zip(toks, seq["kept"]))  # top_k 3 sets, token in them
+                with torch.no_grad(), hooks.recording():
+                    loaded.model(torch.tensor([p + toks[:-1]]))
+                    want = np.sort(hooks.take().numpy(), axis=-1)
+                got = np.sort(np.concatenate([r["prompt_routes"], seq["routes"][:-1]]), axis=-1)
+                np.testing.assert_array_equal(got, want)
+                assert not seq["routes"][-1].any()  # the last token was never fed back
+    finally:
+        hooks.remove()

@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
+import concurrent.futures
+import logging
+import traceback
+from typing import Any
 
 from aiohttp import web
 
 from skyrl_server import _wire
 from skyrl_server._errors import BadRequest
 from skyrl_server._http import _body_json, _get
+
+log = logging.getLogger("skyrl.serve")
 
 
 class SamplingRoutes:
@@ -38,6 +43,9 @@ class SamplingRoutes:
         return web.json_response({"sampler_id": sampler_id, "base_model": info["base_model"], "model_path": info["model_path"]})
 
     async def asample(self, request: web.Request) -> web.Response:
+        """Queue a sampling request in its base's continuous batcher (not the worker
+        thread) and answer at once with its future and ``sample_sequence_ids``; 429 when
+        the queued tokens are at ``[server] max_queued_tokens``."""
         body = _body_json(await request.read())
         sampling_id = _get(body, "sampling_session_id", str, required=False)
         if sampling_id is None:
@@ -45,8 +53,13 @@ class SamplingRoutes:
             path = _get(body, "model_path", str, required=False)
             if (base is None) == (path is None):
                 raise BadRequest("asample takes a sampling_session_id, a base_model or a model_path")
-            sampling_id = f"adhoc:{uuid.uuid4().hex}"
-            await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
+            # One sampler entry per base model or path, shared by every such request.
+            sampling_id = f"base:{base}" if base is not None else f"path:{path}"
+            if sampling_id not in self.service.samplers:
+                if base is not None:
+                    self.service.open_sampler(sampling_id, base, None)
+                else:
+                    await self._compute(lambda: self.service.open_sampler(sampling_id, None, path))
         elif sampling_id not in self.service.samplers:
             raise BadRequest(f"unknown sampling_session_id {sampling_id!r}", status=404)
         n = _get(body, "num_samples", int, required=False, default=1)
@@ -75,9 +88,49 @@ class SamplingRoutes:
             raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
         if params.get("max_tokens", 1) < 1:
             raise BadRequest(f"sampling_params.max_tokens must be at least 1, found {params['max_tokens']}")
+        record = bool(_get(body, "record_stability_info", bool, required=False, default=False))
+        try:
+            inner = self.service.submit_sample(sampling_id, tokens, n, params, prompt_logprobs, last_n, record)
+        except BadRequest as exc:
+            if exc.status == 429:
+                raise  # answered at once: the SDK backs off and sends it again
+            inner = None
+            error = {"error": exc.message, "category": "user"}
         request_id, future = self._new_future()
         ids = [f"{request_id}:{i}" for i in range(n)]
-        asyncio.get_running_loop().create_task(self._settle(future, "proto", lambda: _wire.sample_response(
-            self.service.sample(sampling_id, tokens, n, params, prompt_logprobs, last_n))))
+        if inner is None:
+            future.finish("error", error)
+        else:
+            keep = None
+            if record:  # routes and kept sets kept for replay under the sequence ids
+                temperature = float(params.get("temperature", 1.0))
+                keep = lambda result: self.service.keep_for_replay(result, tokens, ids, temperature)  # noqa: E731
+            inner.add_done_callback(_settle_sample(asyncio.get_running_loop(), future, keep))
         return web.json_response({"request_id": request_id, "sample_sequence_ids": ids})
 
+
+def _settle_sample(loop: asyncio.AbstractEventLoop, future: Any, keep: Any = None):
+    """A done-callback (run on the batcher's thread): the result encoded there, the
+    server's future finished on the event loop."""
+
+    def done(inner: concurrent.futures.Future) -> None:
+        exc = inner.exception()
+        if exc is None:
+            try:
+                if keep is not None:
+                    keep(inner.result())
+                outcome = ("proto", _wire.sample_response(inner.result()))
+            except Exception as err:  # noqa: BLE001 - a fault: answered as the server's
+                log.error("encoding a sample failed:\n%s", traceback.format_exc())
+                outcome = ("error", {"error": f"{type(err).__name__}: {err}".splitlines()[0], "category": "server"})
+        elif isinstance(exc, (ValueError, BadRequest)):  # the request's own (its adapter does not fit, ...)
+            outcome = ("error", {"error": str(exc).splitlines()[0], "category": "user"})
+        else:
+            log.error("sampling failed: %s", exc)
+            outcome = ("error", {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "category": "server"})
+        try:
+            loop.call_soon_threadsafe(future.finish, *outcome)
+        except RuntimeError:  # the server's loop is closed: nobody is waiting
+            pass
+
+    return done

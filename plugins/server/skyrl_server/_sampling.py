@@ -1,13 +1,20 @@
-"""Sampler weights and sampling through a base model's engine.
+"""Sampler weights and sampling through a base model's continuous batcher.
 
 **Sampler weights** are a snapshot of a model's adapters (CPU copies + config), kept
 in memory under a sampling-session id and, when saved by name, written to the
-storage root; sampling swaps them into the base's engine (``update_adapter``).
+storage root. **Sampling** goes to one :class:`skyrl_engines._continuous.ContinuousBatcher`
+per base model (its own decode thread, not the server's worker): requests of every
+client and adapter decode together, each row with its own adapter, parameters and
+random stream, and a request that arrives while others decode joins at the next step.
+**Admission control**: a request whose tokens (prompt + max_tokens, per sample) would
+take the tokens queued or decoding past ``[server] max_queued_tokens`` is answered 429
+at once (the SDK backs off and sends it again); one that could never fit is a user error.
 Mixed into :class:`skyrl_server._service.Service`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 from typing import Any, Mapping, Sequence
@@ -24,6 +31,7 @@ class SamplerWeights:
     tensors: dict[str, Any]  # CPU float32
     config: dict[str, Any]
     key: int  # unique per snapshot
+    adapter: Any = None  # the batcher's Adapter for these tensors, made at the first sample
 
 
 
@@ -64,28 +72,28 @@ class SamplingMixin:
             raise BadRequest(f"unknown sampling_session_id {sampling_session_id!r}", status=404)
         return self.samplers[sampling_session_id]
 
-    def _serve(self, base: Any, weights: SamplerWeights) -> None:
-        key = (weights.key,)
-        if base.served == key:
-            return
-        if weights.tensors:
-            tensors, config = weights.tensors, weights.config
-        else:  # the base model alone: a zero adapter (B = 0 adds nothing)
-            if base.zero_adapter is None:
-                import torch
+    def batcher(self, base: Any) -> Any:
+        """The base model's continuous batcher (made at its first sample)."""
+        batchers = self.__dict__.setdefault("_batchers", {})
+        if base.name not in batchers:
+            from skyrl_engines._continuous import ContinuousBatcher
 
-                # The family's default targets that name nn.Linear modules of this model.
-                found = {n.rsplit(".", 1)[-1] for n, m in base.loaded.model.named_modules() if isinstance(m, torch.nn.Linear)}
-                config = {"rank": 1, "alpha": 1.0, "targets": [t for t in base.loaded.lora_targets if t in found]}
-                shapes = base.engine.adapter_slots(config)
-                base.zero_adapter = ({n: torch.zeros(s) for n, s in shapes.items()}, config)
-            tensors, config = base.zero_adapter
-        base.engine.update_adapter(list(tensors.items()), config, version=weights.key)
-        base.served = key
+            if getattr(base.engine, "model", None) is None or not hasattr(base.engine, "adapters"):
+                raise BadRequest(f"sampling {base.name!r} needs the embedded engine ([engine] name = \"embedded\")")
+            batchers[base.name] = ContinuousBatcher(base.engine)
+        return batchers[base.name]
 
-    def sample(self, sampling_session_id: str, prompt: Sequence[int], n: int, params: Mapping[str, Any],
-               prompt_logprobs: bool, last_n: int | None = None) -> dict[str, Any]:
-        """``n`` sequences: tokens, logprobs, stop reason ("stop" or "length")."""
+    def queued_tokens(self) -> int:
+        """Tokens (prompt + max_tokens per sample) of the sampling requests waiting or decoding."""
+        return sum(b.queued_tokens for b in self.__dict__.get("_batchers", {}).values())
+
+    def submit_sample(self, sampling_session_id: str, prompt: Sequence[int], n: int, params: Mapping[str, Any],
+                      prompt_logprobs: bool, last_n: int | None = None, record: bool = False) -> concurrent.futures.Future:
+        """Queue ``n`` sequences in the base's batcher; the future's result: ``{"sequences":
+        [{tokens, logprobs, stop_reason ("stop" | "length")}], "prompt_logprobs"}``. Raises
+        :class:`BadRequest` for bad input (429: the queue is full now). ``record``
+        (``record_stability_info``): the sequences also carry what replay needs (their
+        kept sets, and routes on a MoE base) for :meth:`keep_for_replay`."""
         weights = self.sampler(sampling_session_id)
         base = self.bases[weights.base]
         prompt = [int(t) for t in prompt]
@@ -102,85 +110,97 @@ class SamplingMixin:
                              f"({base.context})")
         if not 1 <= n <= 1024:
             raise BadRequest(f"num_samples must be in [1, 1024], found {n}")
-        stop = params.get("stop")
-        stop_tokens: list[int] = []
-        stop_strings: list[str] = []
-        if isinstance(stop, str):
-            stop_strings = [stop]
-        elif isinstance(stop, list):
-            if all(isinstance(s, str) for s in stop):
-                stop_strings = list(stop)
-            elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-                stop_tokens = list(stop)
-            else:
-                raise BadRequest("sampling_params.stop: expected a string, a list of strings or a list of token ids")
-        elif stop is not None:
-            raise BadRequest("sampling_params.stop: expected a string, a list of strings or a list of token ids")
+        stop_tokens, stop_strings = _stops(params.get("stop"))
+        if any(t < 0 or t >= base.vocab for t in stop_tokens):
+            raise BadRequest(f"sampling_params.stop: a token id outside the vocabulary (0..{base.vocab - 1})")
         if stop_strings and base.loaded.tokenizer is None:
             raise BadRequest("sampling_params.stop: stop strings need a tokenizer, and this model has none")
-        sampler = self._sampler(params)
+        temperature, top_k, top_p = _sampling_values(params)
         seed = params.get("seed")
         seed = int(seed) if seed is not None else int(np.random.default_rng().integers(0, 2**31 - 1))
-        self._serve(base, weights)
-        batch = base.engine.generate([prompt], n=n, sampler=sampler, max_new_tokens=max_tokens, seed=seed)
-        sequences = []
-        for i in range(batch.n_sequences):
-            tokens = np.asarray(batch.response(i), dtype=np.int32)
-            logprobs = np.asarray(batch.response_logprobs(i), dtype=np.float32)
-            reason = "length" if bool(batch.truncated[i]) else "stop"
-            cut = _first_stop(tokens, stop_tokens, stop_strings, base.loaded.tokenizer)
-            if cut is not None:
-                tokens, logprobs, reason = tokens[:cut], logprobs[:cut], "stop"
-            sequences.append({"tokens": tokens, "logprobs": logprobs, "stop_reason": reason})
-        result: dict[str, Any] = {"sequences": sequences}
-        if prompt_logprobs:
-            lp = self._prompt_logprobs(base, prompt)
-            if last_n is not None:  # only the last N are scored
-                lp[: max(len(lp) - last_n, 0)] = np.nan
-            result["prompt_logprobs"] = lp
-        return result
+        batcher = self.batcher(base)
+        limit = int(self.spec.server.max_queued_tokens)
+        cost = batcher.cost(len(prompt), n, max_tokens)
+        if cost > limit:
+            raise BadRequest(f"this request needs {cost} tokens (prompt + max_tokens, per sample), more than the "
+                             f"server's max_queued_tokens ({limit}): ask for fewer samples or tokens")
+        queued = self.queued_tokens()
+        if queued + cost > limit:
+            raise BadRequest(f"busy: {queued} tokens of sampling requests are queued or decoding, and this one needs "
+                             f"{cost} more than max_queued_tokens ({limit}) allows; try again", status=429)
+        if weights.tensors and weights.adapter is None:
+            from skyrl_engines._continuous import Adapter
 
-    def _prompt_logprobs(self, base: Any, prompt: list[int]) -> np.ndarray:
-        """The served weights' logprob of each prompt token given the ones before it (NaN for the first)."""
-        import torch
+            weights.adapter = Adapter(weights.key, weights.tensors, weights.config, weights.key)
+        inner = batcher.submit(prompt, n=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                               max_tokens=max_tokens, stop_token_ids=stop_tokens, stop_strings=stop_strings,
+                               adapter=weights.adapter, prompt_logprobs=prompt_logprobs, record=record)
+        if not prompt_logprobs or last_n is None:
+            return inner
+        outer: concurrent.futures.Future = concurrent.futures.Future()
 
-        engine = base.engine
-        with torch.no_grad(), engine.adapters.pinned():
-            ids = torch.as_tensor([prompt], dtype=torch.long, device=engine.device)
-            logits = engine.model(input_ids=ids).logits[0].float()
-        lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu().numpy()
-        return np.concatenate([[np.nan], lp]).astype(np.float32)
+        def done(f: concurrent.futures.Future) -> None:
+            if f.exception() is not None:
+                outer.set_exception(f.exception())
+                return
+            result = f.result()
+            lp = result["prompt_logprobs"].copy()
+            lp[: max(len(lp) - last_n, 0)] = np.nan  # only the last N are scored
+            outer.set_result({**result, "prompt_logprobs": lp})
 
-    def _sampler(self, params: Mapping[str, Any]) -> Any:
-        temperature = float(params.get("temperature", 1.0))
-        top_k = int(params.get("top_k", -1))
-        top_p = float(params.get("top_p", 1.0))
-        if not math.isfinite(temperature) or temperature < 0:
-            raise BadRequest(f"sampling_params.temperature must be >= 0, found {temperature}")
-        if not 0 < top_p <= 1:
-            raise BadRequest(f"sampling_params.top_p must be in (0, 1], found {top_p}")
-        if top_k < -1 or top_k == 0:
-            raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1, found {top_k}")
-        host = self.host
-        if temperature == 0:
-            reg = host.get("samplers", "greedy")
-            return reg.create(reg.config())
-        reg = host.get("samplers", "temperature")
-        return reg.create(reg.config(temperature=temperature, top_k=max(top_k, 0), top_p=top_p))
+        inner.add_done_callback(done)
+        return outer
+
+    def keep_for_replay(self, result: Mapping[str, Any], prompt: Sequence[int], sequence_ids: Sequence[str],
+                        temperature: float) -> None:
+        """Keep a recorded sample's sequences (routes, kept sets) under their ids for R3 and
+        support replay (:mod:`skyrl_server._stability`); any thread."""
+        store = getattr(self, "route_store", None)
+        if store is None:
+            return
+        from skyrl_host.rollout import CSR
+        from skyrl_server._stability import RouteRecord
+
+        prompt = np.asarray(prompt, dtype=np.int64)
+        for sequence_id, seq in zip(sequence_ids, result["sequences"]):
+            if "kept" not in seq:
+                continue
+            store.put(sequence_id, RouteRecord(prompt, result.get("prompt_routes"), seq["tokens"].astype(np.int64),
+                                               seq.get("routes"), CSR.from_rows(seq["kept"]),
+                                               float(temperature) if temperature > 0 else 1.0))
+
+    def sample(self, sampling_session_id: str, prompt: Sequence[int], n: int, params: Mapping[str, Any],
+               prompt_logprobs: bool, last_n: int | None = None) -> dict[str, Any]:
+        """:meth:`submit_sample`, waited for."""
+        return self.submit_sample(sampling_session_id, prompt, n, params, prompt_logprobs, last_n).result()
 
 
+def _sampling_values(params: Mapping[str, Any]) -> tuple[float, int, float]:
+    """(temperature, top_k (0: off), top_p) of a request's sampling_params, checked."""
+    temperature = float(params.get("temperature", 1.0))
+    top_k = int(params.get("top_k", -1))
+    top_p = float(params.get("top_p", 1.0))
+    if not math.isfinite(temperature) or temperature < 0:
+        raise BadRequest(f"sampling_params.temperature must be >= 0, found {temperature}")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"sampling_params.top_p must be in (0, 1], found {top_p}")
+    if top_k < -1 or top_k == 0:
+        raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1, found {top_k}")
+    return temperature, max(top_k, 0), top_p
 
-def _first_stop(tokens: np.ndarray, stop_tokens: list[int], stop_strings: list[str], tokenizer: Any) -> int | None:
-    """How many tokens to keep when a request's stop token or string occurs (it is kept), else None."""
-    for j, t in enumerate(tokens.tolist()):
-        if t in stop_tokens:
-            return j + 1
-        if stop_strings:
-            text = tokenizer.decode(tokens[: j + 1].tolist())
-            if any(s in text for s in stop_strings):
-                return j + 1
-    return None
 
+def _stops(stop: Any) -> tuple[list[int], list[str]]:
+    """(stop token ids, stop strings) of sampling_params.stop."""
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [], [stop]
+    if isinstance(stop, list):
+        if all(isinstance(s, str) for s in stop):
+            return [], list(stop)
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+            return list(stop), []
+    raise BadRequest("sampling_params.stop: expected a string, a list of strings or a list of token ids")
 
 
 def safetensors_bytes(tensors: Mapping[str, Any], config: Mapping[str, Any], base: str) -> bytes:

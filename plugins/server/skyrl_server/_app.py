@@ -121,6 +121,7 @@ class App(SamplingRoutes):
             self.futures[f["request_id"]] = future
             if f["model_id"] is not None and f["seq_id"] is not None:
                 self.seen[(f["model_id"], f["seq_id"])] = f["request_id"]
+        self.durable = {row["id"]: row["state"] for row in loaded.models}  # the state file each row names
         for row in loaded.models:
             if row["last_seq"]:
                 self.queues[row["id"]] = queue = ModelQueue(spec.server.order_wait_seconds)
@@ -185,14 +186,18 @@ class App(SamplingRoutes):
                 out = ("error", {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "category": "server"})
             if record is not None:
                 if out[0] == "error":
-                    record.new_model = record.checkpoint = record.after = None
+                    record.new_model = record.checkpoint = record.after = record.undo = None
                 record.kind, record.value = out
                 try:
                     self.store.record(record)
                 except Exception as exc:  # noqa: BLE001 - not kept: the client must not take it as done
                     log.error("could not store request %s:\n%s", record.request_id, traceback.format_exc())
+                    if record.undo is not None:
+                        record.undo()
                     return ("error", {"error": f"the result could not be stored durably ({type(exc).__name__}: "
                                                f"{exc}".splitlines()[0] + ")", "category": "server"})
+                if "state" in record.changes:
+                    self.durable[record.model_id] = record.changes["state"]
                 if record.after is not None:
                     try:
                         record.after()
@@ -354,21 +359,38 @@ class App(SamplingRoutes):
         adam = {k: v for k, v in adam.items() if v is not None}
 
         def run(record: Record) -> dict[str, Any]:
-            if self.service.model(model_id).grads_lost:
+            tm = self.service.model(model_id)
+            if tm.grads_lost:
                 record.changes["grads"] = False  # the failed step below clears them
+            had_grads = any(p.grad is not None for p in tm.params)
             metrics = self.service.optim_step(model_id, adam)
-            self._keep_state(model_id, record)
+            self._keep_state(model_id, record, had_grads)
             return {"metrics": metrics}
 
         return web.json_response(self._model_future(model_id, seq_id, "json", run))
 
-    def _keep_state(self, model_id: str, record: Record) -> None:
+    def _keep_state(self, model_id: str, record: Record, had_grads: bool | None) -> None:
         """(On the worker.) The model's whole state written to the storage root as its new
-        durable state, and the row's columns that point at it (committed with the result)."""
+        durable state, and the row's columns that point at it (committed with the result).
+        If the write or the commit fails, the model goes back to its last durable state, as
+        after a restart (``had_grads``: gradients were waiting; None: a new model, no undo)."""
         tm = self.service.model(model_id)
-        file = self.service.save_durable(model_id, f"{tm.steps}-{record.request_id}")
+        undo = None if had_grads is None else (lambda: self._roll_back(model_id, had_grads))
+        try:
+            file = self.service.save_durable(model_id, f"{tm.steps}-{record.request_id}")
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
         record.changes.update(state=file, steps=tm.steps, grads=False)
         record.after = lambda: self.service.storage.prune_durable(model_id, file)
+        record.undo = undo
+
+    def _roll_back(self, model_id: str, grads_lost: bool) -> None:
+        """The model as its last durable state has it (its change could not be kept)."""
+        tm = self.service.model(model_id)
+        log.warning("model %s goes back to its last durable state (its change could not be stored)", model_id)
+        self.service.restore_model(model_id, tm.base, tm.rank, tm.seed, self.durable.get(model_id), grads_lost)
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         body = _body_json(await request.read())
@@ -418,8 +440,9 @@ class App(SamplingRoutes):
             seq_id = _get(body, "seq_id", int, required=False)
 
             def load(record: Record) -> dict[str, Any]:
+                had_grads = any(p.grad is not None for p in self.service.model(model_id).params)
                 self.service.load_state(model_id, path, optimizer, create=False, base_model=None)
-                self._keep_state(model_id, record)
+                self._keep_state(model_id, record, had_grads)
                 return {"type": "load_weights", "path": path, "model_id": model_id}
 
             return web.json_response(self._model_future(model_id, seq_id, "json", load))
@@ -440,7 +463,7 @@ class App(SamplingRoutes):
             tm = self.service.models[model_id]
             record.new_model = model_row(model_id, session_id, tm.base, tm.rank, tm.seed)
             try:
-                self._keep_state(model_id, record)
+                self._keep_state(model_id, record, None)
             except BaseException:
                 self.service.unload(model_id)  # not kept: no model
                 raise

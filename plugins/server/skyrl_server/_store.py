@@ -100,6 +100,7 @@ class Record:
     changes: dict[str, Any] = attrs.field(factory=dict)  # columns of the model's row to update
     checkpoint: tuple[str, str] | None = None  # (path, kind)
     after: Callable[[], None] | None = None  # run once committed (e.g. delete the model's older state file)
+    undo: Callable[[], None] | None = None  # run when the commit fails (the model back to its stored state)
 
 
 @attrs.define

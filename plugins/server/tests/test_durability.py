@@ -115,7 +115,12 @@ alphabet = "0123456789"
 
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        folder = tmp_path / "storage" / "_durable" / client.model_id.replace(":", "_")
+        (kept,) = folder.iterdir()  # the state of the last acknowledged optim_step, nothing else
+        (folder / ".tmp-torn").write_bytes(b"\x00" * 100)  # a write the kill cut short
+        (folder / "9-stale.pt").write_bytes(b"not a state")  # a state written but never committed
         proc = _start(path, port)
+        assert list(folder.iterdir()) == [kept]
 
         # (c) a request finished before the crash is still there, and a retry of it is answered once.
         assert _post(url, "/api/v1/retrieve_future", {"request_id": one["request_id"]}) == (200, one_result)
@@ -146,11 +151,52 @@ alphabet = "0123456789"
         assert _loss(resumed) == before
         _train(resumed, 1)
         assert _loss(resumed) == pytest.approx(after, abs=1e-6)
+        # A state that cannot be written fails its step and leaves the model as it was stored.
+        _, made = _post(url, "/api/v1/create_model", {"session_id": session["session_id"], "model_seq_id": 1,
+                                                      "base_model": BASE, "lora_config": {"rank": 2}})
+        other = _post(url, "/api/v1/retrieve_future", made)[1]["model_id"]
+        blocked = tmp_path / "storage" / "_durable" / other.replace(":", "_")
+        blocked.write_text("a file where the model's folder goes")
+        _, sent = _post(url, "/api/v1/optim_step", {"model_id": other, "seq_id": 1, "optim_params": {"learning_rate": 0.1}})
+        failed = _post(url, "/api/v1/retrieve_future", sent)[1]
+        assert failed["category"] == "server" and "metrics" not in failed
+        blocked.unlink()
+        _, sent = _post(url, "/api/v1/optim_step", {"model_id": other, "seq_id": 2, "optim_params": {"learning_rate": 0.1}})
+        assert "metrics" in _post(url, "/api/v1/retrieve_future", sent)[1]
         with sqlite3.connect(database) as db:
             assert db.execute("SELECT COUNT(*) FROM futures WHERE request_id = ?", (sample["request_id"],)).fetchone() == (0,)
             steps = dict(db.execute("SELECT id, steps FROM models"))
         assert steps[client.model_id] == 3 and steps[resumed.model_id] == 3 and steps[raw] == 3
+        assert steps[other] == 1  # the failed step was undone in memory too (else 2)
         service.close("completed")
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_bad_database_url_is_located_and_old_futures_are_deleted(tmp_path) -> None:
+    from skyrl_host.cli import main
+    from skyrl_host.errors import UserError
+    from skyrl_host.plugins import build_host
+    from skyrl_server._config import load_server_file
+    from skyrl_server._store import Record, Store
+
+    host = build_host()
+    path = tmp_path / "server.toml"
+    text = f'[server]\napi_keys = ["{KEY}"]\ndatabase = "DB"\n\n[models."{BASE}"]\nfamily = "qwen"\npreset = "tiny"\n'
+    for url, message in (("nosuch://x", "Can't load plugin"), ("mysql+nodriver://h/db", "mysql.nodriver")):
+        path.write_text(text.replace("DB", url))
+        with pytest.raises(UserError, match=message) as exc:
+            load_server_file(path, host, environ={})
+        assert f"{path}:3: server.database" in str(exc.value)
+    assert main(["serve", str(path)], host=host) == 2
+    path.write_text(text.replace("DB", "state/train.sqlite"))
+    assert load_server_file(path, host, environ={}).database == f"sqlite:///{tmp_path / 'state' / 'train.sqlite'}"
+
+    store = Store(f"sqlite:///{tmp_path / 'keep.sqlite'}")
+    for i in range(3):
+        store.record(Record(f"r{i}", None, None, "json", {"i": i}))
+    assert [f["value"] for f in store.start(keep_seconds=60).futures] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert store.forget(before=0.0) == 0
+    assert store.start(keep_seconds=-1.0).futures == []  # all older than "keep -1 s": deleted at start
+    store.close()

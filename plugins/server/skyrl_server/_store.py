@@ -26,12 +26,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import attrs
 import sqlalchemy as sa
-
-DEFAULT_FILE = "tinker-state.sqlite"
 
 metadata = sa.MetaData()
 sessions = sa.Table(
@@ -158,9 +156,8 @@ class Store:
                 db.execute(models.update().where(models.c.id == rec.model_id).values(**changes))
             if rec.checkpoint is not None:
                 path, kind = rec.checkpoint
-                table = checkpoints
-                db.execute(table.delete().where(table.c.path == path))
-                db.execute(table.insert().values(path=path, model_id=rec.model_id, kind=kind, created=now))
+                db.execute(checkpoints.delete().where(checkpoints.c.path == path))  # saved again: the newest
+                db.execute(checkpoints.insert().values(path=path, model_id=rec.model_id, kind=kind, created=now))
             db.execute(futures.insert().values(request_id=rec.request_id, model_id=rec.model_id, seq_id=rec.seq_id,
                                                kind=rec.kind, result=encode(rec.kind, rec.value), finished=now))
 
@@ -168,17 +165,6 @@ class Store:
         """Delete the futures finished before ``before`` (wall clock); their count."""
         with self.engine.begin() as db:
             return db.execute(futures.delete().where(futures.c.finished < before)).rowcount
-
-    def states(self) -> set[str]:
-        """Every durable state file a model row points at."""
-        with self.engine.begin() as db:
-            return {r.state for r in db.execute(sa.select(models.c.state).where(models.c.unloaded.is_(False)))
-                    if r.state is not None}
-
-    def request_ids(self, ids: Iterable[str]) -> set[str]:
-        ids = list(ids)
-        with self.engine.begin() as db:
-            return {r.request_id for r in db.execute(sa.select(futures.c.request_id).where(futures.c.request_id.in_(ids)))}
 
     def close(self) -> None:
         self.engine.dispose()
@@ -204,4 +190,4 @@ def describe(url: str) -> str:
     return sa.engine.make_url(url).render_as_string(hide_password=True)
 
 
-__all__ = ["DEFAULT_FILE", "Loaded", "Record", "Store", "describe", "model_row"]
+__all__ = ["Loaded", "Record", "Store", "describe", "model_row"]

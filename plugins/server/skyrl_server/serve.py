@@ -27,7 +27,10 @@ def serve(path: str, host_plugins: object, *, host: str | None = None, port: int
     app = build(spec, host_plugins)
 
     def started() -> None:
-        click.echo(f"skyrl serve: {', '.join(spec.models)} on http://{server.host}:{server.port}", err=True)
+        from skyrl_server._store import describe
+
+        click.echo(f"skyrl serve: {', '.join(spec.models)} on http://{server.host}:{server.port} "
+                   f"(training state: {describe(spec.database)})", err=True)
 
     try:
         asyncio.run(serve_forever(app, server.host, server.port, started))

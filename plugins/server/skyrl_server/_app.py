@@ -486,9 +486,10 @@ class App(SamplingRoutes):
             if started is not None:  # accepted before a restart, never finished: it did not happen
                 when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
                 return web.json_response({"error": f"request {request_id} is from before the server restarted (it was "
-                                          f"accepted by the run started {when}) and its result was not kept: it is a "
-                                          "sampling request, or one that had not finished, and then nothing of it "
-                                          "was applied: send it again", "category": "server"})
+                                          f"accepted by the run started {when}) and its result is not kept: a sampling "
+                                          f"request, one finished over {KEEP_SECONDS:.0f} s ago, or one that had not "
+                                          "finished (then nothing of it was applied): send it again",
+                                          "category": "server"})
             raise BadRequest(f"unknown request_id {request_id!r}", status=404)
         if not future.event.is_set():
             try:

@@ -114,7 +114,13 @@ class Loaded:
 
 class Store:
     def __init__(self, url: str):
-        self.engine = sa.create_engine(url)
+        parsed = sa.engine.make_url(url)
+        if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+            # one in-memory database for every thread (a restart loses it: nothing is durable then)
+            self.engine = sa.create_engine(parsed, poolclass=sa.pool.StaticPool,
+                                           connect_args={"check_same_thread": False})
+        else:
+            self.engine = sa.create_engine(parsed)
         if self.engine.dialect.name == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)

@@ -130,7 +130,7 @@ alphabet = "0123456789"
         status, lost = _post(url, "/api/v1/retrieve_future", {"request_id": three["request_id"]})
         assert status == 200 and lost["category"] == "server" and "send it again" in lost["error"]
         status, lost_sample = _post(url, "/api/v1/retrieve_future", {"request_id": sample["request_id"]})
-        assert status == 200 and "was not kept" in lost_sample["error"]
+        assert status == 200 and "is not kept: a sampling request" in lost_sample["error"]
         for seq in (2, 3):
             _, sent = _post(url, "/api/v1/optim_step", {"model_id": raw, "seq_id": seq, "optim_params": {"learning_rate": 0.1}})
             assert sent["request_id"] != three["request_id"]

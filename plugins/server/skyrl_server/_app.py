@@ -365,6 +365,7 @@ class App(SamplingRoutes):
             had_grads = any(p.grad is not None for p in tm.params)
             metrics = self.service.optim_step(model_id, adam)
             self._keep_state(model_id, record, had_grads)
+            record.changes["grads"] = False  # the step used them
             return {"metrics": metrics}
 
         return web.json_response(self._model_future(model_id, seq_id, "json", run))
@@ -382,7 +383,7 @@ class App(SamplingRoutes):
             if undo is not None:
                 undo()
             raise
-        record.changes.update(state=file, steps=tm.steps, grads=False)
+        record.changes.update(state=file, steps=tm.steps)  # (load_state keeps waiting gradients)
         record.after = lambda: self.service.storage.prune_durable(model_id, file)
         record.undo = undo
 

@@ -4,7 +4,10 @@
 requests from any thread and get a :class:`concurrent.futures.Future`; the thread loops:
 
 1. **Admit**: waiting sequences fill the free rows (at most ``config.max_batch_size``
-   live rows; a request's ``n`` samples may join over several steps). The newcomers'
+   live rows; a request's ``n`` samples may join over several steps): at the next step
+   when at least a quarter of the rows are free (``ADMIT_FRACTION``), else once they
+   have waited ``ADMIT_WAIT`` steps, since prefilling a handful of rows costs about as
+   much as a whole decode step. The newcomers'
    distinct prompts are prefilled in one batched forward (left-padded, explicit position
    ids, a 2-D mask; each prompt once, its rows replicated to its samples), and their KV
    rows are put into the running cache (``skyrl_engines._kv_cache.SlotLayer``): every
@@ -23,7 +26,7 @@ requests from any thread and get a :class:`concurrent.futures.Future`; the threa
    grouped by adapter and each group gets its own adapter's delta
    (``EngineAdapters.per_row``); rows without an adapter get the base model.
 
-Columns no live row uses any more (on the left) are dropped when they are a quarter of
+Columns no live row uses any more (on the left) are dropped when they are a tenth of
 the filled width or when the cache needs room, so the width stays near the longest live
 row. Randomness never comes from a shared generator.
 
@@ -49,7 +52,11 @@ from skyrl_engines._kv_cache import make_cache, make_slot_cache
 
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
-TRIM_FRACTION = 0.25  # drop unused left columns once they are this share of the filled width
+TRIM_FRACTION = 0.1  # drop unused left columns once they are this share of the filled width
+# Newcomers join a running batch once this share of its rows is free (or they waited
+# ADMIT_WAIT steps): a prefill forward of a few rows costs about a whole decode step.
+ADMIT_FRACTION = 0.25
+ADMIT_WAIT = 8
 
 
 def _mul32(x: Any, c: int) -> Any:
@@ -206,7 +213,7 @@ class ContinuousBatcher:
         self._banks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self._bank_cache = bank_cache
         self.stats = {"decode_forwards": 0, "prefill_forwards": 0, "tokens": 0, "requests": 0, "max_rows": 0,
-                      "max_adapters": 0}
+                      "max_adapters": 0, "decode_columns": 0, "decode_rows": 0}
 
     # -- the callers' side ------------------------------------------------------------
 
@@ -308,6 +315,7 @@ class ContinuousBatcher:
         self.next_pos = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
         self.logits: torch.Tensor | None = None
         self._params: tuple | None = None  # per-row sampling tensors, rebuilt when the rows change
+        self._held = 0  # steps newcomers have been kept waiting for more free rows
         self._groups: list | None = None
 
     def _fail(self, req: _Request, exc: Exception, detail: str | None) -> None:
@@ -334,6 +342,12 @@ class ContinuousBatcher:
         """(request, sample index) of the sequences that join now."""
         free = self.max_rows - len(self.rows)
         out: list[tuple[_Request, int]] = []
+        if not free or not self._waiting:
+            return out
+        if self.rows and free < ADMIT_FRACTION * self.max_rows and self._held < ADMIT_WAIT:
+            self._held += 1  # a few rows free: let more finish first, a few steps at most
+            return out
+        self._held = 0
         with self._cond:
             while free and self._waiting:
                 req = self._waiting[0]
@@ -626,3 +640,5 @@ class ContinuousBatcher:
         self.next_pos[:n] += 1
         self.logits = out.logits[:, -1, :].float()
         self.stats["decode_forwards"] += 1
+        self.stats["decode_columns"] += self.length
+        self.stats["decode_rows"] += n

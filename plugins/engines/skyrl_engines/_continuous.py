@@ -190,9 +190,13 @@ class ContinuousBatcher:
     """Continuous batching over ``engine`` (a started ``EmbeddedEngine``; see the module
     docstring). ``max_rows``: the live-row cap (default ``engine.config.max_batch_size``).
     Thread-safe ``submit``; one decode thread, started at the first request;
-    :meth:`close` stops it. ``stats`` counts forwards, rows and tokens."""
+    :meth:`close` stops it. ``stats`` counts forwards, rows and tokens. ``bank_cache``:
+    how many adapters (by key, most recently used) keep their bank on the device.
+    While it decodes, nothing else may run the engine (its router hooks record for
+    one caller at a time); the model is used as it is (the embedded engine's own copy
+    is in eval mode)."""
 
-    def __init__(self, engine: Any, max_rows: int | None = None, bank_cache: int = 64):
+    def __init__(self, engine: Any, max_rows: int | None = None, bank_cache: int = 32):
         if engine.model is None:
             raise RuntimeError("the engine has not been started (call start(loaded) first)")
         self.engine = engine

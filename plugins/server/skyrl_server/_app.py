@@ -38,6 +38,7 @@ from skyrl_server._errors import BadRequest
 from skyrl_server._http import _body_json, _get
 from skyrl_server._sample_routes import SamplingRoutes
 from skyrl_server._service import Service
+from skyrl_server._training import LORA_PARTS
 from skyrl_server._storage import sampler_path
 from skyrl_server._store import Loaded, Record, Store, model_row
 
@@ -293,6 +294,10 @@ class App(SamplingRoutes):
         if not 1 <= rank <= limit:
             raise BadRequest(f"lora_config.rank must be in [1, {limit}] on this server, found {rank}")
         seed = _get(lora, "seed", int, required=False)
+        flags = {part: _get(lora, f"train_{part}", bool, required=False, default=True) for part in LORA_PARTS}
+        parts = ",".join(part for part in LORA_PARTS if flags[part])
+        if not parts:
+            raise BadRequest("lora_config: train_attn, train_mlp and train_unembed are all false: nothing to train")
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.service.models or model_id in self.creating:
             raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
@@ -301,8 +306,8 @@ class App(SamplingRoutes):
         record = Record(request_id, model_id, None)
 
         def run() -> dict[str, Any]:
-            self.service.create_model(model_id, base, rank, seed)
-            record.new_model = model_row(model_id, session_id, base, rank, self.service.models[model_id].seed)
+            self.service.create_model(model_id, base, rank, seed, parts)
+            record.new_model = model_row(model_id, session_id, base, rank, self.service.models[model_id].seed, parts)
             return {"model_id": model_id, "type": "create_model"}
 
         async def create() -> None:
@@ -391,7 +396,7 @@ class App(SamplingRoutes):
         """The model as its last durable state has it (its change could not be kept)."""
         tm = self.service.model(model_id)
         log.warning("model %s goes back to its last durable state (its change could not be stored)", model_id)
-        self.service.restore_model(model_id, tm.base, tm.rank, tm.seed, self.durable.get(model_id), grads_lost)
+        self.service.restore_model(model_id, tm.base, tm.rank, tm.seed, self.durable.get(model_id), grads_lost, tm.parts)
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         body = _body_json(await request.read())
@@ -462,7 +467,7 @@ class App(SamplingRoutes):
         def run() -> dict[str, Any]:
             self.service.load_state(model_id, path, optimizer, create=True, base_model=base)
             tm = self.service.models[model_id]
-            record.new_model = model_row(model_id, session_id, tm.base, tm.rank, tm.seed)
+            record.new_model = model_row(model_id, session_id, tm.base, tm.rank, tm.seed, tm.parts)
             try:
                 self._keep_state(model_id, record, None)
             except BaseException:
@@ -596,7 +601,8 @@ def restore(service: Service, loaded: Loaded) -> None:
         if row["base"] not in service.bases:
             log.warning("model %s is not restored: its base model %r is not in the server file", model_id, row["base"])
             continue
-        service.restore_model(model_id, row["base"], row["rank"], row["seed"], row["state"], bool(row["grads"]))
+        service.restore_model(model_id, row["base"], row["rank"], row["seed"], row["state"], bool(row["grads"]),
+                              row["parts"])
         service.storage.prune_durable(model_id, row["state"])
     if loaded.models:
         log.info("restored %d models, %d sessions, %d finished futures", len(service.models), len(loaded.sessions),

@@ -231,6 +231,9 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
     elif backend is not None and getattr(backend.config, "lora_rank", 0):
         out.add("backend.lora_rank", "each create_model request chooses its LoRA rank (LoraConfig.rank); "
                 "limit it with [server] max_lora_rank")
+    elif backend is not None and getattr(backend.config, "lora_targets", None) is not None:
+        out.add("backend.lora_targets", "each create_model request chooses the layers its adapters cover "
+                "(LoraConfig.train_attn / train_mlp / train_unembed)")
     if out.problems:
         out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)

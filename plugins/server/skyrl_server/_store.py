@@ -45,6 +45,7 @@ models = sa.Table(
     sa.Column("base", sa.String(400), nullable=False),
     sa.Column("rank", sa.Integer, nullable=False),
     sa.Column("seed", sa.Integer, nullable=False),
+    sa.Column("parts", sa.String(40), nullable=False, default="attn,mlp,unembed"),  # what the adapters cover
     sa.Column("steps", sa.Integer, nullable=False, default=0),
     sa.Column("last_seq", sa.Integer, nullable=False, default=0),
     sa.Column("state", sa.Text, nullable=True),  # a file under the storage root; NULL: fresh from the seed
@@ -186,8 +187,9 @@ def _sqlite_pragmas(conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def model_row(model_id: str, session_id: str, base: str, rank: int, seed: int, **extra: Any) -> dict[str, Any]:
-    return {"id": model_id, "session_id": session_id, "base": base, "rank": rank, "seed": seed, "steps": 0,
+def model_row(model_id: str, session_id: str, base: str, rank: int, seed: int, parts: str = "attn,mlp,unembed",
+              **extra: Any) -> dict[str, Any]:
+    return {"id": model_id, "session_id": session_id, "base": base, "rank": rank, "seed": seed, "parts": parts, "steps": 0,
             "last_seq": 0, "state": None, "grads": False, "unloaded": False, **extra}
 
 

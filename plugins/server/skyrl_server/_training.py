@@ -30,10 +30,43 @@ class TrainingModel:
     optimizer: Any
     steps: int = 0
     seed: int = 0
+    parts: str = "attn,mlp,unembed"  # what the adapters cover (LoraConfig's train_attn / train_mlp / train_unembed)
     # Set when the model is restored after a restart while acknowledged forward_backward
     # gradients waited for a step (they are not persisted): its next optim_step fails.
     grads_lost: bool = False
 
+
+
+LORA_PARTS = ("attn", "mlp", "unembed")
+
+
+def lora_targets(loaded: Any, parts: str) -> list[str]:
+    """The ``nn.Linear`` names LoRA adapts for ``parts`` (a comma-separated subset of
+    :data:`LORA_PARTS`): the family's targets inside attention modules (a path with
+    ``attn`` or ``attention``) for ``attn``, its other targets (MLPs, shared experts,
+    Mamba mixers) for ``mlp``, and the output head for ``unembed`` (a LoRA on the
+    unembedding; with tied embeddings the input embedding stays as it is)."""
+    import torch
+
+    wanted = set(parts.split(","))
+    model = loaded.model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kinds: dict[str, set[str]] = {}
+    head_name = None
+    for path, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        last = path.rsplit(".", 1)[-1]
+        if module is head:
+            head_name = last
+        elif last in loaded.lora_targets:
+            kinds.setdefault(last, set()).add("attn" if ("attn" in path or "attention" in path) else "mlp")
+    targets = [name for name, found in kinds.items() if found & wanted]
+    if "unembed" in wanted and head_name is not None:
+        targets.append(head_name)
+    if not targets:
+        raise BadRequest(f"lora_config: the model has no layers to adapt for {parts!r}")
+    return targets
 
 
 class TrainingMixin:
@@ -41,24 +74,26 @@ class TrainingMixin:
 
     # -- training models -----------------------------------------------------------
 
-    def create_model(self, model_id: str, base_name: str, rank: int, seed: int | None) -> None:
+    def create_model(self, model_id: str, base_name: str, rank: int, seed: int | None,
+                     parts: str = "attn,mlp,unembed") -> None:
         import torch
 
         base = self.base(base_name)
-        config = attrs.evolve(self.spec.backend.config, lora_rank=rank)
+        config = attrs.evolve(self.spec.backend.config, lora_rank=rank, lora_targets=lora_targets(base.loaded, parts))
         backend = self.spec.backend.registration.create(config)  # the torch backend (the file is checked for it)
         seed = self.spec.server.seed if seed is None else int(seed)
         backend.start(base.loaded, seed=seed, total_steps=1, reference=False)
         params = [p for p in backend.module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-        self.models[model_id] = TrainingModel(model_id, base_name, rank, backend, params, optimizer, seed=seed)
+        self.models[model_id] = TrainingModel(model_id, base_name, rank, backend, params, optimizer, seed=seed,
+                                              parts=parts)
 
     def state(self, model_id: str) -> dict[str, Any]:
         """The model's adapters (copied to the CPU), their config, optimizer state and steps."""
         tm = self.model(model_id)
         tensors = {n: t.detach().to("cpu", copy=True) for n, t in tm.backend.named_adapters()}
         return {"base": tm.base, "rank": tm.rank, "adapters": tensors, "config": dict(tm.backend.adapter_config()),
-                "steps": tm.steps, "optimizer": tm.optimizer.state_dict()}
+                "steps": tm.steps, "optimizer": tm.optimizer.state_dict(), "parts": tm.parts}
 
     def save_state(self, model_id: str, path: str) -> None:
         """The model's adapters and optimizer state at ``path`` (a tinker://.../weights/NAME)."""
@@ -68,10 +103,11 @@ class TrainingMixin:
         """The model's whole state as its durable state ``name``; the file (for the store's row)."""
         return self.storage.write_durable(model_id, name, self.state(model_id))
 
-    def restore_model(self, model_id: str, base: str, rank: int, seed: int, file: str | None, grads_lost: bool) -> None:
+    def restore_model(self, model_id: str, base: str, rank: int, seed: int, file: str | None, grads_lost: bool,
+                      parts: str = "attn,mlp,unembed") -> None:
         """A model as the store left it: fresh from ``seed``, then its durable state (adapters,
         optimizer, steps) from ``file`` when it has one."""
-        self.create_model(model_id, base, rank, seed)
+        self.create_model(model_id, base, rank, seed, parts)
         if file is not None:
             self._apply_state(model_id, self.storage.read_durable(file), True, file)
         self.models[model_id].grads_lost = grads_lost
@@ -83,7 +119,7 @@ class TrainingMixin:
         if create:
             if base_model is not None and base_model != state["base"]:
                 raise BadRequest(f"base_model {base_model!r}: the state at {path!r} was trained on {state['base']!r}")
-            self.create_model(model_id, state["base"], int(state["rank"]), None)
+            self.create_model(model_id, state["base"], int(state["rank"]), None, state.get("parts", "attn,mlp,unembed"))
         self._apply_state(model_id, state, optimizer, path)
 
     def _apply_state(self, model_id: str, state: Mapping[str, Any], optimizer: bool, path: str) -> None:

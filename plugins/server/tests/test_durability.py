@@ -21,7 +21,7 @@ from tinker import types  # noqa: E402
 
 BASE = "skyrl/qwen-tiny"
 KEY = "tml-durable"
-ADAM = types.AdamParams(learning_rate=2e-2)
+ADAM = types.AdamParams(learning_rate=5e-3)
 
 
 def _datum(tokens):

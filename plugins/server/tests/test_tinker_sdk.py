@@ -67,7 +67,8 @@ alphabet = "{ALPHABET}"
     thread.start()
     assert started.wait(30)
     base = app[STATE].service.bases[BASE]
-    yield {"url": f"http://127.0.0.1:{port}", "base": base, "host": host}
+    yield {"url": f"http://127.0.0.1:{port}", "base": base, "host": host,
+           "service_models": lambda: app[STATE].service.models}
     asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
 
@@ -368,10 +369,42 @@ def test_dro_equals_the_hand_computation_and_custom_losses_train(service) -> Non
 
     def squared(batch, logprobs):
         loss = sum((x ** 2).sum() for x in logprobs)
-        return loss, {"squared:sum": float(loss)}
+        return loss, {"squared:sum": float(loss.detach())}
 
     result = training.forward_backward_custom(plain, squared).result()
     assert result.metrics["squared:sum"] == pytest.approx(float((lp ** 2).sum()), rel=1e-4)
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = training.forward(plain, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     assert (after.astype(np.float64) ** 2).sum() < 0.97 * (lp ** 2).sum()  # the custom loss went down
+
+
+def test_lora_config_parts_choose_the_adapted_layers(server, service) -> None:
+    svc = server["base"]
+    full = service.create_lora_training_client(base_model=BASE, rank=2, seed=6).result()
+    attn = service.create_lora_training_client(base_model=BASE, rank=2, seed=6, train_mlp=False,
+                                               train_unembed=False).result()
+    info = full.get_info()
+    assert info.model_data.model_name == BASE
+    models = server["service_models"]()
+    names_full = {n.rsplit(".", 2)[-2] for n, _ in models[full.model_id].backend.named_adapters()}
+    names_attn = {n.rsplit(".", 2)[-2] for n, _ in models[attn.model_id].backend.named_adapters()}
+    assert "lm_head" in names_full and {"q_proj", "down_proj"} <= names_full  # Tinker's default: all three parts
+    assert names_attn and "lm_head" not in names_attn and "down_proj" not in names_attn and "q_proj" in names_attn
+    assert svc.name == BASE
+    # An unembedding adapter trains and reaches the sampler.
+    tokens = [4, 4, 2, 2, 4, 4]
+    data = [_datum(tokens, [1.0] * 5)]
+    start = full.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    for _ in range(3):
+        full.forward_backward(data, "cross_entropy").result()
+        full.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    trained = full.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert trained.sum() > start.sum() + 0.5
+    sampler = full.save_weights_and_get_sampling_client().result()
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    np.testing.assert_allclose(np.array(scored[1:], dtype=np.float32), trained, atol=1e-4)
+    status, body = _post(server["url"], "/api/v1/create_session", {"tags": [], "sdk_version": "x"}, KEY)
+    lora = {"rank": 2, "train_mlp": False, "train_attn": False, "train_unembed": False}
+    status, body = _post(server["url"], "/api/v1/create_model", {"session_id": body["session_id"], "model_seq_id": 0,
+                                                                  "base_model": BASE, "lora_config": lora}, KEY)
+    assert status == 400 and "nothing to train" in body["error"]

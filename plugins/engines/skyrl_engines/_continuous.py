@@ -52,6 +52,7 @@ from skyrl_engines._kv_cache import make_cache, make_slot_cache
 
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
+MASK_LOGPROB = -99999.0  # the SDK's "no top-k entry here" (tinker.types.topk_logprobs)
 TRIM_FRACTION = 0.1  # drop unused left columns once they are this share of the filled width
 # Newcomers join a running batch once this share of its rows is free (or they waited
 # ADMIT_WAIT steps): a prefill forward of a few rows costs about a whole decode step.
@@ -160,6 +161,8 @@ class _Request:
     prompt_logprobs: bool
     record: bool
     future: concurrent.futures.Future
+    topk_sample: int = 0
+    topk_prompt: int = 0
     tokens: list = attrs.field(factory=list)
     logprobs: list = attrs.field(factory=list)
     reasons: list = attrs.field(factory=list)
@@ -172,6 +175,8 @@ class _Request:
     prompt_routes: Any = None
     routes: list = attrs.field(factory=list)
     kept: list = attrs.field(factory=list)
+    topk: list = attrs.field(factory=list)
+    prompt_topk: Any = None
 
 
 @attrs.define(eq=False)
@@ -184,6 +189,7 @@ class _Row:
     logprobs: list = attrs.field(factory=list)
     routes: list = attrs.field(factory=list)  # with record: the routers' expert ids of each token fed back
     kept: list = attrs.field(factory=list)  # with record: the ids each token could be drawn from
+    topk: list = attrs.field(factory=list)  # with topk_sample: (ids, logprobs) of the k most likely, per token
 
 
 class ContinuousBatcher:
@@ -234,7 +240,8 @@ class ContinuousBatcher:
     def submit(self, prompt_ids: Sequence[int], *, n: int = 1, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, max_tokens: int = 16, stop_token_ids: Sequence[int] = (),
                stop_strings: Sequence[str] = (), adapter: Adapter | None = None,
-               prompt_logprobs: bool = False, record: bool = False) -> concurrent.futures.Future:
+               prompt_logprobs: bool = False, record: bool = False, topk_sample_logprobs: int = 0,
+               topk_prompt_logprobs: int = 0) -> concurrent.futures.Future:
         """Queue ``n`` samples of ``prompt_ids``; the future's result is ``{"sequences": [{
         "tokens": int32, "logprobs": float32, "stop_reason": "stop" | "length"}] * n,
         "prompt_logprobs": float32 [len(prompt)] (NaN first) or None, "version": int}``.
@@ -242,7 +249,12 @@ class ContinuousBatcher:
         ``record``: each sequence also gets ``"kept"`` (a list of int32 arrays: the ids each
         token could be drawn from) and, on an engine that records its MoE routers
         (``return_routed_experts``), ``"routes"`` [tokens, layers, k] (the last token's row
-        0: never fed back); the result then has ``"prompt_routes"`` [prompt, layers, k]."""
+        0: never fed back); the result then has ``"prompt_routes"`` [prompt, layers, k].
+        ``topk_sample_logprobs`` k: each sequence gets ``"topk"`` (token ids int32 [tokens,
+        k], logprobs float32), the k most likely tokens of the model's distribution
+        (``log_softmax(logits)``) at each sampled position; ``topk_prompt_logprobs`` k:
+        ``"prompt_topk"`` alike for each prompt position (the first, which nothing
+        predicts: ids 0, logprobs -99999, the SDK's empty entry)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("the prompt is empty: it needs at least one token")
@@ -259,10 +271,11 @@ class ContinuousBatcher:
         req = _Request(prompt, int(n), float(temperature), int(top_k), float(top_p), int(seed), int(max_tokens),
                        frozenset(int(t) for t in (*self.engine.stop_token_ids, *stop_token_ids)),
                        tuple(s for s in (*getattr(self.engine.config, "stop_strings", ()), *stop_strings) if s),
-                       adapter, bool(prompt_logprobs), bool(record), future)
+                       adapter, bool(prompt_logprobs), bool(record), future,
+                       min(int(topk_sample_logprobs), self.vocab), min(int(topk_prompt_logprobs), self.vocab))
         req.left = req.n
         req.tokens, req.logprobs, req.reasons = [None] * req.n, [None] * req.n, [None] * req.n
-        req.routes, req.kept = [None] * req.n, [None] * req.n
+        req.routes, req.kept, req.topk = [None] * req.n, [None] * req.n, [None] * req.n
         req.budget = self.cost(len(prompt), req.n, req.max_tokens)
         with self._cond:
             if self._closed:
@@ -402,6 +415,9 @@ class ContinuousBatcher:
         req.tokens[row.j] = np.asarray(row.tokens, dtype=np.int32)
         req.logprobs[row.j] = np.asarray(row.logprobs, dtype=np.float32)
         req.reasons[row.j] = reason
+        if req.topk_sample:
+            req.topk[row.j] = (np.stack([t[0] for t in row.topk]).astype(np.int32),
+                               np.stack([t[1] for t in row.topk]).astype(np.float32))
         if req.record:
             req.kept[row.j] = row.kept
             if self.hooks is not None:
@@ -418,6 +434,11 @@ class ContinuousBatcher:
             result = {"sequences": [{"tokens": t, "logprobs": p, "stop_reason": r}
                                     for t, p, r in zip(req.tokens, req.logprobs, req.reasons)],
                       "prompt_logprobs": req.prompt_lp, "version": req.version}
+            if req.topk_sample:
+                for j, seq in enumerate(result["sequences"]):
+                    seq["topk"] = req.topk[j]
+            if req.topk_prompt:
+                result["prompt_topk"] = req.prompt_topk
             if req.record:
                 for j, seq in enumerate(result["sequences"]):
                     seq["kept"] = req.kept[j]
@@ -466,7 +487,7 @@ class ContinuousBatcher:
         pos = (cols[None, :] - first).clamp_min(0)
         mask = cols[None, :] >= first
         pre_cache = make_cache(self.model.config, width)
-        want_all = any(r.prompt_logprobs for r in reqs)
+        want_all = any(r.prompt_logprobs or r.topk_prompt for r in reqs)
         extra = {} if want_all else {"logits_to_keep": 1}
         if "logits_to_keep" not in self.engine._extra:
             extra = {}
@@ -488,6 +509,13 @@ class ContinuousBatcher:
                 lp = torch.log_softmax(logits[i, width - lens[i]: width - 1], dim=-1)
                 got = lp.gather(-1, ids[i, width - lens[i] + 1:, None])[:, 0].cpu().numpy()
                 r.prompt_lp = np.concatenate([[np.nan], got]).astype(np.float32)
+            if r.topk_prompt and r.prompt_topk is None:
+                lp = torch.log_softmax(logits[i, width - lens[i]: width - 1], dim=-1)
+                v, ix = torch.topk(lp, r.topk_prompt, dim=-1)
+                ids_k = np.zeros((lens[i], r.topk_prompt), dtype=np.int32)
+                lps_k = np.full((lens[i], r.topk_prompt), MASK_LOGPROB, dtype=np.float32)
+                ids_k[1:], lps_k[1:] = ix.cpu().numpy(), v.cpu().numpy()
+                r.prompt_topk = (ids_k, lps_k)
         last = logits[:, -1, :]
         rep_t = torch.tensor(rep, dtype=torch.long, device=dev)
 
@@ -578,6 +606,15 @@ class ContinuousBatcher:
         recording = [i for i, r in enumerate(self.rows) if r.request.record]
         out = sample_rows(self.logits, temp, top_k, top_p, keys, steps, want_kept=bool(recording))
         self._params = (temp, top_k, top_p, keys, steps + 1)
+        topk_rows = [i for i, r in enumerate(self.rows) if r.request.topk_sample]
+        if topk_rows:
+            idx = torch.tensor(topk_rows, dtype=torch.long, device=self.device)
+            kmax = max(self.rows[i].request.topk_sample for i in topk_rows)
+            v, ix = torch.topk(torch.log_softmax(self.logits.index_select(0, idx), dim=-1), kmax, dim=-1)
+            v, ix = v.cpu().numpy(), ix.cpu().numpy()
+            for n, i in enumerate(topk_rows):
+                k = self.rows[i].request.topk_sample
+                self.rows[i].topk.append((ix[n, :k], v[n, :k]))
         if recording:
             kept = out[2]
             for i in recording:

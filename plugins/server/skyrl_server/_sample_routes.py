@@ -89,8 +89,14 @@ class SamplingRoutes:
         if params.get("max_tokens", 1) < 1:
             raise BadRequest(f"sampling_params.max_tokens must be at least 1, found {params['max_tokens']}")
         record = bool(_get(body, "record_stability_info", bool, required=False, default=False))
+        topk = {}
+        for key in ("topk_sample_logprobs", "topk_prompt_logprobs"):
+            topk[key] = _get(body, key, int, required=False, default=0) or 0
+            if not 0 <= topk[key] <= 1024:
+                raise BadRequest(f"{key} must be in [0, 1024], found {topk[key]}")
         try:
-            inner = self.service.submit_sample(sampling_id, tokens, n, params, prompt_logprobs, last_n, record)
+            inner = self.service.submit_sample(sampling_id, tokens, n, params, prompt_logprobs, last_n, record,
+                                               topk["topk_sample_logprobs"], topk["topk_prompt_logprobs"])
         except BadRequest as exc:
             if exc.status == 429:
                 raise  # answered at once: the SDK backs off and sends it again

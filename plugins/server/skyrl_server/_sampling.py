@@ -88,12 +88,15 @@ class SamplingMixin:
         return sum(b.queued_tokens for b in self.__dict__.get("_batchers", {}).values())
 
     def submit_sample(self, sampling_session_id: str, prompt: Sequence[int], n: int, params: Mapping[str, Any],
-                      prompt_logprobs: bool, last_n: int | None = None, record: bool = False) -> concurrent.futures.Future:
+                      prompt_logprobs: bool, last_n: int | None = None, record: bool = False, topk_sample: int = 0,
+                      topk_prompt: int = 0) -> concurrent.futures.Future:
         """Queue ``n`` sequences in the base's batcher; the future's result: ``{"sequences":
         [{tokens, logprobs, stop_reason ("stop" | "length")}], "prompt_logprobs"}``. Raises
         :class:`BadRequest` for bad input (429: the queue is full now). ``record``
         (``record_stability_info``): the sequences also carry what replay needs (their
-        kept sets, and routes on a MoE base) for :meth:`keep_for_replay`."""
+        kept sets, and routes on a MoE base) for :meth:`keep_for_replay`. ``topk_sample`` /
+        ``topk_prompt``: the k most likely tokens and their logprobs at each sampled /
+        prompt position ("topk" per sequence, "prompt_topk")."""
         weights = self.sampler(sampling_session_id)
         base = self.bases[weights.base]
         prompt = [int(t) for t in prompt]
@@ -134,8 +137,9 @@ class SamplingMixin:
             weights.adapter = Adapter(weights.key, weights.tensors, weights.config, weights.key)
         inner = batcher.submit(prompt, n=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                max_tokens=max_tokens, stop_token_ids=stop_tokens, stop_strings=stop_strings,
-                               adapter=weights.adapter, prompt_logprobs=prompt_logprobs, record=record)
-        if not prompt_logprobs or last_n is None:
+                               adapter=weights.adapter, prompt_logprobs=prompt_logprobs, record=record,
+                               topk_sample_logprobs=topk_sample, topk_prompt_logprobs=topk_prompt)
+        if last_n is None or not (prompt_logprobs or topk_prompt):
             return inner
         outer: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -143,10 +147,16 @@ class SamplingMixin:
             if f.exception() is not None:
                 outer.set_exception(f.exception())
                 return
-            result = f.result()
-            lp = result["prompt_logprobs"].copy()
-            lp[: max(len(lp) - last_n, 0)] = np.nan  # only the last N are scored
-            outer.set_result({**result, "prompt_logprobs": lp})
+            result = dict(f.result())
+            cut = max(len(prompt) - last_n, 0)  # only the last N are scored
+            if result.get("prompt_logprobs") is not None:
+                result["prompt_logprobs"] = result["prompt_logprobs"].copy()
+                result["prompt_logprobs"][:cut] = np.nan
+            if result.get("prompt_topk") is not None:
+                ids, lps = (a.copy() for a in result["prompt_topk"])
+                ids[:cut], lps[:cut] = 0, -99999.0  # the SDK's empty entry
+                result["prompt_topk"] = (ids, lps)
+            outer.set_result(result)
 
         inner.add_done_callback(done)
         return outer

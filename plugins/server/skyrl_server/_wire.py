@@ -139,6 +139,18 @@ def sample_response(result: Mapping[str, Any]) -> bytes:
         s.stop_reason = reasons[seq["stop_reason"]]
         s.tokens = np.ascontiguousarray(seq["tokens"], dtype=np.int32).tobytes()
         s.logprobs = np.ascontiguousarray(seq["logprobs"], dtype=np.float32).tobytes()
+        if seq.get("topk") is not None:
+            s.topk_sampled_logprobs.CopyFrom(_topk(seq["topk"]))
     if result.get("prompt_logprobs") is not None:
         msg.prompt_logprobs = np.ascontiguousarray(result["prompt_logprobs"], dtype=np.float32).tobytes()
+    if result.get("prompt_topk") is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(result["prompt_topk"]))
     return msg.SerializeToString()
+
+
+def _topk(pair: tuple[np.ndarray, np.ndarray]) -> Any:
+    """A TopkLogprobs message from (token ids [n, k], logprobs [n, k])."""
+    ids, lps = pair
+    n, k = ids.shape
+    return _pb().TopkLogprobs(length=n, k=k, token_ids=np.ascontiguousarray(ids, dtype=np.int32).tobytes(),
+                              logprobs=np.ascontiguousarray(lps, dtype=np.float32).tobytes())

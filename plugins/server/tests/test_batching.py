@@ -167,3 +167,26 @@ def test_record_stability_info_keeps_each_sequences_kept_sets_for_replay(server,
         assert record is not None and record.tokens.tolist() == list(seq.tokens) and record.temperature == 0.8
         rows = [record.support.row(i).tolist() for i in range(record.support.n_rows)]
         assert len(rows) == len(seq.tokens) and all(len(r) == 3 and t in r for t, r in zip(seq.tokens, rows))
+
+
+def test_topk_sample_and_prompt_logprobs_are_the_models_most_likely_tokens(server, service) -> None:
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    prompt = [1, 2, 3, 4, 5]
+    res = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1, include_prompt_logprobs=True,
+                         topk_prompt_logprobs=3, topk_sample_logprobs=4,
+                         sampling_params=types.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    seq = res.sequences[0]
+    base = server["service"].bases[BASE]
+    with torch.no_grad():
+        logits = base.engine.model(input_ids=torch.tensor([prompt + list(seq.tokens)])).logits[0]
+    lsm = torch.log_softmax(logits.float(), -1)
+    want = torch.topk(lsm, 4, -1)
+    for t, entries in enumerate(seq.topk_logprobs):  # position len(prompt) - 1 + t predicts sampled token t
+        p = len(prompt) - 1 + t
+        assert [i for i, _ in entries] == want.indices[p].tolist()
+        np.testing.assert_allclose([v for _, v in entries], want.values[p].numpy(), atol=1e-5)
+        assert entries[0][0] == seq.tokens[t]  # greedy: the sampled token is the most likely one
+    prompt_topk = res.topk_prompt_logprobs
+    assert prompt_topk[0] is None and len(prompt_topk) == len(prompt)
+    for p in range(1, len(prompt)):
+        assert [i for i, _ in prompt_topk[p]] == want.indices[p - 1, :3].tolist()

@@ -9,6 +9,7 @@ adapters with the optimizer. Mixed into :class:`skyrl_server._service.Service`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +39,29 @@ class TrainingModel:
 
 
 LORA_PARTS = ("attn", "mlp", "unembed")
+LOGITS_PER_FORWARD = 1 << 26  # float32 logits one forward_backward chunk may hold (256 MiB): tokens x vocab
+
+
+def _chunks(data: Sequence[Mapping[str, Any]], plans: Sequence[Any], vocab: int) -> list[list[int]]:
+    """Datum indices in forwards of at most LOGITS_PER_FORWARD padded logits; a datum whose
+    routes are forced (R3) is a forward of its own (its forced rows are its tokens)."""
+    budget = max(1, LOGITS_PER_FORWARD // max(vocab, 1))
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i, datum in enumerate(data):
+        n = len(datum["tokens"])
+        if getattr(plans[i], "hooks", None) is not None:
+            chunks.append([i])
+            continue
+        if current and max(width, n) * (len(current) + 1) > budget:
+            chunks.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, n)
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def lora_targets(loaded: Any, parts: str) -> list[str]:
@@ -177,23 +201,38 @@ class TrainingMixin:
         backend = tm.backend
         module, device = backend.module, backend.device
         plans = self.replay_plans(tm, data, device)  # R3 from the provenance spans, checked before any gradient
-        outputs: list[dict[str, np.ndarray]] = []
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
         total = 0.0
         grad = torch.enable_grad() if not forward_only else torch.no_grad()
         with grad:
-            for datum, plan in zip(data, plans):
-                ids = torch.as_tensor(np.array(datum["tokens"], dtype=np.int64), device=device)[None]
-                targets = torch.as_tensor(np.array(datum["inputs"]["target_tokens"], dtype=np.int64), device=device)
-                with plan:
-                    logits = module(input_ids=ids).logits[0].float()
-                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
-                logprobs = plan.logprobs(logits, targets, logprobs)  # over the sampler's kept sets, where recorded
-                elementwise, loss = loss_terms(loss_fn, logprobs, datum["inputs"], config, device, self.host)
-                if not forward_only:
-                    loss.backward()
-                total += float(loss.detach())
-                outputs.append({"logprobs": logprobs.detach().cpu().numpy().astype(np.float32),
-                                "elementwise_loss": elementwise.detach().cpu().numpy().astype(np.float32)})
+            for chunk in _chunks(data, plans, base.vocab):
+                # One forward for the chunk: right-padded rows (a causal model's real positions
+                # never see the padding), or the datum alone when its routes are forced.
+                lengths = [len(data[i]["tokens"]) for i in chunk]
+                ids = torch.zeros((len(chunk), max(lengths)), dtype=torch.long)
+                for row, i in enumerate(chunk):
+                    ids[row, : lengths[row]] = torch.as_tensor(np.asarray(data[i]["tokens"], dtype=np.int64))
+                ids = ids.to(device)
+                kwargs = {}
+                if len(set(lengths)) > 1:
+                    kwargs["attention_mask"] = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]).to(
+                        device=device, dtype=torch.long)
+                with plans[chunk[0]] if len(chunk) == 1 else contextlib.nullcontext():
+                    all_logits = module(input_ids=ids, **kwargs).logits.float()
+                chunk_loss = None
+                for row, i in enumerate(chunk):
+                    datum, plan = data[i], plans[i]
+                    logits = all_logits[row, : lengths[row]]
+                    targets = torch.as_tensor(np.array(datum["inputs"]["target_tokens"], dtype=np.int64), device=device)
+                    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+                    logprobs = plan.logprobs(logits, targets, logprobs)  # over the sampler's kept sets, where recorded
+                    elementwise, loss = loss_terms(loss_fn, logprobs, datum["inputs"], config, device, self.host)
+                    chunk_loss = loss if chunk_loss is None else chunk_loss + loss
+                    total += float(loss.detach())
+                    outputs[i] = {"logprobs": logprobs.detach().cpu().numpy().astype(np.float32),
+                                  "elementwise_loss": elementwise.detach().cpu().numpy().astype(np.float32)}
+                if not forward_only and chunk_loss is not None:
+                    chunk_loss.backward()
         return outputs, {"loss:sum": total, **self.replay_metrics(plans)}
 
     def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:

@@ -408,3 +408,22 @@ def test_lora_config_parts_choose_the_adapted_layers(server, service) -> None:
     status, body = _post(server["url"], "/api/v1/create_model", {"session_id": body["session_id"], "model_seq_id": 0,
                                                                   "base_model": BASE, "lora_config": lora}, KEY)
     assert status == 400 and "nothing to train" in body["error"]
+
+
+def test_data_of_different_lengths_share_one_forward_and_score_as_alone(service) -> None:
+    training = service.create_lora_training_client(base_model=BASE, rank=2, seed=8).result()
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 2], [7, 7, 1, 3, 5], [2, 9, 9, 9, 1, 1, 1, 1, 1, 1, 4]]
+    data = [_datum(t, [1.0] * (len(t) - 1)) for t in seqs]
+    together = training.forward(data, "cross_entropy").result()
+    for out, datum in zip(together.loss_fn_outputs, data):
+        alone = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), alone, atol=1e-5)
+    # and the gradient of the batch is the sum of the data's: one step on all == the same step on a twin fed one by one
+    twin = service.create_lora_training_client(base_model=BASE, rank=2, seed=8).result()
+    training.forward_backward(data, "cross_entropy").result()
+    for datum in data:
+        twin.forward_backward([datum], "cross_entropy").result()
+    for client in (training, twin):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    a, b = (c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (training, twin))
+    assert a == pytest.approx(b, rel=1e-5) and a < together.metrics["loss:sum"]

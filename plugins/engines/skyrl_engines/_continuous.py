@@ -26,6 +26,10 @@ requests from any thread and get a :class:`concurrent.futures.Future`; the threa
    grouped by adapter and each group gets its own adapter's delta
    (``EngineAdapters.per_row``); rows without an adapter get the base model.
 
+A model with other cache layers than attention (linear attention, Mamba states) cannot
+take rows into a running cache: it decodes in **waves** (the waiting requests start
+together whenever the batch is empty; still one batch across requests and adapters).
+
 Columns no live row uses any more (on the left) are dropped when they are a tenth of
 the filled width or when the cache needs room, so the width stays near the longest live
 row. Randomness never comes from a shared generator.
@@ -48,7 +52,7 @@ import attrs
 import numpy as np
 import torch
 
-from skyrl_engines._kv_cache import make_cache, make_slot_cache
+from skyrl_engines._kv_cache import make_cache, make_slot_cache, select_rows
 
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
@@ -214,7 +218,11 @@ class ContinuousBatcher:
         self.vocab = int(self.model.get_input_embeddings().num_embeddings)
         self._cache_kw = engine._cache_kw
         self.hooks = engine._hooks  # RouterHooks when the engine records routes (nobody else records meanwhile)
-        make_slot_cache(self.model.config, 1)  # raises now for a model whose layers cannot batch this way
+        try:
+            make_slot_cache(self.model.config, 1)
+            self.slots = True
+        except NotImplementedError:  # linear attention / Mamba states: batches of waves (see waves)
+            self.slots = False
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._queued_tokens = 0
@@ -325,7 +333,7 @@ class ContinuousBatcher:
 
     def _reset(self) -> None:
         self.rows: list[_Row] = []
-        self.cache = make_slot_cache(self.model.config, self.max_rows)
+        self.cache = make_slot_cache(self.model.config, self.max_rows) if self.slots else None
         self.capacity = 0
         self.length = 0
         self.attn = torch.zeros((self.max_rows, 0), dtype=torch.bool, device=self.device)
@@ -359,7 +367,7 @@ class ContinuousBatcher:
         """(request, sample index) of the sequences that join now."""
         free = self.max_rows - len(self.rows)
         out: list[tuple[_Request, int]] = []
-        if not free or not self._waiting:
+        if not free or not self._waiting or (self.rows and not self.slots):
             return out
         if self.rows and free < ADMIT_FRACTION * self.max_rows and self._held < ADMIT_WAIT:
             self._held += 1  # a few rows free: let more finish first, a few steps at most
@@ -486,7 +494,9 @@ class ContinuousBatcher:
         first = (width - lens_t)[:, None]
         pos = (cols[None, :] - first).clamp_min(0)
         mask = cols[None, :] >= first
-        pre_cache = make_cache(self.model.config, width)
+        most = max(r.max_tokens for r in reqs)
+        # Slots: the prompts' own cache, copied into the running one. Waves: it is the running one.
+        pre_cache = make_cache(self.model.config, width if self.slots else width + most - 1)
         want_all = any(r.prompt_logprobs or r.topk_prompt for r in reqs)
         extra = {} if want_all else {"logits_to_keep": 1}
         if "logits_to_keep" not in self.engine._extra:
@@ -519,13 +529,14 @@ class ContinuousBatcher:
         last = logits[:, -1, :]
         rep_t = torch.tensor(rep, dtype=torch.long, device=dev)
 
+        if not self.slots:
+            return self._start_wave(newcomers, pre_cache, rep_t, lens_t, width, width + most - 1, last)
         # Fit the newcomers into the running cache: one filled length for every row.
         old = len(self.rows)
         if old == 0:
             self.length = 0
             for layer in self.cache.layers:
                 layer.rows = layer.length = 0
-        most = max(r.max_tokens for r in reqs)
         grow, need = self._room(width, most)
         if need > self.capacity and old and min(r.first_col for r in self.rows):
             self._trim(min(r.first_col for r in self.rows))  # unused left columns first
@@ -557,6 +568,25 @@ class ContinuousBatcher:
         new_logits = last.index_select(0, rep_t)
         self.logits = new_logits if old == 0 else torch.cat([self.logits, new_logits])
         self.rows += new_rows
+        self._params = self._groups = None
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
+
+    def _start_wave(self, newcomers: list[tuple[_Request, int]], cache: Any, rep_t: torch.Tensor,
+                    lens_t: torch.Tensor, width: int, capacity: int, last: torch.Tensor) -> None:
+        """A model whose cache cannot take rows that come and go (linear attention, Mamba
+        states) decodes in waves: the waiting requests start together when the batch is
+        empty (still across requests and adapters), finished rows leave by ``select_rows``."""
+        dev = self.device
+        if not torch.equal(rep_t, torch.arange(len(lens_t), device=dev)):
+            select_rows(cache, rep_t)
+        self.cache, self.length, self.capacity = cache, width, capacity
+        plen = lens_t.index_select(0, rep_t)
+        cols = torch.arange(capacity, device=dev)[None, :]
+        self.attn = torch.zeros((self.max_rows, capacity), dtype=torch.bool, device=dev)
+        self.attn[: len(newcomers)] = (cols >= (width - plen)[:, None]) & (cols < width)
+        self.next_pos[: len(newcomers)] = plen
+        self.rows = [_Row(req, j, stream_key(req.seed, j), width - len(req.prompt)) for req, j in newcomers]
+        self.logits = last.index_select(0, rep_t)
         self._params = self._groups = None
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
 
@@ -623,6 +653,18 @@ class ContinuousBatcher:
 
     def _remove(self, finished: list[int], tok: torch.Tensor) -> torch.Tensor:
         """Drop the finished rows: live rows from the tail fill their slots."""
+        if not self.slots:
+            done = set(finished)
+            keep = [i for i in range(len(self.rows)) if i not in done]
+            self.rows = [self.rows[i] for i in keep]
+            self._params = self._groups = None
+            if not keep:
+                return tok[:0]
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            select_rows(self.cache, idx)
+            self.attn[: len(keep)] = self.attn.index_select(0, idx)
+            self.next_pos[: len(keep)] = self.next_pos.index_select(0, idx)
+            return tok.index_select(0, idx)
         n = len(self.rows)
         done = set(finished)
         live = n - len(done)

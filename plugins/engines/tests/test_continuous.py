@@ -236,3 +236,23 @@ def test_recorded_routes_are_the_models_own_and_kept_sets_hold_the_token(skyrl_h
                 assert not seq["routes"][-1].any()  # the last token was never fed back
     finally:
         hooks.remove()
+
+
+def test_a_linear_attention_model_decodes_in_waves_and_equals_solo_runs(skyrl_host) -> None:
+    reg = skyrl_host.registry.get("models", "qwen")
+    loaded = reg.create(reg.config(preset="tiny-qwen3.5")).load(alphabet="0123456789+=:", seed=0)
+    e = Embedded(EmbeddedConfig())
+    e.start(loaded)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12]]
+    solo = [solo_greedy(e, p, 8) for p in prompts]
+    b = ContinuousBatcher(e)
+    assert not b.slots  # its Gated DeltaNet states cannot take rows into a running batch
+    try:
+        first = [b.submit(p, temperature=0, max_tokens=8) for p in prompts[:2]]
+        wait_for(lambda: b.stats["decode_forwards"] >= 1)
+        late = b.submit(prompts[2], temperature=0, max_tokens=8)  # waits for the wave to end
+        for f, s in zip(first + [late], solo):
+            assert_matches_solo(f.result(30), s)
+    finally:
+        b.close()
+    assert b.stats["prefill_forwards"] >= 2

@@ -13,7 +13,7 @@ generate call pins the serving (bank, version) once, at its start, and uses exac
 that bank for every forward, so a swap during a call never mixes versions; the next
 call sees the new one.
 
-The continuous batcher (``skyrl_engines._continuous``) serves several adapters in one
+The continuous batcher (``skyrl_engines.continuous``) serves several adapters in one
 batch instead: :meth:`EngineAdapters.build` makes a bank of its own for each adapter it
 serves, and inside :meth:`EngineAdapters.per_row` every forward of that thread adds each
 bank's ``scale * B @ A @ x`` to its own rows only (rows of no bank get none).

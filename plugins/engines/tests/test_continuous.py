@@ -1,4 +1,4 @@
-"""The continuous batcher (``skyrl_engines._continuous``): requests submitted together or
+"""The continuous batcher (``skyrl_engines.continuous``): requests submitted together or
 while others decode get what each would get alone (greedy: EmbeddedEngine.generate's
 tokens and logprobs; seeded sampling: the same draws whatever else is batched), rows of
 different adapters share a decode batch, newcomers join at the next step, stops end rows
@@ -14,10 +14,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from skyrl_engines._continuous import Adapter, ContinuousBatcher
+from skyrl_engines.continuous import Adapter, ContinuousBatcher
 from skyrl_engines.embedded import Embedded, EmbeddedConfig
 from skyrl_host.interfaces import LoadedModel
-from skyrl_samplers._processing import GreedySampler
+from skyrl_samplers.greedy import build_greedy as GreedySampler  # the greedy sampler plugin's factory
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [3], [20, 21], [4, 4, 4, 4, 4, 4, 4], [9], [30, 2, 17, 9, 22, 6, 13, 8, 1, 5]]
 CONFIG = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]}

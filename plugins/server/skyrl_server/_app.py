@@ -571,6 +571,7 @@ async def serve_forever(app: web.Application, host: str, port: int, on_start: Ca
         await stop.wait()
     finally:
         await run.cleanup()
+        app[STATE].service.close()
         app[STATE].worker.shutdown(wait=True)
         app[STATE].store.close()
 

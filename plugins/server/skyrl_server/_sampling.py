@@ -2,7 +2,7 @@
 
 **Sampler weights** are a snapshot of a model's adapters (CPU copies + config), kept
 in memory under a sampling-session id and, when saved by name, written to the
-storage root. **Sampling** goes to one :class:`skyrl_engines._continuous.ContinuousBatcher`
+storage root. **Sampling** goes to one :class:`skyrl_engines.continuous.ContinuousBatcher`
 per base model (its own decode thread, not the server's worker): requests of every
 client and adapter decode together, each row with its own adapter, parameters and
 random stream, and a request that arrives while others decode joins at the next step.
@@ -74,9 +74,9 @@ class SamplingMixin:
 
     def batcher(self, base: Any) -> Any:
         """The base model's continuous batcher (made at its first sample)."""
-        batchers = self.__dict__.setdefault("_batchers", {})
+        batchers = self.batchers
         if base.name not in batchers:
-            from skyrl_engines._continuous import ContinuousBatcher
+            from skyrl_engines.continuous import ContinuousBatcher
 
             if getattr(base.engine, "model", None) is None or not hasattr(base.engine, "adapters"):
                 raise BadRequest(f"sampling {base.name!r} needs the embedded engine ([engine] name = \"embedded\")")
@@ -85,7 +85,7 @@ class SamplingMixin:
 
     def queued_tokens(self) -> int:
         """Tokens (prompt + max_tokens per sample) of the sampling requests waiting or decoding."""
-        return sum(b.queued_tokens for b in self.__dict__.get("_batchers", {}).values())
+        return sum(b.queued_tokens for b in list(self.batchers.values()))
 
     def submit_sample(self, sampling_session_id: str, prompt: Sequence[int], n: int, params: Mapping[str, Any],
                       prompt_logprobs: bool, last_n: int | None = None, record: bool = False, topk_sample: int = 0,
@@ -132,7 +132,7 @@ class SamplingMixin:
             raise BadRequest(f"busy: {queued} tokens of sampling requests are queued or decoding, and this one needs "
                              f"{cost} more than max_queued_tokens ({limit}) allows; try again", status=429)
         if weights.tensors and weights.adapter is None:
-            from skyrl_engines._continuous import Adapter
+            from skyrl_engines.continuous import Adapter
 
             weights.adapter = Adapter(weights.key, weights.tensors, weights.config, weights.key)
         inner = batcher.submit(prompt, n=n, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,

@@ -42,8 +42,6 @@ class BaseModel:
     engine: Any
     context: int  # the longest sequence (prompt + sampled) the model takes
     vocab: int
-    served: Any = None  # the key of the adapter the engine serves now
-    zero_adapter: Any = None  # (named tensors, config): B = 0, exactly the base model
 
 
 
@@ -61,6 +59,12 @@ class Service(TrainingMixin, SamplingMixin, StabilityMixin):
         # R3 for Tinker clients: routes recorded at sampling, replayed from provenance spans.
         self.route_store = RouteStore(spec.server.route_cache_bytes)
         self.route_hooks: dict[str, Any] = {}  # model_id -> (its module, RouterHooks on it)
+        self.batchers: dict[str, Any] = {}  # base name -> its ContinuousBatcher (made at its first sample)
+
+    def close(self) -> None:
+        """Stop the batchers' decode threads (what they still hold fails)."""
+        for batcher in list(self.batchers.values()):
+            batcher.close()
 
     # -- base models -------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 server add per request, and how close is its throughput to the embedded engine's own?
 
     python benchmarks/tinker_load.py [--requests 131072] [--sdk-requests 512] [--max-tokens 8]
-                                     [--rounds 3] [--workers 4] [--concurrency 16384]
+                                     [--rounds 3] [--workers 4] [--concurrency 4096]
 
 The script starts ``skyrl serve`` on 127.0.0.1 (a server file of its own: the tiny Qwen3
 preset with a character tokenizer over digits and ':') and drives it from outside:
@@ -315,7 +315,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="alternating engine / http rounds, --requests split among them")
     ap.add_argument("--workers", type=int, default=4, help="client processes (source addresses 127.0.0.2, .3, ...)")
-    ap.add_argument("--concurrency", type=int, default=16384, help="requests in flight, all workers together")
+    ap.add_argument("--concurrency", type=int, default=4096,
+                    help="requests in flight, all workers together (16384 overloads the server's one event loop: "
+                    "connects time out after 30 s, long-polls after 60 s)")
     ap.add_argument("--probe-every", type=int, default=16, help="one extra retrieve of a finished result every N requests")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the baseline engine")
     ap.add_argument("--max-queued-tokens", type=int, default=None, help="[server] max_queued_tokens (default: the server's)")
@@ -401,7 +403,8 @@ def main() -> None:
                 "ratio_http_vs_engine": round((merged["tokens"] / h_wall) / (e_tokens / e_wall), 4),
             })
             print(f"tinker_load.py: round {r + 1}: {merged['completed']}/{len(chunk)} completed, "
-                  f"{merged['failed']} failed, ratio {rounds[-1]['ratio_http_vs_engine']}", file=sys.stderr)
+                  f"{merged['failed']} failed, ratio {rounds[-1]['ratio_http_vs_engine']}"
+                  f"{', errors ' + json.dumps(errors) if errors else ''}", file=sys.stderr)
 
         sdk = None
         if args.sdk_requests:

@@ -602,8 +602,13 @@ def restore(service: Service, loaded: Loaded) -> None:
         if row["base"] not in service.bases:
             log.warning("model %s is not restored: its base model %r is not in the server file", model_id, row["base"])
             continue
-        service.restore_model(model_id, row["base"], row["rank"], row["seed"], row["state"], bool(row["grads"]),
-                              row["parts"])
+        try:
+            service.restore_model(model_id, row["base"], row["rank"], row["seed"], row["state"], bool(row["grads"]),
+                                  row["parts"])
+        except BadRequest as exc:  # e.g. the server file now builds that base differently: kept, not served
+            service.unload(model_id)
+            log.warning("model %s is not restored (its stored state is kept): %s", model_id, exc.message)
+            continue
         service.storage.prune_durable(model_id, row["state"])
     if loaded.models:
         log.info("restored %d models, %d sessions, %d finished futures", len(service.models), len(loaded.sessions),

@@ -200,3 +200,48 @@ def test_a_bad_database_url_is_located_and_old_futures_are_deleted(tmp_path) -> 
     assert store.forget(before=0.0) == 0
     assert store.start(keep_seconds=-1.0).futures == []  # all older than "keep -1 s": deleted at start
     store.close()
+
+
+def test_a_stored_model_that_no_longer_fits_its_base_is_kept_but_not_served(tmp_path, caplog) -> None:
+    """The server file now builds the base differently (another alphabet: another vocabulary):
+    the server starts, serves the rest, logs why that model is not restored and keeps its state."""
+    import asyncio
+    import logging
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from skyrl_host.plugins import build_host
+    from skyrl_server._app import STATE, build
+    from skyrl_server._config import load_server_file
+
+    host = build_host()
+    path = tmp_path / "server.toml"
+
+    def spec(alphabet):
+        path.write_text(f'[server]\napi_keys = ["{KEY}"]\nstorage = "{tmp_path / "storage"}"\n\n'
+                        f'[models."{BASE}"]\nfamily = "qwen"\npreset = "tiny"\nalphabet = "{alphabet}"\n')
+        return load_server_file(path, host, environ={})
+
+    async def train(app):
+        async with TestClient(TestServer(app, skip_url_asserts=True)) as client:
+            headers = {"X-API-Key": KEY}
+            session = await (await client.post("/api/v1/create_session", json={}, headers=headers)).json()
+            made = await (await client.post("/api/v1/create_model", headers=headers, json={
+                "session_id": session["session_id"], "model_seq_id": 0, "base_model": BASE,
+                "lora_config": {"rank": 2}})).json()
+            await client.post("/api/v1/retrieve_future", json={"request_id": made["request_id"]}, headers=headers)
+            step = await (await client.post("/api/v1/optim_step", headers=headers, json={
+                "model_id": made["model_id"], "seq_id": 1, "optim_params": {"learning_rate": 0.1}})).json()
+            done = await (await client.post("/api/v1/retrieve_future", json=step, headers=headers)).json()
+            assert "metrics" in done
+            return made["model_id"]
+
+    first = build(spec("0123"), host)
+    model_id = asyncio.run(train(first))
+    first[STATE].store.close()
+    with caplog.at_level(logging.WARNING, logger="skyrl.serve"):
+        second = build(spec("0123456789abc"), host)  # another vocabulary: the unembedding adapter's shape differs
+    assert model_id not in second[STATE].service.models
+    assert any(model_id in r.getMessage() and "not restored" in r.getMessage() for r in caplog.records)
+    assert list((tmp_path / "storage" / "_durable" / model_id.replace(":", "_")).iterdir())  # its state is kept
+    second[STATE].store.close()

@@ -5,10 +5,7 @@ while the requests in flight go on."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
 import urllib.error
 import urllib.request
 
@@ -26,15 +23,10 @@ LIMIT = 6000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from aiohttp import web
-
-    from skyrl_host.plugins import build_host
-    from skyrl_server._app import STATE, build, runner
-    from skyrl_server._config import load_server_file
+    from skyrl_server.testing import serving
 
     folder = tmp_path_factory.mktemp("batching")
-    path = folder / "server.toml"
-    path.write_text(f"""
+    with serving(folder, f"""
 [server]
 api_keys = ["{KEY}"]
 storage = "{folder / 'storage'}"
@@ -46,28 +38,8 @@ max_queued_tokens = {LIMIT}
 family = "qwen"
 preset = "tiny"
 alphabet = "0123456789:abcdef"
-""")
-    host = build_host()
-    app = build(load_server_file(path, host, environ={}), host)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    run = runner(app)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(run.setup())
-        loop.run_until_complete(web.TCPSite(run, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    assert started.wait(30)
-    yield {"url": f"http://127.0.0.1:{port}", "service": app[STATE].service}
-    asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+""") as served:
+        yield {"url": served.url, "service": served.service}
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ import asyncio
 import copy
 import json
 import random
-import socket
-import threading
 
 import numpy as np
 import pytest
@@ -25,15 +23,10 @@ ODD = [None, -1, 0, 2**63, -(2**70), 1.5, float("nan"), "x", "", [], {}, True, [
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from aiohttp import web
-
-    from skyrl_host.plugins import build_host
-    from skyrl_server._app import build, runner
-    from skyrl_server._config import load_server_file
+    from skyrl_server.testing import serving
 
     folder = tmp_path_factory.mktemp("fuzz")
-    path = folder / "server.toml"
-    path.write_text(f"""
+    with serving(folder, f"""
 [server]
 api_keys = ["{KEY}"]
 storage = "{folder / 'storage'}"
@@ -45,28 +38,8 @@ order_wait_seconds = 0.2
 family = "qwen"
 preset = "tiny"
 alphabet = "0123456789:"
-""")
-    host = build_host()
-    app = build(load_server_file(path, host, environ={}), host)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    run = runner(app)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(run.setup())
-        loop.run_until_complete(web.TCPSite(run, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    assert started.wait(30)
-    yield f"http://127.0.0.1:{port}/api/v1"
-    asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+""") as served:
+        yield f"{served.url}/api/v1"
 
 
 def _mutations(body, rng, count):

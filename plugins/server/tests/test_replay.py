@@ -3,9 +3,6 @@ sampling, replayed in forward_backward when a datum's provenance spans name them
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 
 import numpy as np
 import pytest
@@ -23,15 +20,10 @@ NEAR_TIE = 1e-7
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from aiohttp import web
-
-    from skyrl_host.plugins import build_host
-    from skyrl_server._app import STATE, build, runner
-    from skyrl_server._config import load_server_file
+    from skyrl_server.testing import serving
 
     folder = tmp_path_factory.mktemp("replay")
-    path = folder / "server.toml"
-    path.write_text(f"""
+    with serving(folder, f"""
 [server]
 api_keys = ["{KEY}"]
 storage = "{folder / 'storage'}"
@@ -41,39 +33,19 @@ max_lora_rank = 4
 family = "qwen"
 preset = "tiny-moe"
 alphabet = "{ALPHABET}"
-""")
-    host = build_host()
-    app = build(load_server_file(path, host, environ={}), host)
-    # Near-tied routers, as bf16 makes them in practice: every expert scores almost like
-    # the first, so float noise between the engine's cached decode and the trainer's full
-    # forward picks different experts for some tokens (R3's reason to be).
-    base = app[STATE].service.bases[MOE]
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for info in base.loaded.routers:
-            weight = base.loaded.model.get_submodule(info.path).weight
-            weight.copy_(weight[0] + NEAR_TIE * torch.randn(weight.shape, generator=gen))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    run = runner(app)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(run.setup())
-        loop.run_until_complete(web.TCPSite(run, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    assert started.wait(30)
-    client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
-    yield {"service": app[STATE].service, "client": client, "host": host}
-    client.close("completed")
-    asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+""") as served:
+        # Near-tied routers, as bf16 makes them in practice: every expert scores almost like
+        # the first, so float noise between the engine's cached decode and the trainer's full
+        # forward picks different experts for some tokens (R3's reason to be).
+        base = served.service.bases[MOE]
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for info in base.loaded.routers:
+                weight = base.loaded.model.get_submodule(info.path).weight
+                weight.copy_(weight[0] + NEAR_TIE * torch.randn(weight.shape, generator=gen))
+        client = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+        yield {"service": served.service, "client": client, "host": served.host}
+        client.close("completed")
 
 
 def _sample(server, prompt, n, seed, ids):

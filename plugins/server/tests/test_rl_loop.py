@@ -5,12 +5,9 @@ the right way)."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import pathlib
-import socket
 import statistics
-import threading
 
 import pytest
 
@@ -31,15 +28,10 @@ def _example():
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    from aiohttp import web
-
-    from skyrl_host.plugins import build_host
-    from skyrl_server._app import build, runner
-    from skyrl_server._config import load_server_file
+    from skyrl_server.testing import serving
 
     folder = tmp_path_factory.mktemp("serve")
-    path = folder / "server.toml"
-    path.write_text(f"""
+    with serving(folder, f"""
 [server]
 api_keys = ["{KEY}"]
 storage = "{folder / 'storage'}"
@@ -50,30 +42,10 @@ poll_seconds = 5
 family = "qwen"
 preset = "tiny"
 alphabet = "0123456789:"
-""")
-    host = build_host()
-    app = build(load_server_file(path, host, environ={}), host)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    run = runner(app)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(run.setup())
-        loop.run_until_complete(web.TCPSite(run, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    assert started.wait(30)
-    client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
-    yield client
-    client.close("completed")
-    asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+""") as served:
+        client = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+        yield client
+        client.close("completed")
 
 
 def _score(data, dataset, codec, outputs=None):

@@ -5,10 +5,7 @@ checked against the same preset built here and scored with plain torch."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
 import urllib.error
 import urllib.request
 
@@ -26,13 +23,10 @@ ALPHABET = "0123456789:abcdef"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from skyrl_host.plugins import build_host
-    from skyrl_server._app import STATE, build, runner
-    from skyrl_server._config import load_server_file
+    from skyrl_server.testing import serving
 
     folder = tmp_path_factory.mktemp("serve")
-    path = folder / "server.toml"
-    path.write_text(f"""
+    with serving(folder, f"""
 [server]
 api_keys = ["{KEY}"]
 storage = "{folder / 'storage'}"
@@ -43,34 +37,9 @@ poll_seconds = 5
 family = "qwen"
 preset = "tiny"
 alphabet = "{ALPHABET}"
-""")
-    host = build_host()
-    spec = load_server_file(path, host, environ={})
-    app = build(spec, host)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    run = runner(app)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(run.setup())
-        from aiohttp import web
-
-        loop.run_until_complete(web.TCPSite(run, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    base = app[STATE].service.bases[BASE]
-    yield {"url": f"http://127.0.0.1:{port}", "base": base, "host": host,
-           "service_models": lambda: app[STATE].service.models}
-    asyncio.run_coroutine_threadsafe(run.cleanup(), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+""") as served:
+        yield {"url": served.url, "base": served.service.bases[BASE], "host": served.host,
+               "service_models": lambda: served.service.models}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from the same alphabet. Without ``--base-url`` the script serves
 
 What it learns (measured on 2 CPU cores; docs/img/tinker_rl_loop.png): the defaults run
 600 steps of 32 prompts x 16 responses in ~8 minutes and the reward climbs from 0.07 (first
-5 steps) to 0.36 (last 20), then plateaus there: NOT the 0.8 the quickstart's full
+5 steps) to 0.36 (last 20), still climbing slowly (~0.05 per 100 steps): NOT the 0.8 the quickstart's full
 fine-tuning reaches in ~600 steps of 32 x 16; a third of the groups lose their reward
 spread (all 16 responses alike) after ~150 steps. Through LoRA the output head needs its
 own adapter here: with the tied embedding / unembedding and the final norm frozen at their
@@ -83,7 +83,7 @@ class CharCodec:
 @attrs.frozen
 class LoopConfig:
     """The loop's settings. The defaults: 600 steps, ~0.8 s each on 2 CPU cores (~8 minutes),
-    reward 0.07 -> 0.36 (see the module docstring)."""
+    reward 0.07 -> 0.36, still climbing slowly (see the module docstring)."""
 
     steps: int = 600
     prompts: int = 32  # prompts per step

@@ -82,9 +82,11 @@ def weights_at(info: RouterInfo, logits: torch.Tensor, ids: torch.Tensor) -> tor
 class _LayerRecorder:
     """What the router and indexer hooks share: per-layer records of the last forward,
     kept inside :meth:`recording` and handed out (and forgotten) by :meth:`take`.
-    A subclass sets ``_record_layers`` (one entry per hooked layer) and ``_what``."""
+    A subclass sets ``_record_layers`` (one entry per hooked layer), ``_what`` and
+    ``_handles`` (its forward hooks, which :meth:`remove` takes off)."""
 
     _record: list[list[torch.Tensor]] | None = None
+    _handles: list[Any] = []
     _record_layers: Sequence[Any] = ()
     _what = "layer"
 
@@ -112,6 +114,12 @@ class _LayerRecorder:
         for r in self._record:
             r.clear()
         return out
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class RouterHooks(_LayerRecorder):
@@ -141,11 +149,6 @@ class RouterHooks(_LayerRecorder):
             except AttributeError:
                 raise ValueError(f"router {info.path!r} (layer {info.layer}) is not a module of the model") from None
             self._handles.append(module.register_forward_hook(self._hook(layer, info)))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def _hook(self, layer: int, info: RouterInfo) -> Any:
         def hook(_module: Any, _inputs: Any, output: Any) -> Any:
@@ -257,11 +260,6 @@ class IndexerHooks(_LayerRecorder):
         self._record: list[list[torch.Tensor]] | None = None
         self._record_layers, self._what = self.paths, "indexer"
         self._handles = [m.register_forward_hook(self._hook(i, p)) for i, (p, m) in enumerate(zip(self.paths, modules))]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def _hook(self, layer: int, path: str) -> Any:
         def hook(_module: Any, _inputs: Any, output: Any) -> Any:

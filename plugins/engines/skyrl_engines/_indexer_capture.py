@@ -14,7 +14,7 @@ layout: left padding here, packed rows in the trainer, a conversation continued.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import ContextManager
 
 import numpy as np
 import torch

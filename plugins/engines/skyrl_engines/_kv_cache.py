@@ -207,15 +207,19 @@ class SlotLayer(DynamicLayer):
             self._views()
 
 
+def slot_cache_supported(config: Any) -> bool:
+    """Whether every cache layer of the model is attention (full or sliding-window), the
+    kind whose rows can come and go; linear-attention / Mamba states cannot."""
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in DynamicCache(config=config).layers)
+
+
 def make_slot_cache(config: Any, max_rows: int) -> Any:
-    """A DynamicCache of :class:`SlotLayer` s (buffers allocated at the first rows put).
-    Only full-attention (and sliding-window, masked) layers can take rows that come and
-    go; a model with other layer kinds (linear attention / Mamba states) raises."""
+    """A DynamicCache of :class:`SlotLayer` s (buffers allocated at the first rows put),
+    for a model :func:`slot_cache_supported` accepts (else ValueError)."""
+    if not slot_cache_supported(config):
+        raise ValueError("continuous batching into a running cache needs attention KV caches only; "
+                         "this model has linear-attention or Mamba state layers")
     cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
-            raise NotImplementedError(
-                f"continuous batching needs attention KV caches; this model has a {type(layer).__name__} layer")
     cache.layers = [SlotLayer(max_rows) for _ in cache.layers]
     return cache
 

@@ -52,7 +52,7 @@ import attrs
 import numpy as np
 import torch
 
-from skyrl_engines._kv_cache import make_cache, make_slot_cache, select_rows
+from skyrl_engines._kv_cache import make_cache, make_slot_cache, select_rows, slot_cache_supported
 
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
@@ -218,11 +218,7 @@ class ContinuousBatcher:
         self.vocab = int(self.model.get_input_embeddings().num_embeddings)
         self._cache_kw = engine._cache_kw
         self.hooks = engine._hooks  # RouterHooks when the engine records routes (nobody else records meanwhile)
-        try:
-            make_slot_cache(self.model.config, 1)
-            self.slots = True
-        except NotImplementedError:  # linear attention / Mamba states: batches of waves (see waves)
-            self.slots = False
+        self.slots = slot_cache_supported(self.model.config)  # else linear attention / Mamba: waves (see waves)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._queued_tokens = 0

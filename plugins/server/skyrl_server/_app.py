@@ -298,6 +298,17 @@ class App(SamplingRoutes):
         parts = ",".join(part for part in LORA_PARTS if flags[part])
         if not parts:
             raise BadRequest("lora_config: train_attn, train_mlp and train_unembed are all false: nothing to train")
+
+        def run(model_id: str, record: Record) -> dict[str, Any]:
+            self.service.create_model(model_id, base, rank, seed, parts)
+            record.new_model = model_row(model_id, session_id, base, rank, self.service.models[model_id].seed, parts)
+            return {"model_id": model_id, "type": "create_model"}
+
+        return web.json_response(self._new_model(session_id, model_seq_id, run))
+
+    def _new_model(self, session_id: str, model_seq_id: int, run: Callable[[str, Record], Any]) -> dict[str, Any]:
+        """A future for a request that makes model ``{session_id}:train:{model_seq_id}``
+        (create_model, or load_weights from a state): ``run(model_id, record)`` on the worker."""
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.service.models or model_id in self.creating:
             raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
@@ -305,17 +316,12 @@ class App(SamplingRoutes):
         request_id, future = self._new_future()
         record = Record(request_id, model_id, None)
 
-        def run() -> dict[str, Any]:
-            self.service.create_model(model_id, base, rank, seed, parts)
-            record.new_model = model_row(model_id, session_id, base, rank, self.service.models[model_id].seed, parts)
-            return {"model_id": model_id, "type": "create_model"}
-
         async def create() -> None:
-            await self._settle(future, "json", run, record)
+            await self._settle(future, "json", lambda: run(model_id, record), record)
             self.creating.discard(model_id)
 
         asyncio.get_running_loop().create_task(create())
-        return web.json_response({"request_id": request_id, "model_id": model_id})
+        return {"request_id": request_id, "model_id": model_id}
 
     async def get_info(self, request: web.Request) -> web.Response:
         model_id = _get(_body_json(await request.read()), "model_id", str)
@@ -457,14 +463,8 @@ class App(SamplingRoutes):
         self._session(session_id)
         model_seq_id = _get(body, "model_seq_id", int)
         base = _get(body, "base_model", str, required=False)
-        model_id = f"{session_id}:train:{model_seq_id}"
-        if model_id in self.service.models or model_id in self.creating:
-            raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
-        self.creating.add(model_id)
-        request_id, future = self._new_future()
-        record = Record(request_id, model_id, None)
 
-        def run() -> dict[str, Any]:
+        def run(model_id: str, record: Record) -> dict[str, Any]:
             self.service.load_state(model_id, path, optimizer, create=True, base_model=base)
             tm = self.service.models[model_id]
             record.new_model = model_row(model_id, session_id, tm.base, tm.rank, tm.seed, tm.parts)
@@ -475,12 +475,7 @@ class App(SamplingRoutes):
                 raise
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
-        async def create() -> None:
-            await self._settle(future, "json", run, record)
-            self.creating.discard(model_id)
-
-        asyncio.get_running_loop().create_task(create())
-        return web.json_response({"request_id": request_id, "model_id": model_id})
+        return web.json_response(self._new_model(session_id, model_seq_id, run))
 
     # -- futures ------------------------------------------------------------------------
 

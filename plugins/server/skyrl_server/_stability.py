@@ -102,6 +102,20 @@ def batch_records(batch: Any, prompt_len: int, temperature: float = 1.0) -> list
     return out
 
 
+def _claimed(record: RouteRecord, kind: str, sequence_id: str, offset: int, length: int, tokens: np.ndarray, at: int,
+             field: str, what: str, datum: int) -> np.ndarray:
+    """The recorded prompt or sampled tokens a span run names, checked against the
+    datum's ``tokens[at : at + length]`` (a 400 when the run passes them or they differ)."""
+    own = record.prompt if kind == "prompt" else record.tokens
+    if offset + length > len(own):
+        raise BadRequest(f"datum {datum}: {field}: a {kind} run of sequence {sequence_id!r} at offset {offset} "
+                         f"with length {length} passes its {len(own)} tokens")
+    if not np.array_equal(own[offset : offset + length], tokens[at : at + length]):
+        raise BadRequest(f"datum {datum}: {field}: the {what} at positions {at}..{at + length - 1} are not the {kind} "
+                         f"tokens of sequence {sequence_id!r} they claim to be")
+    return own
+
+
 def forced_routes(store: RouteStore, spans: Sequence[tuple[str, str, int, int]], tokens: np.ndarray,
                   n_layers: int, k: int, datum: int) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Expert ids [N, L, k] and mask [N] (forced where true) for a datum's N input
@@ -118,13 +132,8 @@ def forced_routes(store: RouteStore, spans: Sequence[tuple[str, str, int, int]],
             missed += length
             at += length
             continue
-        own, rows = (record.prompt, record.prompt_routes) if kind == "prompt" else (record.tokens, record.routes)
-        if offset + length > len(own):
-            raise BadRequest(f"datum {datum}: model_input_spans: a {kind} run of sequence {sequence_id!r} at offset "
-                             f"{offset} with length {length} passes its {len(own)} tokens")
-        if not np.array_equal(own[offset : offset + length], tokens[at : at + length]):
-            raise BadRequest(f"datum {datum}: model_input_spans: the tokens at positions {at}..{at + length - 1} are "
-                             f"not the {kind} tokens of sequence {sequence_id!r} they claim to be")
+        own = _claimed(record, kind, sequence_id, offset, length, tokens, at, "model_input_spans", "tokens", datum)
+        rows = record.prompt_routes if kind == "prompt" else record.routes
         if rows is None or rows.shape[1:] != (n_layers, k):
             raise BadRequest(f"datum {datum}: sequence {sequence_id!r} was recorded on another model")
         ids[at : at + length] = rows[offset : offset + length]
@@ -150,13 +159,7 @@ def kept_sets(store: RouteStore, spans: Sequence[tuple[str, str, int, int]], tar
         if record is None:
             missed += length if kind == "sampled" else 0
         else:
-            own = record.prompt if kind == "prompt" else record.tokens
-            if offset + length > len(own):
-                raise BadRequest(f"datum {datum}: loss_fn_input_spans: a {kind} run of sequence {sequence_id!r} at "
-                                 f"offset {offset} with length {length} passes its {len(own)} tokens")
-            if not np.array_equal(own[offset : offset + length], targets[at : at + length]):
-                raise BadRequest(f"datum {datum}: loss_fn_input_spans: the target tokens at positions {at}..{at + length - 1} "
-                                 f"are not the {kind} tokens of sequence {sequence_id!r} they claim to be")
+            _claimed(record, kind, sequence_id, offset, length, targets, at, "loss_fn_input_spans", "target tokens", datum)
             if kind == "sampled" and record.support is not None and length:
                 runs.append((np.arange(at, at + length, dtype=np.int64),
                              record.support.take(np.arange(offset, offset + length, dtype=np.int64)), record.temperature))

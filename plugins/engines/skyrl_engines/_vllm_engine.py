@@ -1,0 +1,244 @@
+"""The vllm engine's implementation (imports torch and numpy; vLLM runs in its servers).
+
+``start(loaded)`` writes the model as a Hugging Face folder in a temporary directory and
+starts the servers on it (or checks the given ``urls`` answer). ``generate`` sends one
+``/inference/v1/generate`` request per prompt (``n`` samples each, seed ``f(seed,
+prompt)``, so a prompt's samples do not depend on which server serves it), prompt ``i``
+to server ``i % servers``, all concurrently, and lays the answers out as the embedded
+engine does (:func:`skyrl_engines._batch_assembly.assemble_batch`).
+
+The servers stop at every model-defined stop id ourselves decide (``ignore_eos`` and
+our ``stop_token_ids``); the stop token stays in the response. They report vLLM's
+processed logprobs (``--logprobs-mode processed_logprobs``).
+
+``update_weights`` (started servers only) rewrites the folder's weights and restarts
+the servers on them: byte-exact and all-or-nothing, but a restart per sync (the
+in-place transfer into running workers is not done yet).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from skyrl_engines._batch_assembly import assemble_batch
+from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_json, vllm_build
+from skyrl_engines.vllm import missing_vllm_message, sampling_request
+from skyrl_host.errors import UserError
+from skyrl_host.interfaces import LoadedModel, Sampler
+from skyrl_host.rollout import RolloutBatch
+
+MODEL_NAME = "skyrl"
+
+
+def _stop(servers: list[VllmServer], folder: str | None) -> None:
+    for s in servers:
+        s.stop()
+    servers.clear()
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class VllmEngine:
+    """The ``vllm`` engine (see the module docstring)."""
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.weight_version = 0
+        self.servers: list[VllmServer] = []
+        self.urls: list[str] = []
+        self.folder: str | None = None
+        self.stop_token_ids: list[int] = []
+        self.last_update: dict[str, int] = {}
+        self._finalizer: Any = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self, loaded: LoadedModel) -> None:
+        cfg = self.config
+        self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
+        for t in cfg.stop_token_ids:
+            if t not in self.stop_token_ids:
+                self.stop_token_ids.append(int(t))
+        if cfg.urls:
+            for url in cfg.urls:
+                if not health(url.rstrip("/")):
+                    raise UserError(f"[engine] urls: no healthy vLLM server answers at {url} (GET {url}/health)")
+            self.urls = [u.rstrip("/") for u in cfg.urls]
+            return
+        build = vllm_build(cfg.interpreter)
+        if not build:
+            raise UserError(f"[engine] python: {missing_vllm_message(cfg.interpreter)}")
+        self._cpu = cfg.device == "cpu" or (cfg.device == "auto" and is_cpu_build(build))
+        model = loaded.model
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if cfg.dtype == "auto" else cfg.dtype
+        self._dtype = dtype
+        self.folder = tempfile.mkdtemp(prefix="skyrl-vllm-")
+        self._finalizer = weakref.finalize(self, _stop, self.servers, self.folder)
+        try:
+            model.save_pretrained(self.folder)
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.save_pretrained(self.folder)
+            self._start_servers()
+        except BaseException:
+            self.close()
+            raise
+
+    def _server_args(self) -> list[str]:
+        cfg = self.config
+        args = ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+                "--skip-tokenizer-init", "--served-model-name", MODEL_NAME, "--dtype", self._dtype]
+        if cfg.max_model_len is not None:
+            args += ["--max-model-len", str(cfg.max_model_len)]
+        if self._cpu:
+            args += ["--enforce-eager"]
+        else:
+            args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        return args + list(cfg.server_args)
+
+    def _server_env(self) -> dict[str, str]:
+        cfg = self.config
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # the job's packages must not shadow the vLLM environment's
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process per server (and nothing left behind)
+        if self._cpu:
+            env["VLLM_TARGET_DEVICE"] = "cpu"
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
+            if cfg.threads is not None:
+                env["OMP_NUM_THREADS"] = str(cfg.threads)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        return env
+
+    def _start_servers(self) -> None:
+        cfg = self.config
+        assert self.folder is not None
+        n = cfg.servers or 1
+        args, env = self._server_args(), self._server_env()
+        started = [VllmServer(cfg.interpreter, self.folder, args, env, os.path.join(self.folder, f"server-{i}.log"))
+                   for i in range(n)]
+        self.servers.extend(started)
+        for s in started:  # they start in parallel; wait for each
+            s.wait_healthy(cfg.startup_timeout)
+        self.urls = [s.url for s in started]
+
+    def close(self) -> None:
+        """Stop the servers this engine started and remove its model folder; idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.urls = [] if not self.config.urls else self.urls
+
+    # -- weights -------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Write the complete new weights into the served folder and restart the servers on
+        them (started servers only): the new version is served byte-exactly or, on any
+        error, the call raises before anything is replaced."""
+        if self.config.urls:
+            raise UserError("[engine] urls: the vllm engine cannot send weights to servers it did not start")
+        if self.folder is None:
+            raise RuntimeError("the vllm engine has not been started (call start(loaded) first)")
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(self.folder, "model.safetensors")
+        old = load_file(path)
+        new = {}
+        for name, t in named_tensors:
+            t = torch.as_tensor(t)
+            if name not in old:
+                if name == "lm_head.weight" and "lm_head.weight" not in old:
+                    continue  # tied to the embedding, which is saved
+                raise ValueError(f"update_weights: unknown weight {name!r}")
+            if tuple(t.shape) != tuple(old[name].shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(old[name].shape)}")
+            new[name] = t.detach().to("cpu", old[name].dtype).contiguous()
+        missing = sorted(set(old) - set(new))
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} weights missing, e.g. {missing[0]!r}")
+        tmp = path + ".tmp"
+        save_file(new, tmp, metadata={"format": "pt"})
+        for s in self.servers:
+            s.stop()
+        self.servers.clear()
+        os.replace(tmp, path)
+        self._start_servers()
+        self.last_update = {"bytes": sum(t.numel() * t.element_size() for t in new.values()), "copied": len(new),
+                            "shared": 0}
+        self.weight_version = int(version)
+
+    # -- generation ----------------------------------------------------------
+
+    def side_channels(self, sampler: Sampler) -> set[str]:
+        """No side channels (``skyrl validate`` refuses asking for them)."""
+        return set()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        sampler: Sampler,
+        max_new_tokens: int,
+        seed: int,
+        group_offset: int = 0,
+    ) -> RolloutBatch:
+        if not self.urls:
+            raise RuntimeError("the vllm engine has not been started (call start(loaded) first)")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, found {n}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, found {max_new_tokens}")
+        prompts = [list(map(int, p)) for p in prompts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        params = sampling_request(sampler)
+        version = self.weight_version
+        base = (int(seed) * 1_000_003) % (1 << 30)
+
+        def one(i: int) -> list[dict[str, Any]]:
+            url = self.urls[i % len(self.urls)]
+            body = {
+                "model": MODEL_NAME, "token_ids": prompts[i], "output_mode": "tokens",
+                "sampling_params": {
+                    **params, "n": n, "seed": (base + i * n) % (1 << 31), "max_tokens": max_new_tokens,
+                    "logprobs": 0, "ignore_eos": True, "stop_token_ids": self.stop_token_ids, "detokenize": False,
+                },
+            }
+            try:
+                answer = post_json(f"{url}/inference/v1/generate", body, self.config.request_timeout)
+            except ConnectionError as exc:
+                raise RuntimeError(f"the vllm engine lost its server: {exc}") from None
+            return sorted(answer["choices"], key=lambda c: c["index"])
+
+        workers = max(1, min(len(prompts), 16 * len(self.urls)))
+        with ThreadPoolExecutor(workers) as pool:
+            answers = list(pool.map(one, range(len(prompts))))
+        total = len(prompts) * n
+        resp = np.zeros((total, max_new_tokens), dtype=np.int32)
+        resp_lp = np.zeros((total, max_new_tokens), dtype=np.float32)
+        resp_len = np.zeros(total, dtype=np.int64)
+        stopped = np.zeros(total, dtype=bool)
+        stops = set(self.stop_token_ids)
+        for i, choices in enumerate(answers):
+            if len(choices) != n:
+                raise RuntimeError(f"vLLM answered {len(choices)} samples for prompt {i}, expected {n}")
+            for j, c in enumerate(choices):
+                ids = c["token_ids"] or []
+                lps = [e["logprob"] for e in (c.get("logprobs") or {}).get("content") or []]
+                if len(lps) != len(ids) or c.get("finish_reason") not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM answered prompt {i} sample {j} with {len(ids)} tokens, {len(lps)} "
+                                       f"logprobs, finish_reason {c.get('finish_reason')!r}")
+                row = i * n + j
+                resp[row, : len(ids)] = ids
+                resp_lp[row, : len(ids)] = lps
+                resp_len[row] = len(ids)
+                stopped[row] = bool(ids) and ids[-1] in stops
+        return assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)

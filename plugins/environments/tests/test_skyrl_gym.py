@@ -1,0 +1,137 @@
+"""skyrl_gym: SkyRL-Gym's own environments (the real skyrl-gym package), through the adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import skyrl_gym
+from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv
+
+import skyrl_environments.skyrl_gym as adapter_module
+from skyrl_datasets.jsonl import Jsonl, JsonlConfig
+from skyrl_environments.skyrl_gym import SkyRLGym, SkyRLGymConfig
+from skyrl_host.errors import UserError
+from skyrl_host.interfaces import Environment, Episode, EnvStep, Task
+from skyrl_host.plugins import build_host
+
+QUESTION = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in all?"}]
+
+
+def gsm8k_task(answer: str = "72") -> Task:
+    return Task(prompt=QUESTION[0]["content"], answer=answer, messages=QUESTION)
+
+
+def test_gsm8k_multi_turn_runs_and_scores_as_skyrl_gym_does():
+    env = SkyRLGym(SkyRLGymConfig(env_id="gsm8k_multi_turn", extras={"max_turns": 3}))
+    episode = env.episode(gsm8k_task(), seed=0)
+    assert isinstance(env, Environment) and isinstance(episode, Episode)
+    assert episode.reset() == QUESTION
+    responses = ["48 + 24, so about 70. #### 70", "Let me recount: 48 + 24. #### 71", "#### 72"]
+    steps = [episode.step(r) for r in responses]
+    episode.close()
+    assert all(isinstance(s, EnvStep) for s in steps)
+    # the same environment driven directly, as SkyRL's generator does
+    direct = skyrl_gym.make("gsm8k_multi_turn", env_config=None,
+                            extras={"reward_spec": {"method": "rule", "ground_truth": "72"}, "extra_info": {},
+                                    "max_turns": 3})
+    assert isinstance(direct, GSM8kMultiTurnEnv)
+    direct.init(QUESTION)
+    for response, step in zip(responses, steps):
+        out = direct.step(response)
+        assert step.reward == float(out["reward"]) and step.done == out["done"]
+        assert step.observation == (None if out["done"] else out["observations"])
+    assert [s.reward for s in steps] == pytest.approx([0.2 / 3, 0.2 / 3, 1.0])
+    assert [s.done for s in steps] == [False, False, True]
+    assert steps[1].observation == [{"role": "user", "content": (
+        "Now provide only the final numeric answer in the exact format: '#### ANSWER'.")}]
+    assert steps[-1].metrics == {"steps": 3.0}
+
+
+def test_a_correct_first_answer_ends_the_trajectory_and_a_wrong_one_runs_out_of_turns():
+    env = SkyRLGym(SkyRLGymConfig(env_id="gsm8k_multi_turn", extras={"max_turns": 2}))
+    right = env.episode(gsm8k_task(), seed=0)
+    right.reset()
+    step = right.step("48 + 24 = 72\n#### 72")
+    assert step.done and step.reward == 1.0 and step.observation is None and step.metrics == {"steps": 1.0}
+    wrong = env.episode(gsm8k_task(), seed=0)
+    wrong.reset()
+    assert [wrong.step("no idea").reward, wrong.step("still none").done] == [0.0, True]
+
+
+def test_records_in_skyrl_format_through_the_jsonl_dataset(tmp_path):
+    records = [
+        {"prompt": QUESTION, "answer": "72", "env_class": "gsm8k_multi_turn",
+         "reward_spec": {"method": "rule", "ground_truth": "72"}, "extra_info": {"max_turns": 2}},
+        {"prompt": [{"role": "user", "content": "What is 6 * 7?"}], "answer": "42", "env_class": "gsm8k",
+         "reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {}},
+    ]
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    dataset = Jsonl(JsonlConfig(path=str(path), messages_key="prompt", prompt_key="question", shuffle=False))
+    tasks = dataset.batch(1, 2)
+    env = SkyRLGym(SkyRLGymConfig(env_id=""), dataset=dataset)  # each record's env_class
+    multi, single = (env.episode(t, seed=0) for t in tasks)
+    assert multi.reset() == QUESTION and single.reset() == records[1]["prompt"]
+    first = multi.step("#### 70")
+    assert not first.done and first.reward == pytest.approx(0.1)  # its extra_info's max_turns = 2
+    assert multi.step("#### 72").reward == 1.0
+    answer = single.step("6 * 7 = 42 #### 42")
+    assert answer.done and answer.reward == 1.0  # the single-turn gsm8k env: done after one step
+
+
+def test_searchcode_python_tool_runs_in_the_sandbox(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("job data")
+    task = Task(prompt="What is 6*7?", answer="42")
+    env = SkyRLGym(SkyRLGymConfig(env_id="searchcode", extras={"max_turns": 4}))
+    episode = env.episode(task, seed=0)
+    assert episode.reset() == [{"role": "user", "content": "What is 6*7?"}]
+    step = episode.step("<tool><python>print(6 * 7)</python></tool>")
+    assert step.observation == [{"role": "user", "content": "42"}] and not step.done and step.reward == 0
+    leak = episode.step(f"<tool><python>print(open({str(secret)!r}).read())</python></tool>")
+    content = leak.observation[0]["content"]
+    assert content.startswith("Error executing Python code: Traceback") and "FileNotFoundError" in content
+    assert "job data" not in content
+    final = episode.step("<solution>#### 42</solution>")
+    assert final.done and final.reward == 1.0  # SkyRL-Gym's own rule on its chat history
+
+    # as SkyRL-Gym ships it (sandbox_python = false), the same call reads the host's file
+    plain = SkyRLGym(SkyRLGymConfig(env_id="searchcode", extras={"max_turns": 4}, sandbox_python=False))
+    episode = plain.episode(task, seed=0)
+    episode.reset()
+    leak = episode.step(f"<tool><python>print(open({str(secret)!r}).read())</python></tool>")
+    assert leak.observation == [{"role": "user", "content": "job data"}]
+
+
+def test_the_sandboxed_tool_answers_in_skyrl_gyms_words():
+    plain_cls, sandboxed_cls = adapter_module._sandboxed_group_class()
+    plain, sandboxed = plain_cls(timeout=1.0), sandboxed_cls(timeout=1.0)
+    assert sandboxed.name == plain.name == "PythonCodeExecutorToolGroup"
+    assert sandboxed.get_tool_names() == plain.get_tool_names() == ["python"]
+    for code in ("print('  hi  ')", "", "import sys; sys.stderr.write('warned\\n'); print(1)"):
+        assert sandboxed.execute_tool("python", code) == plain.execute_tool("python", code)
+    assert sandboxed.execute_tool("python", "while True: pass") == \
+        "Error executing Python code: Execution timed out after 1.0 seconds."
+
+
+def test_text_rendering_for_tokenizers_without_a_chat_template():
+    env = SkyRLGym(SkyRLGymConfig(env_id="gsm8k_multi_turn", render="text", extras={"max_turns": 3}))
+    episode = env.episode(Task(prompt="2+2?", answer="4"), seed=0)
+    assert episode.reset() == "2+2?"
+    assert episode.step("#### 5").observation.startswith("Please provide your step-by-step reasoning")
+
+
+def test_unknown_env_id_is_a_user_error():
+    with pytest.raises(UserError, match="no SkyRL-Gym environment 'gsm8k_multiturn' \\(did you mean 'gsm8k_multi_turn'\\?\\)"):
+        SkyRLGym(SkyRLGymConfig(env_id="gsm8k_multiturn"))
+    env = SkyRLGym(SkyRLGymConfig(env_id=""))
+    with pytest.raises(ValueError, match="no env_class field"):
+        env.episode(Task(prompt="x", answer="1"), seed=0)
+
+
+def test_the_hook_registers_skyrl_gym():
+    host = build_host(entry_points=False)
+    host.add_plugin(adapter_module, "skyrl_gym_under_test")
+    reg = host.registry.get("environments", "skyrl_gym")
+    assert reg.config is SkyRLGymConfig and reg.factory is SkyRLGym

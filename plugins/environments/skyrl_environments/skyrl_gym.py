@@ -47,12 +47,20 @@ from skyrl_host.interfaces import EnvStep, Task
 from skyrl_host.options import gt, option
 
 
+def _check_env_id(_inst: Any, _attr: Any, value: str) -> None:
+    # imports skyrl_gym (~0.5 s: pandas), so that `skyrl validate` catches a mistyped id
+    registry = _registry() if value else {}
+    if value and value not in registry:
+        raise ValueError(f"expected a registered SkyRL-Gym environment id, found {value!r}"
+                         f"{did_you_mean(value, registry)}; registered: {', '.join(sorted(registry))}")
+
+
 @attrs.frozen
 class SkyRLGymConfig:
     """Options of ``[environment]`` when ``name = "skyrl_gym"``."""
 
     env_id: str = option("", help="a registered SkyRL-Gym environment id, e.g. 'gsm8k_multi_turn' "
-                                  "('' : each record's env_class field)")
+                                  "('' : each record's env_class field)", validator=_check_env_id)
     env_config: dict = option(factory=dict, help="the environment's env_config table (an OmegaConf config for it)")
     extras: dict = option(factory=dict, help="extras every episode gets (e.g. max_turns = 3); a record's own fields win")
     render: Literal["chat", "text"] = option(
@@ -134,10 +142,6 @@ class SkyRLGym:
 
     def __init__(self, config: SkyRLGymConfig, dataset: Any = None, seed: int = 0):
         self.config, self.dataset, self.seed = config, dataset, seed
-        registry = _registry()
-        if config.env_id and config.env_id not in registry:
-            raise UserError(f"[environment] env_id: no SkyRL-Gym environment {config.env_id!r}"
-                            f"{did_you_mean(config.env_id, registry)}; registered: {', '.join(sorted(registry))}")
         from omegaconf import OmegaConf
 
         self.env_config = OmegaConf.create(dict(config.env_config))

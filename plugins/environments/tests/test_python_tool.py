@@ -123,3 +123,16 @@ def test_the_hook_registers_python_tool():
     host.add_plugin(python_tool, "python_tool_under_test")
     reg = host.registry.get("environments", "python_tool")
     assert reg.config is PythonToolConfig and reg.factory is PythonTool
+
+
+def test_skyrl_validate_reports_bad_options(skyrl_host, skyrl_plugin, skyrl_cli, tmp_path):
+    if "python_tool" not in skyrl_host.registry.names("environments"):  # before its entry point is installed
+        skyrl_plugin(python_tool, "python_tool")
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nkind = "rl"\nsteps = 1\n[model]\nfamily = "qwen"\npreset = "tiny"\n'
+                   '[dataset]\nname = "arithmetic"\n[environment]\nname = "python_tool"\nmax_tool_calls = -1\n')
+    result = skyrl_cli("validate", str(job))
+    assert result.exit_code == 2 and "environment.max_tool_calls" in result.stderr
+    assert "Traceback" not in result.stderr
+    job.write_text(job.read_text().replace("max_tool_calls = -1", "max_tool_calls = 2"))
+    assert skyrl_cli("validate", str(job)).exit_code == 0

@@ -11,7 +11,6 @@ from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv
 import skyrl_environments.skyrl_gym as adapter_module
 from skyrl_datasets.jsonl import Jsonl, JsonlConfig
 from skyrl_environments.skyrl_gym import SkyRLGym, SkyRLGymConfig
-from skyrl_host.errors import UserError
 from skyrl_host.interfaces import Environment, Episode, EnvStep, Task
 from skyrl_host.plugins import build_host
 
@@ -123,8 +122,8 @@ def test_text_rendering_for_tokenizers_without_a_chat_template():
 
 
 def test_unknown_env_id_is_a_user_error():
-    with pytest.raises(UserError, match="no SkyRL-Gym environment 'gsm8k_multiturn' \\(did you mean 'gsm8k_multi_turn'\\?\\)"):
-        SkyRLGym(SkyRLGymConfig(env_id="gsm8k_multiturn"))
+    with pytest.raises(ValueError, match="found 'gsm8k_multiturn' \\(did you mean 'gsm8k_multi_turn'\\?\\)"):
+        SkyRLGymConfig(env_id="gsm8k_multiturn")
     env = SkyRLGym(SkyRLGymConfig(env_id=""))
     with pytest.raises(ValueError, match="no env_class field"):
         env.episode(Task(prompt="x", answer="1"), seed=0)
@@ -135,3 +134,20 @@ def test_the_hook_registers_skyrl_gym():
     host.add_plugin(adapter_module, "skyrl_gym_under_test")
     reg = host.registry.get("environments", "skyrl_gym")
     assert reg.config is SkyRLGymConfig and reg.factory is SkyRLGym
+
+
+def test_skyrl_validate_names_a_mistyped_env_id(skyrl_host, skyrl_plugin, skyrl_cli, tmp_path):
+    if "skyrl_gym" not in skyrl_host.registry.names("environments"):  # before its entry point is installed
+        skyrl_plugin(adapter_module, "skyrl_gym")
+    job = tmp_path / "job.toml"
+    job.write_text(
+        '[job]\nkind = "rl"\nsteps = 1\n[model]\nfamily = "qwen"\npreset = "tiny"\n'
+        '[dataset]\nname = "arithmetic"\n'
+        '[environment]\nname = "skyrl_gym"\nenv_id = "gsm8k_multiturn"\nextras = { max_turns = 2 }\n')
+    result = skyrl_cli("validate", str(job))
+    assert result.exit_code == 2
+    assert "environment.env_id: expected a registered SkyRL-Gym environment id, found 'gsm8k_multiturn' " \
+           "(did you mean 'gsm8k_multi_turn'?)" in result.stderr
+    assert "Traceback" not in result.stderr
+    job.write_text(job.read_text().replace("gsm8k_multiturn", "gsm8k_multi_turn"))
+    assert skyrl_cli("validate", str(job)).exit_code == 0

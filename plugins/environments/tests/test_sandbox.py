@@ -99,6 +99,30 @@ def test_cannot_read_the_jobs_files_or_the_repo(tmp_path):
     assert {"proc", "sys", "etc", "home", "work"} & visible == {"work"}
 
 
+def test_no_host_environment_variables_or_open_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKYRL_TEST_SECRET", "s3cr3t")
+    with open(tmp_path / "open.txt", "w") as held:  # a descriptor the host holds open
+        held.write("held")
+        held.flush()
+        code = textwrap.dedent("""
+            import os
+            print(sorted(os.environ))
+            open_fds = []
+            for fd in range(3, 1024):
+                try:
+                    os.fstat(fd)
+                    open_fds.append(fd)
+                except OSError:
+                    pass
+            print(open_fds)
+        """)
+        result = run_python(code)
+    assert result.ok, result.stderr
+    env_names, fds = result.stdout.splitlines()
+    assert eval(env_names) == ["HOME", "LANG", "PATH", "TMPDIR"] and "s3cr3t" not in result.stdout
+    assert fds == "[]"
+
+
 def test_no_network_not_even_the_hosts_loopback():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))

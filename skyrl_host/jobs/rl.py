@@ -23,9 +23,26 @@ from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
-from skyrl_host.interfaces import CharacterAlphabet, PlacementRequest, RewardKL, RewardMetrics, TokenizerLoading
+from skyrl_host.interfaces import (
+    CharacterAlphabet,
+    PlacementRequest,
+    RewardKL,
+    RewardMetrics,
+    TokenizerLoading,
+    TurnContinuation,
+)
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
-from skyrl_host.options import ge, gt, option
+from skyrl_host.multiturn import SingleTurn
+from skyrl_host.options import ge, gt, in_interval, option
+
+
+def one_of(*choices: str) -> Any:
+    """An option validator: the value is one of ``choices``."""
+
+    def check(_inst: Any, _attribute: Any, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(map(repr, choices))}, found {value!r}")
+    return check
 
 SLOTS = {
     "model": None,
@@ -37,6 +54,8 @@ SLOTS = {
     "weight_sync": "inproc",
     "replay": (),
     "precision": "bf16",
+    # Single-turn unless [environment] names a multi-turn environment (skyrl_host.multiturn).
+    "environment": "single_turn",
 }
 
 
@@ -49,6 +68,21 @@ class RLConfig:
     keep_checkpoints: int = option(2, help="checkpoints kept on disk", validator=gt(0))
     save_final: bool = option(True, help="write the final model as a Hugging Face folder in <output_dir>/final")
     threads: int | None = option(None, help="torch threads (default: leave torch's choice)", validator=gt(0))
+    # Multi-turn rollouts ([environment] name = ...); a single-turn job ignores these.
+    max_turns: int = option(4, help="multi-turn: most responses per trajectory", validator=gt(0))
+    max_total_tokens: int = option(
+        512, help="multi-turn: token budget per trajectory (prompt, responses and observations)", validator=gt(1)
+    )
+    step_timeout: float = option(30.0, help="multi-turn: seconds an environment's reset or step may take", validator=gt(0))
+    reward_gamma: float = option(
+        1.0, help="multi-turn: a trajectory's reward is sum(gamma**t * reward_t); 1.0 sums the turns' rewards",
+        validator=in_interval(0, 1),
+    )
+    failed_trajectories: str = option(
+        "zero", help="multi-turn: a trajectory whose environment failed trains with reward 0 ('zero') or not at "
+        "all ('exclude')", validator=one_of("zero", "exclude"),
+    )
+    env_workers: int = option(16, help="multi-turn: threads running environment steps concurrently", validator=gt(0))
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
@@ -114,6 +148,8 @@ class RLDriver:
         self.dataset = run.plugin("dataset").create(seed=self.seed)
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
+        self.environment = run.plugin("environment").create(dataset=self.dataset, seed=self.seed)
+        self.multiturn: Any = None  # the multi-turn rollout, unless the environment is single-turn
         alphabet = self.dataset.alphabet if has(self.dataset, CharacterAlphabet) else None
         self._check_chats_first(alphabet)
         request = PlacementRequest(
@@ -131,7 +167,27 @@ class RLDriver:
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
             self.start_step = run.resume_step + 1
+        if not isinstance(self.environment, SingleTurn):
+            self._start_multiturn()
         self._publish(self.start_step - 1)
+
+    def _start_multiturn(self) -> None:
+        from skyrl_host.multiturn import EnvWorkers, MultiTurnOptions, MultiTurnRollout
+
+        cfg = self.cfg
+        if not has(self.engine, TurnContinuation):
+            raise UserError(
+                f"[environment]: a multi-turn environment needs an engine that continues conversations "
+                f"(continue_turn); [engine] name = {self.run_.plugin('engine').registration.name!r} does not"
+            )
+        options = MultiTurnOptions(
+            max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens, max_new_tokens=cfg.max_new_tokens,
+            step_timeout=cfg.step_timeout, reward_gamma=cfg.reward_gamma, failed_trajectories=cfg.failed_trajectories,
+        )
+        self.multiturn = MultiTurnRollout(
+            self.environment, self.engine, self.sampler, self.tokenizer, self.loaded.stop_token_ids, options,
+            EnvWorkers(cfg.env_workers),
+        )
 
     def _check_chats_first(self, alphabet: str | None) -> None:
         """Check the tokenizer's chat template against the first step's first chat before
@@ -187,13 +243,12 @@ class RLDriver:
             rewards[i] = float(self.dataset.reward(task, text))
         batch.rewards = rewards
 
-    def step(self, step: int) -> dict[str, float]:
+    def _single_turn(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
         import numpy as np
 
         from skyrl_host.rollout import RolloutBatch
 
         cfg = self.cfg
-        t0 = time.perf_counter()
         tasks = list(self.dataset.batch(step, cfg.batch_size))
         gen_time, gen_tokens = 0.0, 0
         g0 = time.perf_counter()
@@ -239,6 +294,56 @@ class RLDriver:
             "kept_groups": float(n_groups),
             "refill_rounds": float(rounds),
         }
+        return batch, rewards, metrics, gen_time, gen_tokens
+
+    def _multi_turn(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
+        """The step's trajectories (``n_samples`` per record: the GRPO groups); no
+        reward shaping and no refills (dynamic sampling still drops uniform groups)."""
+        import numpy as np
+
+        cfg = self.cfg
+        tasks = list(self.dataset.batch(step, cfg.batch_size))
+        if not self._chat_checked and any(t.messages is not None for t in tasks):
+            check_chat_template(self.tokenizer, next(t.messages for t in tasks if t.messages is not None))
+            self._chat_checked = True
+        out = self.multiturn.run(tasks, cfg.n_samples, step_seed(self.seed, step))
+        batch, raw = out.batch, out.rewards
+        n_groups = 0
+        if batch is not None and batch.n_sequences:
+            keep = np.asarray(self.algorithm.keep(batch, raw), dtype=bool)
+            n_groups = len(np.unique(batch.group_ids[keep]))
+            metrics_batch = batch
+            batch, rewards = batch.select(np.flatnonzero(keep)), raw[keep]
+        else:
+            from skyrl_host.rollout import RolloutBatch
+
+            batch = metrics_batch = RolloutBatch.from_sequences([], [], [], group_ids=[])
+            rewards = raw
+        gen_lens = np.add.reduceat(metrics_batch.loss_mask, metrics_batch.cu_seqlens[:-1]) if raw.size else raw
+        metrics: dict[str, float] = {
+            "reward_mean": float(raw.mean()) if raw.size else 0.0,
+            "reward_std": float(raw.std()) if raw.size else 0.0,
+            "accuracy": float((raw >= 1.0).mean()) if raw.size else 0.0,
+            "response_length_mean": float(np.mean(gen_lens)) if raw.size else 0.0,  # generated tokens, all turns
+            "truncated_fraction": float(metrics_batch.truncated.mean()) if raw.size else 0.0,
+            "weight_version": float(metrics_batch.versions.min()) if raw.size else float(self.engine.weight_version),
+            "kept_groups": float(n_groups),
+            "refill_rounds": 0.0,
+        }
+        metrics.update(out.metrics)
+        return batch, rewards, metrics, out.gen_time, out.gen_tokens
+
+    def step(self, step: int) -> dict[str, float]:
+        import numpy as np
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self.multiturn is None:
+            batch, rewards, metrics, gen_time, gen_tokens = self._single_turn(step)
+            max_len = cfg.max_new_tokens
+        else:
+            batch, rewards, metrics, gen_time, gen_tokens = self._multi_turn(step)
+            max_len = cfg.max_total_tokens
         if has(self.dataset, RewardMetrics):  # e.g. answers the math verifier could not parse
             metrics.update({k: float(v) for k, v in self.dataset.reward_metrics().items()})
         if batch.n_sequences > 0 and self.kl_in_reward:
@@ -251,7 +356,7 @@ class RLDriver:
             advantages = np.asarray(self.algorithm.advantages(batch, rewards), dtype=np.float32)
             t_train = time.perf_counter()
             train = self.backend.train_step(
-                batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=cfg.max_new_tokens
+                batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=max_len
             )
             train_time = time.perf_counter() - t_train
             # The backend's own timings are superseded by the driver's, measured alike for every backend.
@@ -292,6 +397,15 @@ class RLDriver:
     def run(self) -> None:
         self.run_.headline = ["reward_mean", "accuracy", "entropy"]
         run_steps(self)
+
+
+@hookimpl
+def skyrl_register_environments(register: Any) -> None:
+    register(
+        "single_turn",
+        SingleTurn,
+        description="One response per prompt, rewarded by the dataset (the rl job's default)",
+    )
 
 
 @hookimpl

@@ -195,7 +195,11 @@ class ObservationTokens:
         """A later observation's tokens, to append after the history's exact ids."""
         if isinstance(obs, str):
             return self._ids(self.tokenizer.encode(obs, add_special_tokens=False))
-        if (msgs := _messages(obs)) is not None:
+        if isinstance(obs, (list, tuple)) and not obs and self.tokenizer.chat_template:
+            msgs = []  # no new message (a tool that printed nothing): the assistant's turn opened again
+        else:
+            msgs = _messages(obs)
+        if msgs is not None:
             t = self.tokenizer
             before = t.apply_chat_template(self._BASE, add_generation_prompt=False, tokenize=False)
             after = t.apply_chat_template(self._BASE + msgs, add_generation_prompt=True, tokenize=False)
@@ -397,7 +401,7 @@ class MultiTurnRollout:
                 elif turn >= opt.max_turns:
                     ended_by["turn_limit"] += 1
                     done_k.append(k)
-                elif int(conv.seq_lens[k]) + len(nxt) + 1 > opt.max_total_tokens or not nxt:
+                elif int(conv.seq_lens[k]) + len(nxt) + 1 > opt.max_total_tokens:
                     ended_by["token_budget"] += 1
                     done_k.append(k)
                 else:

@@ -247,3 +247,23 @@ def test_the_builtin_environments_satisfy_the_protocol(skyrl_host) -> None:
         reg = skyrl_host.registry.get("environments", name)
         env = reg.create(reg.config() if reg.config is not None else None, dataset=data, seed=0)
         assert isinstance(env, Environment)
+
+
+def test_chat_observations_render_only_the_new_messages(skyrl_host) -> None:
+    """With a chat template, a later observation's tokens are what the template adds
+    after a finished exchange: the new messages and the reopened assistant turn; an
+    empty message list reopens the turn alone; plain text is encoded as it is."""
+    from skyrl_host.multiturn import EpisodeFailure, ObservationTokens
+
+    tok = loaded_model(skyrl_host).tokenizer
+    tok.chat_template = ("{% for m in messages %}a{{ m['content'] }}b{% endfor %}"
+                         "{% if add_generation_prompt %}:{% endif %}")
+    render = ObservationTokens(tok)
+    enc = lambda text: list(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    assert render.first([{"role": "user", "content": "12"}]) == enc("a12b:")
+    assert render.next([{"role": "user", "content": "34"}]) == enc("a34b:")
+    assert render.next([]) == enc(":")
+    assert render.next("5+") == enc("5+") and render.next([3, 4]) == [3, 4]
+    for bad in ([{"role": "user"}], [999], 3.5, [1.5]):
+        with pytest.raises(EpisodeFailure):
+            render.next(bad)

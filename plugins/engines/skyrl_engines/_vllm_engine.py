@@ -44,7 +44,7 @@ import numpy as np
 from skyrl_engines._batch_assembly import assemble_batch
 from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_json, vllm_build
 from skyrl_engines.vllm import missing_vllm_message, sampling_request
-from skyrl_host.errors import UserError
+from skyrl_host.errors import JobFailed, UserError
 from skyrl_host.interfaces import LoadedModel, Sampler
 from skyrl_host.rollout import RolloutBatch
 
@@ -78,6 +78,12 @@ def plugin_path(root: str) -> str:
     return out
 
 
+class ServerLost(JobFailed):
+    """A vLLM server the engine depends on died or stopped answering: the job stops with
+    this one message (no traceback, exit code 1); ``skyrl run JOB --resume`` continues
+    from the last checkpoint."""
+
+
 def _stop(servers: list[VllmServer], folder: str | None) -> None:
     for s in servers:
         s.stop()
@@ -99,6 +105,7 @@ class VllmEngine:
         self.last_update: dict[str, int] = {}
         self._finalizer: Any = None
         self._recipes: dict[str, str] = {}  # server url -> the receiver recipe its workers hold
+        self.adapter: str | None = None  # the LoRA adapter the servers serve (vLLM's name for it)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -139,6 +146,8 @@ class VllmEngine:
                 "--weight-transfer-config", json.dumps({"backend": "skyrl"})]
         if cfg.max_model_len is not None:
             args += ["--max-model-len", str(cfg.max_model_len)]
+        if cfg.max_lora_rank:
+            args += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "2"]
         if self._cpu:
             args += ["--enforce-eager"]
         else:
@@ -153,6 +162,7 @@ class VllmEngine:
         env["PYTHONPATH"] = plugin_path(self.folder)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process per server (and nothing left behind)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's weight-update routes (/pause, /update_weights, ...)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
         if self._cpu:
             env["VLLM_TARGET_DEVICE"] = "cpu"
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
@@ -173,6 +183,7 @@ class VllmEngine:
             s.wait_healthy(cfg.startup_timeout)
         self.urls = [s.url for s in started]
         self._recipes.clear()
+        self.adapter = None
 
     def close(self) -> None:
         """Stop the servers this engine started and remove its model folder; idempotent."""
@@ -225,12 +236,23 @@ class VllmEngine:
         """Servers this engine started run our weight-transfer plugin; attached ones may not."""
         return bool(self.servers) and not self.config.urls
 
+    def lost(self, url: str, doing: str, exc: BaseException) -> ServerLost:
+        """The error for a server that cannot be reached (``exc``) while ``doing``."""
+        server = next((s for s in self.servers if s.url == url), None)
+        if server is not None and not server.alive():
+            what = f"vLLM server {url} (pid {server.pid}) exited with code {server.proc.returncode}"
+        else:
+            what = f"vLLM server {url} stopped answering ({exc})"
+        return ServerLost(f"{what} during {doing}; the job stopped: continue it with `skyrl run JOB --resume`")
+
     def _post_all(self, route: str, body: dict[str, Any] | None = None) -> None:
         """POST to every server at once; the first error names the server and its log."""
         def one(url: str) -> None:
             try:
                 post_json(f"{url}{route}", body or {}, self.config.request_timeout)
-            except (RuntimeError, ConnectionError) as exc:
+            except ConnectionError as exc:
+                raise self.lost(url, f"the weight update ({route})", exc) from None
+            except RuntimeError as exc:
                 server = next((s for s in self.servers if s.url == url), None)
                 tail = f"\n  its log ends:\n{server.log_tail(15)}" if server is not None else ""
                 raise RuntimeError(f"{exc}{tail}") from None
@@ -253,8 +275,11 @@ class VllmEngine:
         t0 = time.perf_counter()
         for url in self.urls:
             if self._recipes.get(url) != key:
-                post_json(f"{url}/init_weight_transfer_engine", {"init_info": {"recipe": dict(recipe)}},
-                          self.config.request_timeout)
+                try:
+                    post_json(f"{url}/init_weight_transfer_engine", {"init_info": {"recipe": dict(recipe)}},
+                              self.config.request_timeout)
+                except ConnectionError as exc:
+                    raise self.lost(url, "the weight update (/init_weight_transfer_engine)", exc) from None
                 self._recipes[url] = key
         self._post_all("/start_weight_update")
         self._post_all("/update_weights", {"update_info": {"phase": "fetch", "target": int(target)}})
@@ -269,6 +294,45 @@ class VllmEngine:
         self.weight_version = int(target)
         t2 = time.perf_counter()
         return {"sync_applied": 1.0, "sync_fetch_s": t1 - t0, "sync_apply_s": t2 - t1}
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int) -> None:
+        """Serve a new LoRA adapter (``<module path>.lora_A [rank, in]`` / ``.lora_B [out,
+        rank]``, scale ``alpha / rank``): written as a PEFT adapter folder and loaded into
+        every server through vLLM's ``/v1/load_lora_adapter``; generation switches to it
+        once every server has it (requests in flight keep the adapter they started with),
+        then the previous one is unloaded. On any error the servers keep the last one."""
+        import torch
+        from safetensors.torch import save_file
+
+        if not self.config.max_lora_rank:
+            raise RuntimeError("the vllm engine serves LoRA adapters only with [engine] max_lora_rank > 0")
+        if self.folder is None or not self.servers:
+            raise RuntimeError("the vllm engine takes adapters only on servers it started")
+        rank = int(config["rank"])
+        if rank > self.config.max_lora_rank:
+            raise ValueError(f"adapter version {version}: rank {rank} is above [engine] max_lora_rank = "
+                             f"{self.config.max_lora_rank}")
+        tensors = {}
+        for name, t in named_tensors:
+            if not name.endswith((".lora_A", ".lora_B")):
+                raise ValueError(f"adapter version {version}: {name!r} is not a .lora_A / .lora_B tensor")
+            tensors[f"base_model.model.{name}.weight"] = torch.as_tensor(t).detach().to("cpu", torch.float32).contiguous()
+        name = f"skyrl-v{int(version)}"
+        path = os.path.join(self.folder, "adapters", name)
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": float(config["alpha"]),
+                "lora_dropout": 0.0, "target_modules": sorted(set(config["targets"])), "bias": "none",
+                "use_rslora": False, "base_model_name_or_path": None}
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(peft, f)
+        self._post_all("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        old, self.adapter = self.adapter, name
+        self.weight_version = int(version)
+        self.last_update = {"bytes": sum(t.numel() * 4 for t in tensors.values()), "copied": len(tensors), "shared": 0}
+        if old is not None:
+            self._post_all("/v1/unload_lora_adapter", {"lora_name": old})
+            shutil.rmtree(os.path.join(self.folder, "adapters", old), ignore_errors=True)
 
     # -- generation ----------------------------------------------------------
 
@@ -298,12 +362,13 @@ class VllmEngine:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         params = sampling_request(sampler)
         version = self.weight_version
+        model = self.adapter or MODEL_NAME
         base = (int(seed) * 1_000_003) % (1 << 30)
 
         def one(i: int) -> list[dict[str, Any]]:
             url = self.urls[i % len(self.urls)]
             body = {
-                "model": MODEL_NAME, "token_ids": prompts[i], "output_mode": "tokens",
+                "model": model, "token_ids": prompts[i], "output_mode": "tokens",
                 "sampling_params": {
                     **params, "n": n, "seed": (base + i * n) % (1 << 31), "max_tokens": max_new_tokens,
                     "logprobs": 0, "ignore_eos": True, "stop_token_ids": self.stop_token_ids, "detokenize": False,
@@ -312,7 +377,7 @@ class VllmEngine:
             try:
                 answer = post_json(f"{url}/inference/v1/generate", body, self.config.request_timeout)
             except ConnectionError as exc:
-                raise RuntimeError(f"the vllm engine lost its server: {exc}") from None
+                raise self.lost(url, "generation", exc) from None
             return sorted(answer["choices"], key=lambda c: c["index"])
 
         workers = max(1, min(len(prompts), 16 * len(self.urls)))

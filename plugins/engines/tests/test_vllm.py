@@ -6,7 +6,9 @@ takes ~30 s to start here); a second engine attaches to one of them by URL."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from skyrl_samplers.processing import GreedySampler, TruncatedSampler
 
 pytestmark = pytest.mark.slow
 
+EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "vllm_quickstart.toml"
 PROMPTS = [[3, 4, 5, 6], [7, 8], [9, 2, 3, 4, 5, 6, 7], [5], [10, 11, 12]]
 
 
@@ -29,7 +32,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def engine(vllm_python, loaded):
-    eng = Vllm(VllmConfig(python=str(vllm_python), servers=2, threads=1, max_model_len=512))
+    eng = Vllm(VllmConfig(python=str(vllm_python), servers=2, threads=1, max_model_len=512, max_lora_rank=8))
     eng.start(loaded)
     yield eng
     eng.close()
@@ -175,3 +178,98 @@ def test_delta_versions_reach_the_workers(engine, loaded, tmp_path):
         fresh = DeltaSender(f"file://{tmp_path}/restore", dtype="float32")
         fresh.publish(10, weights())
         DeltaReceiver(f"file://{tmp_path}/restore").sync(engine, 10)
+
+
+def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_real_checkpoint):
+    """Qwen3-0.6B's widths (head_dim 128, tied embeddings as it has) with a trained BPE tokenizer and a
+    chat template, loaded through ``[model] path`` as a downloaded checkpoint: vLLM serves it
+    from the folder the engine writes (tokenizer included), chat prompts rendered by the
+    template generate, and vLLM's logprobs are the torch model's."""
+    from skyrl_host.interfaces import Task
+    from skyrl_host.jobs.rl import encode_task
+
+    real = make_family(QwenConfig(path=str(skyrl_real_checkpoint("qwen3")), preset=None)).load(alphabet=None, seed=0)
+    tok = real.tokenizer
+    assert real.model.config.head_dim == 128 and real.model.config.vocab_size > 8000
+    prompts = [encode_task(tok, Task(prompt=q, messages=({"role": "user", "content": q},)))
+               for q in ("What is 3 plus 4?", "Name a prime number.", "Say hello.")]
+    assert all("<|im_start|>assistant" in tok.decode(p) for p in prompts)  # the template opened the turn
+    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=256))
+    eng.start(real)
+    try:
+        batch = eng.generate(prompts, n=2, sampler=TruncatedSampler(temperature=1.0), max_new_tokens=8, seed=1)
+        greedy = eng.generate(prompts, n=1, sampler=GreedySampler(), max_new_tokens=8, seed=0)
+    finally:
+        eng.close()
+    for b in (batch, greedy):
+        mask = b.loss_mask.astype(bool)
+        gap = np.abs(b.logprobs[mask] - torch_logprobs(real.model, b)[mask])
+        assert gap.mean() <= 2e-3, gap.mean()
+    assert batch.n_sequences == 6 and (batch.response_lens >= 1).all()
+    stops = set(real.stop_token_ids)
+    for s in np.flatnonzero(~batch.truncated):
+        assert int(batch.tokens[batch.cu_seqlens[s + 1] - 1]) in stops
+
+
+def test_lora_adapters_reach_the_servers_as_in_the_embedded_engine(engine, loaded):
+    """An adapter handed to ``update_adapter`` (what the ``lora`` transport does) is served by
+    both servers: vLLM's logprobs are those of the base with the adapter merged, as the
+    embedded engine's are; a newer version replaces it."""
+    from skyrl_engines.embedded import Embedded, EmbeddedConfig
+
+    targets = ("q_proj", "v_proj", "down_proj")
+    config = {"rank": 8, "alpha": 16.0, "targets": list(targets)}
+
+    def adapter(seed):
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for name, mod in loaded.model.named_modules():
+            if name.rsplit(".", 1)[-1] in targets:
+                out.append((f"{name}.lora_A", torch.randn(8, mod.in_features, generator=gen) * 0.3))
+                out.append((f"{name}.lora_B", torch.randn(mod.out_features, 8, generator=gen) * 0.3))
+        return out
+
+    def merged(tensors):
+        model = copy.deepcopy(loaded.model)
+        t = dict(tensors)
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if f"{name}.lora_A" in t:
+                    mod.weight += (16.0 / 8) * t[f"{name}.lora_B"] @ t[f"{name}.lora_A"]
+        return model
+
+    def gap(batch, model):
+        mask = batch.loss_mask.astype(bool)
+        return float(np.abs(batch.logprobs[mask] - torch_logprobs(model, batch)[mask]).mean())
+
+    embedded = Embedded(EmbeddedConfig())
+    embedded.start(loaded)
+    try:
+        for version, seed in ((5, 0), (6, 1)):
+            tensors = adapter(seed)
+            engine.update_adapter(tensors, config, version)
+            embedded.update_adapter(tensors, config, version)
+            batch = engine.generate(PROMPTS, n=2, sampler=TruncatedSampler(), max_new_tokens=8, seed=2)
+            ours = embedded.generate(PROMPTS, n=2, sampler=TruncatedSampler(), max_new_tokens=8, seed=2)
+            target = merged(tensors)
+            assert gap(batch, target) <= 2e-3 and gap(ours, target) <= 2e-3
+            assert gap(batch, loaded.model) > 0.05  # the adapter changes what vLLM computes
+            assert batch.versions.tolist() == [version] * batch.n_sequences
+        assert engine.adapter == "skyrl-v6"
+        with pytest.raises(ValueError, match="rank 16 is above"):
+            engine.update_adapter(adapter(2), {**config, "rank": 16}, 7)
+        assert engine.adapter == "skyrl-v6"
+    finally:
+        engine.adapter = None  # the module's later tests use the base model
+        engine.weight_version = 0
+
+
+def test_validate_asks_for_max_lora_rank_with_the_lora_transport(vllm_python, skyrl_cli):
+    common = ["--set", f"engine.python={json.dumps(str(vllm_python))}", "--set", "backend.lora_rank=8",
+              "--set", 'weight_sync={transport = "lora"}']
+    bad = skyrl_cli("validate", str(EXAMPLE), *common)
+    assert bad.exit_code == 2
+    assert "engine.max_lora_rank: the backend trains LoRA adapters of rank 8" in bad.stderr
+    assert "set engine.max_lora_rank = 8 or more" in bad.stderr
+    good = skyrl_cli("validate", str(EXAMPLE), *common, "--set", "engine.max_lora_rank=8")
+    assert good.exit_code == 0, good.stderr

@@ -34,6 +34,9 @@ from skyrl_host.contracts import has, require
 from skyrl_host.interfaces import AdapterServing, AdapterTraining
 
 PAYLOAD_FORMAT = 1
+# The engines known to serve adapters (the AdapterServing capability), checked by name at
+# `skyrl validate` time, before any engine exists.
+ADAPTER_ENGINES = ("embedded", "vllm")
 
 
 class LoraSyncError(RuntimeError):
@@ -184,9 +187,10 @@ def check(spec: Any) -> list[tuple[str, str]]:
             problems.append(("weight_sync.transport", "transport 'lora' moves LoRA adapters only, but [backend] "
                              "lora_rank = 0 trains every weight: set [backend] lora_rank > 0 (e.g. 8), or use "
                              "another transport (inproc, delta, broadcast) for full fine-tuning"))
-    if engine is not None and engine.name != "embedded":
+    if engine is not None and engine.name not in ADAPTER_ENGINES:
         problems.append(("weight_sync.transport", f"transport 'lora' hands adapters to engine.update_adapter, "
-                         f"which [engine] name = {engine.name!r} does not offer yet: use the \"embedded\" engine"))
+                         f"which [engine] name = {engine.name!r} does not offer yet: use the \"embedded\" or the "
+                         "\"vllm\" engine"))
     return problems
 
 

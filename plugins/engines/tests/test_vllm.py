@@ -89,6 +89,17 @@ def test_seeds_and_servers(engine, vllm_python, loaded):
     assert np.abs(greedy.logprobs[mask] - torch_logprobs(loaded.model, greedy)[mask]).mean() <= 2e-3
 
 
+def test_a_step_larger_than_one_prefill_batch(engine, loaded):
+    """More prompt tokens in one call than a server schedules in one step (2,048 on CPU):
+    every prompt is answered, with its own seed."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 12, size=60).tolist() for _ in range(300)]  # 18,000 prompt tokens
+    batch = engine.generate(prompts, n=2, sampler=TruncatedSampler(), max_new_tokens=4, seed=9)
+    assert batch.n_sequences == 600 and (batch.response_lens >= 1).all()
+    again = engine.generate(prompts[:8], n=2, sampler=TruncatedSampler(), max_new_tokens=4, seed=9)
+    assert np.array_equal(again.tokens, batch.tokens[: len(again.tokens)])  # seeds per prompt, as before
+
+
 def test_bad_config_and_urls(loaded):
     with pytest.raises(ValueError, match="servers"):
         VllmConfig(urls=("http://127.0.0.1:9",), servers=2)

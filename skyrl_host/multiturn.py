@@ -1,9 +1,13 @@
 """Multi-turn rollouts of the ``rl`` job (``[environment] name = ...``).
 
-Many trajectories are in flight at once: each turn, every live trajectory's response
-is generated in one engine call, then every live episode's ``step`` runs concurrently
-in worker threads (each under the job's ``step_timeout``), then the live trajectories
-continue together. Tokens are never re-derived from text: a turn continues from the
+Many trajectories are in flight at once, split into ``env_waves`` waves (default 1).
+Each turn, a wave's live trajectories are generated in one engine call; their episodes'
+``step`` calls then run concurrently in worker threads (each under the job's
+``step_timeout``) while the engine serves the other waves, and the wave continues once
+all of its steps have answered. With one wave, decode and environment steps take
+turns; with two or more, slow tools overlap the other waves' decoding. A wave's calls
+depend only on its own history (members, seeds), never on the order the waves are
+served in, so the trajectories are a pure function of the seed for a given wave count. Tokens are never re-derived from text: a turn continues from the
 exact ids of the history through the engine's ``continue_turn``
 (:class:`skyrl_host.interfaces.TurnContinuation`), which returns only the new segment
 (the observation's tokens and the response); :meth:`RolloutBatch.append_turn` joins it,
@@ -23,7 +27,7 @@ import math
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable, Mapping, Sequence
 
 import attrs
@@ -126,14 +130,18 @@ class EnvWorkers:
         while True:
             self._queue.get().run()
 
-    def run(
-        self, fns: Sequence[Callable[[], Any]], timeout: float, after_timeout: Sequence[Callable[[Any], None] | None]
-    ) -> list[tuple[str, Any]]:
-        """Run ``fns`` concurrently; each result is ``("ok", value)``, ``("error", exc)``
-        or ``("timeout", None)`` (a call longer than ``timeout`` seconds from its start)."""
+    def submit(self, fns: Sequence[Callable[[], Any]]) -> list[_Call]:
+        """Queue ``fns`` (they start as threads free up) and return at once."""
         calls = [_Call(f) for f in fns]
         for c in calls:
             self._queue.put(c)
+        return calls
+
+    def collect(
+        self, calls: Sequence[_Call], timeout: float, after_timeout: Sequence[Callable[[Any], None] | None]
+    ) -> list[tuple[str, Any]]:
+        """Wait for submitted calls; each result is ``("ok", value)``, ``("error", exc)``
+        or ``("timeout", None)`` (a call longer than ``timeout`` seconds from its start)."""
         out: list[tuple[str, Any]] = []
         for c, after in zip(calls, after_timeout):
             c.started.wait()
@@ -145,6 +153,12 @@ class EnvWorkers:
             else:
                 out.append(("ok", c.value))
         return out
+
+    def run(
+        self, fns: Sequence[Callable[[], Any]], timeout: float, after_timeout: Sequence[Callable[[Any], None] | None]
+    ) -> list[tuple[str, Any]]:
+        """Run ``fns`` concurrently and wait for them (:meth:`submit` then :meth:`collect`)."""
+        return self.collect(self.submit(fns), timeout, after_timeout)
 
 
 # -- observations to tokens ----------------------------------------------------------
@@ -239,6 +253,19 @@ class MultiTurnOptions:
     step_timeout: float
     reward_gamma: float
     failed_trajectories: str  # "zero" | "exclude"
+    env_waves: int = 1  # trajectories split in this many waves that decode while the others' steps run
+
+
+@attrs.define
+class _Wave:
+    """Trajectories that decode together and then wait for their environment steps."""
+
+    index: int
+    live: list[int]  # trajectory indices still running
+    pending: list[list[int]]  # the next tokens to feed each (prompts, then observations)
+    conv: Any = None  # RolloutBatch of the conversations so far
+    turn: int = 0
+    calls: Any = None  # the submitted environment steps of the last turn
 
 
 @attrs.define
@@ -253,6 +280,11 @@ class Rollout:
 def trajectory_seed(seed: int, index: int) -> int:
     """The episode seed of one trajectory of a step: a pure function."""
     return (seed * 7_919 + index * 104_729 + 17) % (2**63 - 1)
+
+
+def wave_seed(seed: int, wave: int) -> int:
+    """The seed of one wave's engine calls (wave 0 keeps the step's seed)."""
+    return seed if wave == 0 else (seed * 65_537 + wave * 257 + 3) % (2**63 - 1)
 
 
 def turn_seed(seed: int, turn: int, part: int) -> int:
@@ -353,67 +385,76 @@ class MultiTurnRollout:
 
         finished: list[Any] = []  # (original indices, batch) of trajectories that ended
         gen_time, gen_tokens = 0.0, 0
-        conv = None
-        pending = [prompts[i] for i in live]
-        turn = 0
-        while live:
-            turn += 1
-            lens = [len(pending[k]) + (0 if conv is None else int(conv.seq_lens[k])) for k in range(len(live))]
+        n_waves = max(1, min(opt.env_waves, len(live)))
+        waves = deque(_Wave(index=w, live=[int(i) for i in chunk], pending=[prompts[int(i)] for i in chunk])
+                      for w, chunk in enumerate(np.array_split(np.asarray(live, dtype=np.int64), n_waves)))
+        # Each wave decodes, then its environment steps run in the worker threads while
+        # the other waves decode; it decodes again once all of its steps have answered.
+        # A wave's calls (members, seeds) depend only on its own history, so the
+        # trajectories are the same whatever order the waves happen to be served in.
+        while waves:
+            wave = waves.popleft()
+            if wave.calls is not None:
+                w0 = time.perf_counter()
+                answers = self.workers.collect(wave.calls, opt.step_timeout,
+                                               [(lambda _v, ep=episodes[i]: ep.close()) for i in wave.live])
+                env_wait += time.perf_counter() - w0
+                wave.calls = None
+                cont, obs_ids, done_k = [], [], []
+                conv, turn = wave.conv, wave.turn
+                for k, (status, value) in enumerate(answers):
+                    i = wave.live[k]
+                    if status == "ok":
+                        try:
+                            answer = _checked(value)
+                            nxt = None if answer.done else self.render.next(answer.observation)
+                        except EpisodeFailure:
+                            status = "malformed"
+                    if status != "ok":
+                        failed[i] = status
+                        if status == "timeout":
+                            episodes[i] = None  # closed by its thread once the step returns
+                        done_k.append(k)
+                        continue
+                    returns[i] += (opt.reward_gamma ** (turn - 1)) * answer.reward
+                    for name, v in answer.metrics.items():
+                        env_metrics[name].append(v)
+                    if answer.done:
+                        ended_by["done"] += 1
+                        done_k.append(k)
+                    elif turn >= opt.max_turns:
+                        ended_by["turn_limit"] += 1
+                        done_k.append(k)
+                    elif int(conv.seq_lens[k]) + len(nxt) + 1 > opt.max_total_tokens:
+                        ended_by["token_budget"] += 1
+                        done_k.append(k)
+                    else:
+                        cont.append(k)
+                        obs_ids.append(nxt)
+                if done_k:
+                    finished.append((np.asarray([wave.live[k] for k in done_k]), conv.select(done_k)))
+                if not cont:
+                    continue  # every trajectory of this wave ended
+                wave.conv = conv.select(cont) if len(cont) < len(wave.live) else conv
+                wave.live = [wave.live[k] for k in cont]
+                wave.pending = obs_ids
+
+            wave.turn += 1
+            live, conv = wave.live, wave.conv
+            lens = [len(wave.pending[k]) + (0 if conv is None else int(conv.seq_lens[k])) for k in range(len(live))]
             caps = [min(opt.max_new_tokens, opt.max_total_tokens - L) for L in lens]
             g0 = time.perf_counter()
             before = 0 if conv is None else int(conv.loss_mask.sum())
-            conv, responses = self._generate(conv, pending, caps, seed, turn)
+            conv, responses = self._generate(conv, wave.pending, caps, wave_seed(seed, wave.index), wave.turn)
             conv.group_ids = groups[np.asarray(live)]
             gen_time += time.perf_counter() - g0
             gen_tokens += int(conv.loss_mask.sum()) - before
             texts = [self._text(r) for r in responses]
-            turns[np.asarray(live)] = turn
-
-            def stepper(k: int) -> Callable[[], Any]:
-                ep, text = episodes[live[k]], texts[k]
-                return lambda: ep.step(text)
-
-            w0 = time.perf_counter()
-            answers = self.workers.run([stepper(k) for k in range(len(live))], opt.step_timeout,
-                                       [(lambda _v, ep=episodes[i]: ep.close()) for i in live])
-            env_wait += time.perf_counter() - w0
-            cont, obs_ids, done_k = [], [], []
-            for k, (status, value) in enumerate(answers):
-                i = live[k]
-                if status == "ok":
-                    try:
-                        answer = _checked(value)
-                        nxt = None if answer.done else self.render.next(answer.observation)
-                    except EpisodeFailure:
-                        status = "malformed"
-                if status != "ok":
-                    failed[i] = status
-                    if status == "timeout":
-                        episodes[i] = None  # closed by its thread once the step returns
-                    done_k.append(k)
-                    continue
-                returns[i] += (opt.reward_gamma ** (turn - 1)) * answer.reward
-                for name, v in answer.metrics.items():
-                    env_metrics[name].append(v)
-                if answer.done:
-                    ended_by["done"] += 1
-                    done_k.append(k)
-                elif turn >= opt.max_turns:
-                    ended_by["turn_limit"] += 1
-                    done_k.append(k)
-                elif int(conv.seq_lens[k]) + len(nxt) + 1 > opt.max_total_tokens:
-                    ended_by["token_budget"] += 1
-                    done_k.append(k)
-                else:
-                    cont.append(k)
-                    obs_ids.append(nxt)
-            if done_k:
-                finished.append((np.asarray([live[k] for k in done_k]), conv.select(done_k)))
-            if not cont:
-                break
-            conv = conv.select(cont) if len(cont) < len(live) else conv
-            live = [live[k] for k in cont]
-            pending = obs_ids
+            turns[np.asarray(live)] = wave.turn
+            wave.conv, wave.pending = conv, []
+            wave.calls = self.workers.submit(
+                [(lambda ep=episodes[i], text=text: ep.step(text)) for i, text in zip(live, texts)])
+            waves.append(wave)
 
         # Close every episode still held (abandoned ones close in their own thread).
         open_eps = [ep for ep in episodes if ep is not None]

@@ -83,6 +83,11 @@ class RLConfig:
         "all ('exclude')", validator=one_of("zero", "exclude"),
     )
     env_workers: int = option(16, help="multi-turn: threads running environment steps concurrently", validator=gt(0))
+    env_waves: int = option(
+        1, help="multi-turn: split the trajectories in this many waves; a wave's environment steps run while the "
+        "others decode (1: decode and steps take turns; 2+ hides slow tools at the cost of smaller decode batches)",
+        validator=gt(0),
+    )
 
 
 def step_seed(seed: int, step: int, round_: int = 0) -> int:
@@ -183,6 +188,7 @@ class RLDriver:
         options = MultiTurnOptions(
             max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens, max_new_tokens=cfg.max_new_tokens,
             step_timeout=cfg.step_timeout, reward_gamma=cfg.reward_gamma, failed_trajectories=cfg.failed_trajectories,
+            env_waves=cfg.env_waves,
         )
         self.multiturn = MultiTurnRollout(
             self.environment, self.engine, self.sampler, self.tokenizer, self.loaded.stop_token_ids, options,

@@ -267,3 +267,117 @@ def test_chat_observations_render_only_the_new_messages(skyrl_host) -> None:
     for bad in ([{"role": "user"}], [999], 3.5, [1.5]):
         with pytest.raises(EpisodeFailure):
             render.next(bad)
+
+
+class Timed(Scripted):
+    """Scripted, with each step taking ``delay(seed, turn)`` seconds; records when each
+    step ran."""
+
+    def __init__(self, turns, delay):
+        super().__init__(turns=turns)
+        self.delay, self.spans = delay, []
+
+    def episode(self, task, *, seed):
+        ep = super().episode(task, seed=seed)
+        inner, env = ep.step, self
+
+        def step(response):
+            t0 = time.monotonic()
+            time.sleep(env.delay(seed, len(env.seen[seed])))
+            out = inner(response)
+            with env.lock:
+                env.spans.append((t0, time.monotonic()))
+            return out
+
+        ep.step = step
+        return ep
+
+
+class TimedEngine(Recording):
+    """Recording, with the wall-clock span of every engine call."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.spans = []
+
+    def generate(self, prompts, **kw):
+        t0 = time.monotonic()
+        out = super().generate(prompts, **kw)
+        self.spans.append((t0, time.monotonic()))
+        return out
+
+    def continue_turn(self, history, turns, **kw):
+        t0 = time.monotonic()
+        out = super().continue_turn(history, turns, **kw)
+        self.spans.append((t0, time.monotonic()))
+        return out
+
+
+def wave_rollout(skyrl_host, env, loaded, waves, n=2, tasks=None, **options):
+    engine = make(skyrl_host, "engines", "embedded")
+    engine.start(loaded)
+    rec = TimedEngine(engine)
+    sampler = make(skyrl_host, "samplers", "temperature", temperature=1.0)
+    opts = dict(max_turns=8, max_total_tokens=200, max_new_tokens=6, step_timeout=5.0, reward_gamma=1.0,
+                failed_trajectories="zero", env_waves=waves)
+    opts.update(options)
+    mt = MultiTurnRollout(env, rec, sampler, loaded.tokenizer, loaded.stop_token_ids, MultiTurnOptions(**opts),
+                          EnvWorkers(16))
+    tasks = tasks or [Task(prompt="12:"), Task(prompt="345:"), Task(prompt="6:"), Task(prompt="78:")]
+    return mt.run(tasks, n, seed=11), rec
+
+
+@pytest.mark.parametrize("waves", [1, 3])
+def test_every_row_is_its_responses_and_observations_with_waves(skyrl_host, waves: int) -> None:
+    """Whatever the wave count, each trajectory's row is its prompt, then each response
+    (the loss-masked runs, whose text is what the environment saw), then the rendered
+    observation; 3 waves make 3 engine calls per turn."""
+    loaded = loaded_model(skyrl_host)
+    tok, stop = loaded.tokenizer, set(loaded.stop_token_ids)
+    env = Scripted(turns=3, ids=[5, 6])
+    out, rec = wave_rollout(skyrl_host, env, loaded, waves)
+    batch = out.batch
+    assert batch.n_sequences == 8 and len(rec.responses) == 3 * waves
+    obs = [list(tok.encode("ab:", add_special_tokens=False)), [5, 6]]
+    prompts = ["12:", "345:", "6:", "78:"]
+    for i in range(8):
+        row, lo, hi = batch.sequence(i).tolist(), batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+        mask = batch.loss_mask[lo:hi].tolist()
+        p = len(tok.encode(prompts[i // 2]))
+        assert row[:p] == list(tok.encode(prompts[i // 2])) and not any(mask[:p])
+        runs, k = [], p  # split the rest into (generated, observation) runs
+        while k < len(row):
+            j = k
+            while j < len(row) and mask[j] == mask[k]:
+                j += 1
+            runs.append((mask[k], row[k:j]))
+            k = j
+        gen = [ids for m, ids in runs if m == 1]
+        assert [ids for m, ids in runs if m == 0] == obs[: len(gen) - 1]
+        texts = [tok.decode([t for t in ids if t not in stop], skip_special_tokens=False) for ids in gen]
+        assert env.seen[trajectory_seed(11, i)] == texts and len(texts) == 3
+        assert out.rewards[i] == pytest.approx(2.0 + len(texts[-1]))
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_waves_overlap_slow_steps_with_decoding_and_stay_deterministic(skyrl_host) -> None:
+    """Two waves: while one wave's (slow) environment steps run, the engine serves the
+    other wave, so engine calls fall inside step spans; the environment wait is cut
+    against one wave. Jittered step latencies change nothing in the trajectories."""
+    loaded = loaded_model(skyrl_host)
+    slow = Timed(3, lambda seed, t: 0.25)
+    out1, _ = wave_rollout(skyrl_host, slow, loaded, 1)
+    env = Timed(3, lambda seed, t: 0.25)
+    out2, rec = wave_rollout(skyrl_host, env, loaded, 2)
+    def covered(c):  # the share of an engine call during which some environment step was running
+        return max(max(0.0, min(c[1], s1) - max(c[0], s0)) for s0, s1 in env.spans) / (c[1] - c[0])
+
+    inside = [c for c in rec.spans if covered(c) > 0.9]
+    assert len(inside) >= 3, (rec.spans, env.spans)  # engine calls ran during environment steps
+    assert out2.metrics["env_wait_time_s"] < out1.metrics["env_wait_time_s"]
+    jitter = Timed(3, lambda seed, t: (seed * 7 + t * 13) % 5 * 0.03)
+    out3, _ = wave_rollout(skyrl_host, jitter, loaded, 2)
+    for i in range(8):
+        assert out3.batch.sequence(i).tolist() == out2.batch.sequence(i).tolist()
+    np.testing.assert_array_equal(out3.batch.logprobs, out2.batch.logprobs)
+    np.testing.assert_array_equal(out3.rewards, out2.rewards)

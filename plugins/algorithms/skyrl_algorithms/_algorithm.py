@@ -40,6 +40,15 @@ class PolicyGradient:
         return self.needs_reference and bool(self.config.kl_in_reward)
 
     @property
+    def off_policy(self) -> str:
+        """The off-policy correction the loss applies against the engine's logprobs:
+        'none', 'tis', 'mis', 'icepop' or 'decoupled' (``tis_cap > 0`` reads 'tis')."""
+        c = self.config
+        if c.decoupled:
+            return "decoupled"
+        return "tis" if c.tis_cap > 0 else c.off_policy
+
+    @property
     def dynamic_sampling(self) -> bool:
         return bool(self.config.dynamic_sampling)
 
@@ -136,4 +145,10 @@ class PolicyGradient:
             kl_estimator=c.kl_estimator,
             kl_in_loss=not c.kl_in_reward,
             tis_cap=c.tis_cap,
+            off_policy=c.off_policy,
+            off_policy_level=c.off_policy_level,
+            off_policy_cap=c.off_policy_cap,
+            icepop_beta=c.icepop_beta,
+            icepop_alpha=c.icepop_alpha,
+            decoupled=c.decoupled,
         )

@@ -1,5 +1,7 @@
 """The policy loss in torch (no hooks here): PPO-clip, dual-clip, GSPO's sequence
-ratio, KL estimators, truncated importance sampling and the loss aggregations.
+ratio, KL estimators, the off-policy corrections (truncated and masked importance
+sampling at token or sequence level, IcePop, decoupled PPO) and the loss
+aggregations.
 
 :func:`policy_loss` returns one micro-batch's *share* of the step loss: every
 normaliser is a whole-step quantity (``global_tokens``, ``global_seqs``,
@@ -25,6 +27,8 @@ from skyrl_host.kl import kl_estimate
 
 LOG_RATIO_LIMIT = 20.0  # log-ratios are clamped to [-20, 20] before exp (inf-safe)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+OFF_POLICY_MODES = ("none", "tis", "mis", "icepop")
+OFF_POLICY_LEVELS = ("token", "sequence", "geometric")
 
 
 def _per_seq_sum(values: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int) -> torch.Tensor:
@@ -58,6 +62,78 @@ def token_weights(
     raise ValueError(f"unknown loss_agg {loss_agg!r}; expected one of {', '.join(AGG_MODES)}")
 
 
+def off_policy_weights(
+    inputs: Any,
+    mode: str,
+    *,
+    level: str = "token",
+    cap: float | None = None,
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """w [N] (detached, 0 outside the mask) by which each token's policy loss is
+    multiplied, and its metrics (means over the micro-batch's loss tokens).
+
+    With ``d_t = logp_old_t - logp_engine_t`` (proximal over behaviour, in log) on
+    the loss tokens, the ratio ``rho`` is ``exp(d_t)`` per token (``level =
+    "token"``), ``exp(sum_{t in i} d_t)`` for every token of sequence ``i``
+    (``"sequence"``: the sequence's likelihood ratio) or ``exp(mean_{t in i} d_t)``
+    (``"geometric"``). Then::
+
+        "tis":    w = min(rho, cap)
+        "mis":    w = rho if rho <= cap else 0
+        "icepop": w = rho if low <= rho <= high else 0         (token level)
+        "is":     w = rho                                      (decoupled PPO without a cap)
+    """
+    logp = inputs.logprobs
+    mask = inputs.mask.to(logp.dtype)
+    on = mask != 0
+    zero = torch.zeros_like(logp)
+    old = inputs.old_logprobs.to(logp.dtype).detach()
+    engine = inputs.engine_logprobs.to(logp.dtype).detach()
+    delta = torch.where(on, old - engine, zero)
+    if level == "token":
+        log_rho = delta
+    elif level in ("sequence", "geometric"):
+        seq_ids = inputs.seq_ids.to(device=logp.device, dtype=torch.long)
+        per_seq = _per_seq_sum(delta, seq_ids, inputs.n_seqs)
+        if level == "geometric":
+            per_seq = per_seq / _per_seq_sum(mask, seq_ids, inputs.n_seqs).clamp(min=1.0)
+        log_rho = torch.where(on, per_seq[seq_ids], zero)
+    else:
+        raise ValueError(f"unknown off_policy_level {level!r}; expected one of {', '.join(OFF_POLICY_LEVELS)}")
+    rho = torch.exp(log_rho.clamp(max=LOG_RATIO_LIMIT))
+
+    dropped = None  # tokens whose weight the mask set to 0
+    truncated = None  # tokens whose ratio the cap cut
+    if mode == "tis":
+        w = rho.clamp(max=cap)
+        truncated = on & (rho > cap)
+    elif mode == "mis":
+        dropped = on & (rho > cap)
+    elif mode == "icepop":
+        dropped = on & ((rho < low) | (rho > high))
+    elif mode != "is":
+        raise ValueError(f"unknown off-policy correction {mode!r}; expected one of {', '.join(OFF_POLICY_MODES)}")
+    if mode != "tis":
+        w = rho if dropped is None else torch.where(dropped, zero, rho)
+    w = torch.where(on, w, zero).detach()
+
+    share = mask / max(float(mask.sum()), 1.0)
+    d = delta.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    metrics = {
+        "off_policy_weight_mean": (share * w).sum(),
+        "off_policy_ratio_mean": (share * torch.where(on, rho, zero)).sum(),
+        # k3 estimate of KL(behaviour || proximal) on the behaviour's samples: rho - 1 - log rho, per token
+        "off_policy_kl": (share * torch.where(on, torch.exp(d) - 1.0 - d, zero)).sum(),
+    }
+    if dropped is not None:
+        metrics["off_policy_masked_fraction"] = (share * dropped.to(share.dtype)).sum()
+    if truncated is not None:
+        metrics["off_policy_truncated_fraction"] = (share * truncated.to(share.dtype)).sum()
+    return w, {k: v.detach() for k, v in metrics.items()}
+
+
 def policy_loss(
     inputs: Any,
     *,
@@ -70,6 +146,12 @@ def policy_loss(
     kl_estimator: str = "k3",
     kl_in_loss: bool = True,
     tis_cap: float = 0.0,
+    off_policy: str = "none",
+    off_policy_level: str = "token",
+    off_policy_cap: float | None = None,
+    icepop_beta: float | None = None,
+    icepop_alpha: float | None = None,
+    decoupled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the step loss and its metrics (detached).
 
@@ -78,8 +160,15 @@ def policy_loss(
 
         pg_t = max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A)
         pg_t = min(pg_t, c |A|)                 if A < 0 and dual_clip_c = c > 0
-        pg_t = pg_t * min(exp(logp_old - logp_engine), tis_cap)   (detached; tis_cap > 0)
+        pg_t = pg_t * c_t                       (detached; the off-policy correction, if any)
         loss = sum_t w_t pg_t + kl_coef * sum_t w_t kl_t      (w_t: token_weights of loss_agg)
+
+    ``c_t`` comes from :func:`off_policy_weights`: ``off_policy`` with
+    ``off_policy_level`` and ``off_policy_cap`` ("tis", "mis"), or ``icepop_beta`` and
+    ``icepop_alpha`` (default ``1 / icepop_beta``) ("icepop"); ``decoupled``: ``c_t =
+    exp(logp_old - logp_engine)``, 0 where that exceeds ``off_policy_cap`` (if set);
+    ``tis_cap = C > 0`` is ``off_policy = "tis"`` at token level with cap ``C`` (and
+    also reports ``tis_weight_mean``).
 
     ``r = exp(logp - logp_old)`` for ``ratio_level="token"``; for ``"sequence"``
     (GSPO-token) ``r = sg[s_i] * exp(logp - sg[logp])`` with ``s_i = exp(mean over
@@ -117,11 +206,25 @@ def policy_loss(
         negative = adv < 0
         dual_active = negative & (pg > bound)
         pg = torch.where(negative, torch.minimum(pg, bound), pg)
-    tis = None
-    if tis_cap > 0:
-        engine = inputs.engine_logprobs.to(logp.dtype)
-        tis = torch.exp(torch.where(on, old - engine, zero).clamp(max=LOG_RATIO_LIMIT)).clamp(max=tis_cap).detach()
-        pg = pg * tis
+    mode, level, cap, legacy_tis = off_policy, off_policy_level, off_policy_cap, False
+    if tis_cap > 0 and not decoupled and mode in ("none", "tis") and level == "token" and cap in (None, tis_cap):
+        mode, cap, legacy_tis = "tis", tis_cap, True
+    elif tis_cap > 0:
+        raise ValueError("tis_cap conflicts with the off_policy options: set one of them")
+    if decoupled:
+        if mode != "none" or level != "token":
+            raise ValueError("decoupled weights tokens by the behaviour ratio itself: off_policy must be 'none'")
+        mode = "mis" if cap is not None else "is"
+    correction = None
+    if mode != "none":
+        if mode in ("tis", "mis") and cap is None:
+            raise ValueError(f"off_policy {mode!r} needs off_policy_cap")
+        if mode == "icepop" and icepop_beta is None:
+            raise ValueError("off_policy 'icepop' needs icepop_beta")
+        high = icepop_beta
+        low = None if high is None else (icepop_alpha if icepop_alpha is not None else 1.0 / high)
+        correction, off_metrics = off_policy_weights(inputs, mode, level=level, cap=cap, low=low, high=high)
+        pg = pg * correction
 
     weights = token_weights(
         mask,
@@ -145,8 +248,10 @@ def policy_loss(
     }
     if dual_active is not None:
         metrics["dual_clip_fraction"] = (share * dual_active.to(share.dtype)).sum()
-    if tis is not None:
-        metrics["tis_weight_mean"] = (share * tis).sum()
+    if correction is not None:
+        metrics.update(off_metrics)
+        if legacy_tis:
+            metrics["tis_weight_mean"] = off_metrics["off_policy_weight_mean"]
 
     ref = inputs.ref_logprobs
     use_kl = kl_in_loss and kl_coef > 0

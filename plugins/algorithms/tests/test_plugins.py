@@ -51,7 +51,8 @@ DEFAULTS = {
                  ratio_level="token", dynamic_sampling=False, overlong_shaping=False),
 }
 SHARED = dict(dual_clip_c=0.0, tis_cap=0.0, std="population", eps=1e-6, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
-              overlong_buffer=None, overlong_penalty=1.0, max_refill_rounds=10)
+              overlong_buffer=None, overlong_penalty=1.0, max_refill_rounds=10, off_policy="none",
+              off_policy_level="token", off_policy_cap=None, icepop_beta=None, icepop_alpha=None, decoupled=False)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -1,7 +1,7 @@
 """python_tool: the model may run Python before it answers.
 
 A response holding ``<python>CODE</python>`` (the tag is an option) is a tool call:
-the environment runs CODE in the sandbox (:mod:`skyrl_environments._sandbox`: its
+the environment runs CODE in the sandbox (:mod:`skyrl_environments.sandbox`: its
 own namespaces, no network, no access to the job's files, wall-clock, CPU, memory
 and process limits) and answers with what it printed, as the next observation::
 
@@ -74,7 +74,7 @@ class PythonToolConfig:
 
 
 def _limits(config: PythonToolConfig):
-    from skyrl_environments._sandbox import SandboxLimits
+    from skyrl_environments.sandbox import SandboxLimits
 
     return SandboxLimits(
         wall_seconds=config.wall_seconds, cpu_seconds=config.cpu_seconds,
@@ -143,7 +143,7 @@ class PythonToolEpisode:
         return rest if end < 0 else rest[:end]
 
     def step(self, response: str) -> EnvStep:
-        from skyrl_environments._sandbox import run_python
+        from skyrl_environments.sandbox import run_python
 
         code = self.find_code(response) if self.calls < self.env.config.max_tool_calls else None
         if code is None:
@@ -169,7 +169,7 @@ class PythonTool:
     """The environment (a :class:`skyrl_host.interfaces.Environment`)."""
 
     def __init__(self, config: PythonToolConfig, dataset: Any = None, seed: int = 0):
-        from skyrl_environments._sandbox import SandboxUnavailable, run_python
+        from skyrl_environments.sandbox import SandboxUnavailable, run_python
 
         if dataset is None or not callable(getattr(dataset, "reward", None)):
             raise UserError("[environment] name = \"python_tool\" scores final answers with the dataset's "

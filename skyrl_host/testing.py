@@ -211,7 +211,7 @@ def step_rows(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 #: Metrics that measure the clock, not what was learned.
 TIMING_METRICS = frozenset({"time", "step_time", "step_time_s", "data_time_s", "tokens_per_s", "gen_tokens_per_s",
-                            "train_tokens_per_s"})
+                            "train_tokens_per_s", "engine_idle_fraction"})
 _TIMING_SUFFIXES = ("_time", "_time_s", "_seconds", "_tokens_per_s")
 
 

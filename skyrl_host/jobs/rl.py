@@ -24,10 +24,12 @@ from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
+    AdapterTraining,
     CharacterAlphabet,
     PlacementRequest,
     RewardKL,
     RewardMetrics,
+    SharedWeights,
     TokenizerLoading,
     TurnContinuation,
 )
@@ -83,6 +85,14 @@ class RLConfig:
         "all ('exclude')", validator=one_of("zero", "exclude"),
     )
     env_workers: int = option(16, help="multi-turn: threads running environment steps concurrently", validator=gt(0))
+    mode: str = option(
+        "sync", help="'sync': generate, then train, each step; 'async': a thread generates the coming steps' "
+        "rollouts while the trainer trains (skyrl_host.asyncrl)", validator=one_of("sync", "async"),
+    )
+    max_staleness: int = option(
+        1, help="async: a trained sample is at most this many weight versions behind the trainer (step t is "
+        "generated with version t-1-k; 0 = the synchronous schedule)", validator=ge(0),
+    )
     env_waves: int = option(
         1, help="multi-turn: split the trajectories in this many waves; a wave's environment steps run while the "
         "others decode (1: decode and steps take turns; 2+ hides slow tools at the cost of smaller decode batches)",
@@ -138,6 +148,8 @@ class RLDriver:
         self.cfg: RLConfig = run.spec.kind_config
         self.seed = run.spec.job.seed
         self.placement: Any = None
+        self.pipeline: Any = None  # async mode: the rollout thread (skyrl_host.asyncrl.RolloutPipeline)
+        self._saved_rollouts: dict[int, Any] = {}  # async resume: rollouts generated before the checkpoint
         self._chat_checked = False  # the tokenizer's chat template is checked at the first chat prompt
 
     # -- set-up ----------------------------------------------------------------
@@ -175,6 +187,27 @@ class RLDriver:
         if not isinstance(self.environment, SingleTurn):
             self._start_multiturn()
         self._publish(self.start_step - 1)
+        if cfg.mode == "async":
+            self._start_async()
+
+    def _start_async(self) -> None:
+        from skyrl_host.asyncrl import RolloutPipeline
+
+        if has(self.engine, SharedWeights) and self.engine.shares_weights and not (
+                has(self.backend, AdapterTraining) and self.backend.adapter_config() is not None):
+            raise UserError(
+                "[job] mode = \"async\": the engine serves the trainer's own weight tensors, which training changes "
+                "while the engine generates; give the engine a copy of its own ([engine] share_weights = false) or "
+                "run mode = \"sync\""
+            )
+        import torch
+
+        threads = torch.get_num_threads()  # a new thread starts with the default count, not the job's
+        self.pipeline = RolloutPipeline(
+            self._rollout, first=self.start_step, last=self.run_.total_steps, max_staleness=self.cfg.max_staleness,
+            version=self.start_step - 1, saved=self._saved_rollouts, on_start=lambda: torch.set_num_threads(threads),
+        )
+        self._saved_rollouts = {}
 
     def _start_multiturn(self) -> None:
         from skyrl_host.multiturn import EnvWorkers, MultiTurnOptions, MultiTurnRollout
@@ -213,6 +246,9 @@ class RLDriver:
 
     def close(self) -> None:
         """Stop what the launcher started (also after a failed start)."""
+        pipeline, self.pipeline = self.pipeline, None
+        if pipeline is not None:
+            pipeline.close()
         placement, self.placement = self.placement, None
         if placement is not None:
             placement.close()
@@ -339,19 +375,32 @@ class RLDriver:
         metrics.update(out.metrics)
         return batch, rewards, metrics, out.gen_time, out.gen_tokens
 
+    def _rollout(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
+        """Generate and score step ``step``'s samples (in async mode, in the rollout thread)."""
+        if self.multiturn is None:
+            batch, rewards, metrics, gen_time, gen_tokens = self._single_turn(step)
+        else:
+            batch, rewards, metrics, gen_time, gen_tokens = self._multi_turn(step)
+        if has(self.dataset, RewardMetrics):  # e.g. answers the math verifier could not parse
+            metrics.update({k: float(v) for k, v in self.dataset.reward_metrics().items()})
+        return batch, rewards, metrics, gen_time, gen_tokens
+
     def step(self, step: int) -> dict[str, float]:
         import numpy as np
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        if self.multiturn is None:
-            batch, rewards, metrics, gen_time, gen_tokens = self._single_turn(step)
-            max_len = cfg.max_new_tokens
+        max_len = cfg.max_new_tokens if self.multiturn is None else cfg.max_total_tokens
+        if self.pipeline is None:
+            batch, rewards, metrics, gen_time, gen_tokens = self._rollout(step)
         else:
-            batch, rewards, metrics, gen_time, gen_tokens = self._multi_turn(step)
-            max_len = cfg.max_total_tokens
-        if has(self.dataset, RewardMetrics):  # e.g. answers the math verifier could not parse
-            metrics.update({k: float(v) for k, v in self.dataset.reward_metrics().items()})
+            (batch, rewards, metrics, gen_time, gen_tokens), waited = self.pipeline.take(step)
+            metrics = dict(metrics)
+            metrics["rollout_wait_time_s"] = waited
+            if batch.n_sequences > 0:
+                staleness = (step - 1) - np.asarray(batch.versions, dtype=np.float64)
+                metrics["staleness_mean"] = float(staleness.mean())
+                metrics["staleness_max"] = float(staleness.max())
         if batch.n_sequences > 0 and self.kl_in_reward:
             # KL against the reference policy as a reward penalty (instead of a loss term).
             ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)
@@ -368,10 +417,17 @@ class RLDriver:
             # The backend's own timings are superseded by the driver's, measured alike for every backend.
             metrics.update({k: float(v) for k, v in train.items() if k not in ("tokens_per_s", "step_time_s")})
             metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
-        sync = self._publish(step)
+        if self.pipeline is None:
+            sync = self._publish(step)
+        else:
+            sync, waited = self.pipeline.publish(step, self._publish)
+            metrics["publish_wait_time_s"] = waited
         metrics.update({k: float(v) for k, v in sync.items()})
         metrics["gen_tokens_per_s"] = float(gen_tokens / max(gen_time, 1e-9))
         metrics["step_time"] = time.perf_counter() - t0
+        if self.pipeline is not None:
+            busy, self.pipeline.busy_s = self.pipeline.busy_s, 0.0
+            metrics["engine_idle_fraction"] = max(0.0, 1.0 - busy / max(metrics["step_time"], 1e-9))
         return metrics
 
     # -- checkpoints ----------------------------------------------------------------
@@ -383,6 +439,9 @@ class RLDriver:
             torch.save(self.backend.state_dict(), folder / "backend.pt")
             save_rng(folder / "rng.pt")
             (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
+            if self.pipeline is not None:  # generated, not trained yet: made with weights a resume cannot remake
+                pending = self.pipeline.pending()
+                torch.save({"steps": sorted(pending), "rollouts": pending}, folder / "rollouts.pt")
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:
         import torch
@@ -394,6 +453,12 @@ class RLDriver:
             raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
         load_backend_state(folder, self.backend, state)
         restore_rng(rng)
+        if self.cfg.mode == "async" and (folder / "rollouts.pt").is_file():
+            try:
+                saved = torch.load(folder / "rollouts.pt", weights_only=False)
+            except (OSError, RuntimeError) as exc:
+                raise UserError(f"--resume: cannot read checkpoint {folder / 'rollouts.pt'}: {exc}") from None
+            self._saved_rollouts = dict(saved["rollouts"])
 
     def _save_final(self) -> None:
         self.placement.save_final(str(self.run_.output_dir / "final"))

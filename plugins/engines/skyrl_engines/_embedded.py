@@ -151,7 +151,8 @@ class EmbeddedEngine:
         first = next(source.parameters())
         dtype = first.dtype if self.config.dtype == "auto" else _DTYPES[self.config.dtype]
         device = resolve_device(getattr(self.config, "device", "auto"), first.device)
-        self.model, self.shares_weights = engine_model(source, dtype, device)
+        self.model, self.shares_weights = engine_model(source, dtype, device,
+                                                       share=getattr(self.config, "share_weights", True))
         self._own_module = self.model is not source
         if self._own_module:
             self.model.eval()

@@ -36,19 +36,20 @@ def resolve_device(requested: str, model_device: torch.device) -> torch.device:
 
 
 def engine_model(model: torch.nn.Module, dtype: torch.dtype,
-                 device: torch.device | None = None) -> tuple[torch.nn.Module, bool]:
+                 device: torch.device | None = None, share: bool = True) -> tuple[torch.nn.Module, bool]:
     """A module to serve ``model`` in ``dtype`` on ``device`` (default: where its
     parameters are): the module tree is copied (so the engine has its own eval/train
     flags and never changes the caller's), the parameters and buffers are the caller's
     own tensors when their dtype and device already are ``dtype`` and ``device``,
-    converted copies otherwise. Returns (module, shares_all_params)."""
+    converted copies otherwise (``share=False``: copies always). Returns
+    (module, shares_all_params)."""
     memo: dict[int, Any] = {}
     shared = True
     for p in model.parameters():
         dev = p.device if device is None else device
-        if (p.is_floating_point() and p.dtype != dtype) or p.device != dev:
+        if not share or (p.is_floating_point() and p.dtype != dtype) or p.device != dev:
             to = dtype if p.is_floating_point() else p.dtype
-            memo[id(p)] = torch.nn.Parameter(p.detach().to(device=dev, dtype=to), requires_grad=False)
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(device=dev, dtype=to, copy=True), requires_grad=False)
             shared = False
         else:
             memo[id(p)] = p

@@ -48,6 +48,12 @@ class EmbeddedConfig:
         "auto",
         help="dtype the engine computes in; 'auto' = the model's own (then its parameters are shared, not copied)",
     )
+    share_weights: bool = option(
+        True,
+        help="serve the trainer's own parameter tensors where dtype and device match (nothing copied at a sync); "
+        "false: keep a copy of its own, which async RL ([job] mode = \"async\") needs since training changes the "
+        "trainer's tensors while the engine generates",
+    )
     device: str = option(
         "auto",
         help="where the engine builds its model and generates: 'auto' (CUDA when present, else the model's own "

@@ -1,0 +1,140 @@
+"""Asynchronous RL (``[job] mode = "async"``): generation runs ahead of training.
+
+A producer thread generates the rollouts of the coming steps while the trainer trains
+on the ones already generated. The staleness bound ``max_staleness = k`` fixes which
+weights generate which step: the rollout of step ``t`` is generated with weight version
+``max(v0, t - 1 - k)`` (``v0``: the version the run started from), and it is trained at
+step ``t``, after version ``t - 1``, so every trained sample is at most ``k`` versions
+behind the trainer (exactly ``k`` once the pipeline is full). ``k = 0`` is the
+synchronous loop.
+
+Two waits enforce it, and they make the schedule independent of timing: the producer
+waits for version ``t - 1 - k`` before it generates step ``t``, and the trainer waits
+before it publishes version ``v`` until every step that must be generated with an older
+version (steps up to ``v + k``) has been. So weights are only handed over while the
+engine is idle, a rollout never mixes versions, and a run is the same pure function of
+the seed as a synchronous one.
+
+Resume: a checkpoint after step ``s`` holds the rollouts of steps ``s + 1 ..`` that are
+already generated (made with versions older than ``s``, which a resumed run could not
+remake); the step being generated, if any, uses version ``s`` and is generated again
+after the resume. Every step's prompts are the dataset's prompts of that step, so no
+prompt is trained twice or lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+
+class ProducerFailed(Exception):
+    """The rollout thread failed; raised in the trainer's thread with the cause chained."""
+
+
+class RolloutPipeline:
+    """Generates ``rollout(step)`` for steps ``first .. last`` in a thread, ``k`` steps ahead.
+
+    ``rollout(step)`` returns whatever the trainer consumes (a tuple); ``saved`` maps
+    steps to rollouts restored from a checkpoint (generated before the resume);
+    ``on_start()`` runs first in the thread (per-thread settings, e.g. torch's thread count,
+    which a new thread does not inherit)."""
+
+    def __init__(
+        self, rollout: Callable[[int], Any], *, first: int, last: int, max_staleness: int, version: int,
+        saved: Mapping[int, Any] | None = None, on_start: Callable[[], None] | None = None,
+    ):
+        self.rollout_fn, self.first, self.last, self.k = rollout, first, last, max_staleness
+        self.on_start = on_start
+        self.v0 = version  # the version published when the run (re)started
+        self.published = version
+        self.ready: dict[int, Any] = dict(saved or {})
+        self.generated = max([first - 1, *self.ready])  # steps up to here are generated (or restored)
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self.busy_s = 0.0  # time the producer spent generating
+        self.wait_s = 0.0  # time the producer waited for weights
+        self._thread = threading.Thread(target=self._loop, name="skyrl-rollouts", daemon=True)
+        self._thread.start()
+
+    def version_for(self, step: int) -> int:
+        """The weight version that generates ``step``'s rollout."""
+        return max(self.v0, step - 1 - self.k)
+
+    # -- the producer ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        step = self.generated + 1
+        try:
+            if self.on_start is not None:
+                self.on_start()
+            while step <= self.last:
+                need = self.version_for(step)
+                w0 = time.perf_counter()
+                with self._cond:
+                    while self.published < need and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    if self.published != need:  # never: publish() waits for this step first
+                        raise RuntimeError(f"step {step} needs version {need}, the engine holds {self.published}")
+                self.wait_s += time.perf_counter() - w0
+                g0 = time.perf_counter()
+                out = self.rollout_fn(step)
+                self.busy_s += time.perf_counter() - g0
+                with self._cond:
+                    self.ready[step] = out
+                    self.generated = step
+                    self._cond.notify_all()
+                step += 1
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    # -- the trainer's side ----------------------------------------------------------------
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise ProducerFailed(f"the rollout thread failed: {self._error}") from self._error
+
+    def take(self, step: int) -> tuple[Any, float]:
+        """``step``'s rollout (waiting for it) and the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while step not in self.ready:
+                self._raise()
+                self._cond.wait()
+            out = self.ready.pop(step)
+        return out, time.perf_counter() - t0
+
+    def publish(self, version: int, publish: Callable[[int], Any]) -> tuple[Any, float]:
+        """Hand version ``version`` to the engine with ``publish(version)`` once every step
+        that older weights must generate is generated (the engine is then idle); returns
+        what ``publish`` returned and the seconds waited."""
+        t0 = time.perf_counter()
+        upto = min(self.last, version + self.k)
+        with self._cond:
+            while self.generated < upto:
+                self._raise()
+                self._cond.wait()
+        waited = time.perf_counter() - t0
+        out = publish(version)
+        with self._cond:
+            self.published = version
+            self._cond.notify_all()
+        return out, waited
+
+    def pending(self) -> dict[int, Any]:
+        """The generated rollouts not trained yet (for a checkpoint)."""
+        with self._cond:
+            return dict(self.ready)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        # A rollout in progress is not interrupted; the thread is a daemon and ends with it.
+        self._thread.join(timeout=0.1)

@@ -52,7 +52,7 @@ import torch
 from skyrl_engines._adapters import EngineAdapters
 from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment
 from skyrl_engines._indexer_capture import IndexerCapture
-from skyrl_engines._kv_cache import make_cache, select_rows
+from skyrl_engines._kv_cache import TurnCache, cache_with_prefix, make_cache, reusable_layers, row_kv, select_rows
 from skyrl_engines._served_model import copy_weights, engine_model, resolve_device
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
@@ -136,6 +136,7 @@ class EmbeddedEngine:
         self.last_update: dict[str, int] = {}
         self._hooks: Any = None  # RouterHooks when return_routed_experts
         self._indexers: IndexerCapture | None = None  # also then, on a model with a sparse-attention indexer
+        self._turns: TurnCache | None = None  # conversations' KV between continue_turn calls
         self.routers: list[Any] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -202,6 +203,11 @@ class EmbeddedEngine:
             self.route_dtype = expert_dtype(self._hooks.n_experts)
             if indexer_paths(self.model):  # GLM-5, DeepSeek-V3.2: r3 replays the indexer's key picks too
                 self._indexers = IndexerCapture(self.model)
+        budget = int(getattr(self.config, "turn_cache_mb", 0)) << 20
+        # Conversations keep their KV between turns where every layer is full attention
+        # and no routes are recorded (those re-prefill the history with its routes forced).
+        self._turns = (TurnCache(budget) if budget and self._hooks is None and reusable_layers(self.model.config)
+                       else None)
 
     @property
     def weight_version(self) -> int:
@@ -231,6 +237,8 @@ class EmbeddedEngine:
             named_tensors = self.precision.unpack(named_tensors, self.dtype)
         self.last_update = copy_weights(self._params, self._buffers, named_tensors)
         self.weight_version = int(version)
+        if self._turns is not None:
+            self._turns.clear()  # KV of the old weights
 
     def adapter_slots(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """``{adapter tensor name: shape}`` that a complete LoRA adapter with ``config``
@@ -251,6 +259,8 @@ class EmbeddedEngine:
         self._require_started()
         bank = self.adapters.stage(named_tensors, config, version)
         self.adapters.activate(bank, version)
+        if self._turns is not None:
+            self._turns.clear()  # KV of the old adapter
         self.last_update = {"copied": 2 * len(bank.tensors), "shared": 0, "bytes": self.adapters.staged_bytes}
 
     # -- generation ----------------------------------------------------------
@@ -318,7 +328,10 @@ class EmbeddedEngine:
                 )
             force = [(r, picks[history.cu_seqlens[i] : history.cu_seqlens[i + 1] - 1]) for i, r in enumerate(force)]
         prompts = [list(map(int, history.sequence(i))) + list(map(int, t)) for i, t in enumerate(turns)]
-        full = self._run(prompts, 1, sampler, max_new_tokens, seed, 0, force)
+        kept = None
+        if self._turns is not None:  # each history but its last token may be kept from the turn before
+            kept = [int(n) - 1 for n in history.seq_lens]
+        full = self._run(prompts, 1, sampler, max_new_tokens, seed, 0, force, kept)
         return turn_segment(full, history)
 
     def _run(
@@ -330,7 +343,11 @@ class EmbeddedEngine:
         seed: int,
         group_offset: int,
         force: list[np.ndarray] | None,
+        kept: list[int] | None = None,
     ) -> RolloutBatch:
+        """``kept``: per prompt, how many of its first tokens the turn cache may hold
+        (continue_turn: the history but its last token); the KV of what each call feeds
+        is kept for the next turn then."""
         model = self._require_started()
         if n < 1:
             raise ValueError(f"n must be at least 1, found {n}")
@@ -341,11 +358,12 @@ class EmbeddedEngine:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         # One served (adapter, version) for the whole call, whatever update_adapter does meanwhile.
         with self.adapters.pinned() as serving:
-            return self._run_pinned(model, prompts, n, sampler, max_new_tokens, seed, group_offset, force, serving.version)
+            return self._run_pinned(model, prompts, n, sampler, max_new_tokens, seed, group_offset, force,
+                                    serving.version, kept if n == 1 else None)
 
     def _run_pinned(
         self, model: torch.nn.Module, prompts: list[list[int]], n: int, sampler: Sampler, max_new_tokens: int,
-        seed: int, group_offset: int, force: list[np.ndarray] | None, version: int,
+        seed: int, group_offset: int, force: list[np.ndarray] | None, version: int, kept: list[int] | None = None,
     ) -> RolloutBatch:
         total = len(prompts) * n
         generator = torch.Generator(device=self.device)
@@ -378,9 +396,12 @@ class EmbeddedEngine:
                     s1 = min(total, s0 + step)
                     p0, p1 = s0 // n, (s1 - 1) // n + 1
                     rep = torch.arange(s0, s1, device=self.device) // n - p0
+                    reuse = None
+                    if kept is not None and self._turns is not None:
+                        reuse = [self._turns.take(prompts[i][: kept[i]]) if kept[i] > 0 else None for i in range(p0, p1)]
                     out = self._generate_chunk(
                         model, prompts[p0:p1], rep, sampler, max_new_tokens, generator, want_support,
-                        None if force is None else force[p0:p1],
+                        None if force is None else force[p0:p1], reuse,
                     )
                     resp[s0:s1], resp_lp[s0:s1], resp_len[s0:s1], stopped[s0:s1] = out[:4]
                     if want_support:
@@ -422,6 +443,20 @@ class EmbeddedEngine:
         batch.validate()
         return batch
 
+    def _keep_turns(self, cache: Any, attn: torch.Tensor, prompts: list[list[int]], rows: torch.Tensor,
+                    seq_of_row: torch.Tensor, out_tok: torch.Tensor, out_len: torch.Tensor) -> None:
+        """Keep the KV of what batch ``rows`` fed (prompt, response but its last token) in
+        the turn cache, under those token ids."""
+        for r in rows.tolist():
+            seq = int(seq_of_row[r])
+            fed = len(prompts[seq]) + max(0, int(out_len[seq]) - 1)
+            cols = torch.nonzero(attn[r])[:fed, 0]  # its real columns, in order (padding never is)
+            if cols.numel() != fed:
+                continue
+            keys, values = row_kv(cache, r, cols)
+            ids = list(prompts[seq]) + out_tok[seq, : fed - len(prompts[seq])].tolist()
+            self._turns.put(ids, keys, values)
+
     def _forward(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self._cache_kw: cache}, **self._extra
@@ -438,28 +473,53 @@ class EmbeddedEngine:
         generator: torch.Generator,
         want_support: bool = False,
         force: list[np.ndarray] | None = None,
+        reuse: list[Any] | None = None,
     ) -> tuple[Any, ...]:
+        """``reuse`` (continue_turn with the turn cache): per prompt, the kept KV of its
+        first tokens or None; then only the rest is prefilled, and what this call feeds
+        is kept for the next turn."""
         dev = self.device
         hooks, indexers = self._hooks, self._indexers
         force_picks = None
         if force is not None and indexers is not None:  # (routes, indexer picks) per conversation
             force, force_picks = [f[0] for f in force], [f[1] for f in force]
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
-        width = int(lens.max())
-        cap = width + max_new - 1  # the last sampled token is never fed back
         n_prompts = len(prompts)
-
-        ids = torch.full((n_prompts, width), self.pad_token_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(dev)
-        cols = torch.arange(width, device=dev)
-        first = (width - lens)[:, None]
-        pos = (cols[None, :] - first).clamp_min(0)
-        attn = torch.zeros((n_prompts, max(cap, width)), dtype=torch.bool, device=dev)
-        attn[:, :width] = cols[None, :] >= first
-
-        cache = make_cache(model.config, cap)
+        store = reuse is not None
+        if reuse is not None and any(e is not None for e in reuse):
+            # Row i: [padding | its kept KV (c_i tokens) | padding | its other s_i tokens], the
+            # kept parts right-aligned at column `before`, the rest right-aligned after it;
+            # the attention mask hides both paddings, positions count on from c_i.
+            c = [0 if e is None else int(e[2]) for e in reuse]
+            rest = [len(p) - ci for p, ci in zip(prompts, c)]
+            before, fill = max(c), max(rest)
+            width = before + fill
+            cap = width + max_new - 1
+            ids = torch.full((n_prompts, fill), self.pad_token_id, dtype=torch.long)
+            pos = torch.zeros((n_prompts, fill), dtype=torch.long)
+            attn = torch.zeros((n_prompts, max(cap, width)), dtype=torch.bool, device=dev)
+            for i, (p, ci, si) in enumerate(zip(prompts, c, rest)):
+                ids[i, fill - si :] = torch.tensor(p[ci:], dtype=torch.long)
+                pos[i, fill - si :] = torch.arange(ci, ci + si)
+                attn[i, before - ci : before] = True
+                attn[i, width - si : width] = True
+            ids, pos = ids.to(dev), pos.to(dev)
+            cache = cache_with_prefix(model.config, cap, reuse, before)
+            prefill_cols = width
+        else:
+            width = int(lens.max())
+            cap = width + max_new - 1  # the last sampled token is never fed back
+            ids = torch.full((n_prompts, width), self.pad_token_id, dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            ids = ids.to(dev)
+            cols = torch.arange(width, device=dev)
+            first = (width - lens)[:, None]
+            pos = (cols[None, :] - first).clamp_min(0)
+            attn = torch.zeros((n_prompts, max(cap, width)), dtype=torch.bool, device=dev)
+            attn[:, :width] = cols[None, :] >= first
+            cache = make_cache(model.config, cap)
+            prefill_cols = width
 
         def mask_upto(length: int) -> torch.Tensor:
             return attn[:, :length]
@@ -481,7 +541,7 @@ class EmbeddedEngine:
             )
         with forcing, (indexers.prefill_forcing(prompts, force_picks, width, dev) if indexers is not None
                        else contextlib.nullcontext()):
-            logits = self._forward(model, ids, mask_upto(width), pos, cache)
+            logits = self._forward(model, ids, mask_upto(prefill_cols), pos, cache)
         if indexers is not None:
             pre_picks = indexers.after_prefill(prompts, width, dev)
         if hooks is not None:
@@ -545,6 +605,10 @@ class EmbeddedEngine:
                 feed = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=dev)
                 feed[alive] = tok
                 if rows - alive.numel() >= max(1, math.ceil(COMPACT_FRACTION * rows)):
+                    if store:  # the finished rows leave the cache: keep their KV first
+                        gone = torch.ones(rows, dtype=torch.bool, device=dev)
+                        gone[alive] = False
+                        self._keep_turns(cache, attn, prompts, torch.nonzero(gone)[:, 0], seq_of_row, out_tok, out_len)
                     select_rows(cache, alive)
                     attn = attn.index_select(0, alive)
                     next_pos = next_pos.index_select(0, alive)
@@ -568,6 +632,8 @@ class EmbeddedEngine:
                 else:
                     out_picks[seq_of_row.index_select(0, alive), t] = step_picks.index_select(0, alive)
             next_pos = next_pos + 1
+        if store:
+            self._keep_turns(cache, attn, prompts, torch.arange(rows, device=dev), seq_of_row, out_tok, out_len)
         out = (out_tok.cpu().numpy(), out_lp.cpu().numpy(), out_len.cpu().numpy(), out_stop.cpu().numpy())
         support = None
         if want_support:

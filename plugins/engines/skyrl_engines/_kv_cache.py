@@ -100,6 +100,102 @@ def select_rows(cache: Any, index: torch.Tensor) -> None:
             raise NotImplementedError(f"cannot select batch rows of cache layer {type(layer).__name__}")
 
 
+# -- conversations kept between turns -----------------------------------------------
+
+
+class TurnCache:
+    """The KV of conversations between turns (``continue_turn``), so a turn prefills only
+    its new tokens: keyed by the exact token ids fed (a conversation's history but its
+    last token), each entry the per-layer keys and values ``[heads, length, dim]`` of
+    those tokens. An entry is taken (removed) when its conversation continues; the
+    least recently stored go first once more than ``budget`` bytes are held; every
+    entry goes when the weights change."""
+
+    def __init__(self, budget: int):
+        from collections import OrderedDict
+
+        self.budget = budget
+        self.nbytes = 0
+        self._entries: "OrderedDict[bytes, tuple[list[torch.Tensor], list[torch.Tensor], int, int]]" = OrderedDict()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(ids: Any) -> bytes:
+        import numpy as np
+
+        return np.asarray(ids, dtype=np.int64).tobytes()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, ids: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        """The entry of exactly these fed ids ``(keys, values, length)``, removed; None if absent."""
+        entry = self._entries.pop(self.key(ids), None)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.nbytes -= entry[3]
+        return entry[:3]
+
+    def put(self, ids: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        n = int(keys[0].shape[-2]) if keys else 0
+        size = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        if n == 0 or size > self.budget:
+            return
+        k = self.key(ids)
+        old = self._entries.pop(k, None)
+        if old is not None:
+            self.nbytes -= old[3]
+        self._entries[k] = (keys, values, n, size)
+        self.nbytes += size
+        while self.nbytes > self.budget:
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= old[3]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+
+def reusable_layers(config: Any) -> bool:
+    """Whether every cache layer of this model is plain full attention (no sliding
+    window, no linear-attention or Mamba state): then a conversation's kept KV can sit
+    before its new tokens with a gap of padding between them."""
+    cache = DynamicCache(config=config)
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def cache_with_prefix(config: Any, capacity: int, kept: list[Any], before: int) -> Any:
+    """A :func:`make_cache` cache whose first ``before`` columns hold, right-aligned, the
+    kept KV of each row (``kept[i]``: ``(keys, values, length)`` per layer, or None)."""
+    cache = make_cache(config, capacity)
+    sample = next(e for e in kept if e is not None)
+    rows = len(kept)
+    for li, layer in enumerate(cache.layers):
+        k0, v0 = sample[0][li], sample[1][li]
+        layer.device = k0.device
+        layer.key_buffer = k0.new_zeros((rows, k0.shape[0], capacity, k0.shape[-1]))
+        layer.value_buffer = v0.new_zeros((rows, v0.shape[0], capacity, v0.shape[-1]))
+        layer.is_initialized = True
+        for i, e in enumerate(kept):
+            if e is not None:
+                n = e[2]
+                layer.key_buffer[i, :, before - n : before] = e[0][li]
+                layer.value_buffer[i, :, before - n : before] = e[1][li]
+        layer.length = before
+        layer.keys = layer.key_buffer[:, :, :before]
+        layer.values = layer.value_buffer[:, :, :before]
+    return cache
+
+
+def row_kv(cache: Any, row: int, cols: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copies of one batch row's keys and values at the given cache columns, per layer."""
+    keys = [layer.key_buffer[row].index_select(1, cols).clone() for layer in cache.layers]
+    values = [layer.value_buffer[row].index_select(1, cols).clone() for layer in cache.layers]
+    return keys, values
+
+
 # -- the continuous batcher's cache: rows that come and go -----------------------------
 
 

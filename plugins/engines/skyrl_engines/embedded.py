@@ -20,7 +20,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.devices import check_device, cuda_problem
-from skyrl_host.options import gt, option
+from skyrl_host.options import ge, gt, option
 
 
 def _check_stop_strings(_inst: Any, _attr: Any, value: Any) -> None:
@@ -61,6 +61,13 @@ class EmbeddedConfig:
         validator=check_device,
     )
     max_batch_size: int = option(256, help="most sequences decoded together in one batch", validator=gt(0))
+    turn_cache_mb: int = option(
+        1024,
+        help="multi-turn: MiB of conversations' KV kept between turns, so a turn (continue_turn) prefills only its "
+        "new tokens, not the whole history (least recently kept dropped first; cleared at every weight update; "
+        "0 = off; unused on models with sliding-window or linear-attention layers and with return_routed_experts)",
+        validator=ge(0),
+    )
     return_routed_experts: bool = option(
         False,
         help="record the experts every MoE router chose for every token (side channel 'routed_experts' "

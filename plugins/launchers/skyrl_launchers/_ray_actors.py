@@ -16,6 +16,13 @@ and the engines; ``nixl`` from every backend rank to every engine; ``lora``'s ad
 as one object handed from rank 0 to the engines). Everything a placement started
 (actors, placement groups, groups, Ray itself when it started it) belongs to its
 :class:`RayPlacement` and goes with its ``close``.
+
+Async RL (``[job] mode = "async"``): the driver's rollout thread calls the engine actors
+while its main thread calls the backend actors, so generation and training run at once in
+their processes (Ray handles may be used from several threads; each actor runs one call
+at a time, in the order its calls were made). The driver's schedule calls an engine's
+``sync`` only once it is idle; :meth:`RayPlacement.stage` does the backend's half of a
+publish before that, while the engines still generate.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -417,24 +425,37 @@ class RaySync:
             ray_get([e.init_receiver.remote() for e in self.engines] + [b.init_sender.remote() for b in self.backends])
 
     def publish(self, version: int) -> dict[str, float]:
-        if self.collective:  # every side in the same collectives
-            results = ray_get([b.publish.remote(version) for b in self.backends]
-                              + [e.sync.remote(version) for e in self.engines])
-            sent, received = results[0], results[len(self.backends):]
-        elif self.carries_payload:  # rank 0's payload goes to the engines as one object
+        return self.receive(version, self.send(version))
+
+    def send(self, version: int) -> Any:
+        """The backend ranks' half of publishing ``version``, which leaves the engines alone
+        (they may be generating): what :meth:`receive` needs. A collective transport sends
+        nothing here (both sides take part in the same collectives, in :meth:`receive`)."""
+        if self.collective:
+            return None
+        if self.carries_payload:  # rank 0's payload, kept in the object store for the engines
             first = self.backends[0].publish.options(num_returns=2).remote(version)
             others = [b.publish.remote(version) for b in self.backends[1:]]
             sent = ray_get(first[0])
-            received = ray_get([e.sync.remote(version, first[1]) for e in self.engines])
             ray_get(others)
-        else:  # written first, then read
-            sent = ray_get([b.publish.remote(version) for b in self.backends])[0]
+            return sent, first[1]
+        return ray_get([b.publish.remote(version) for b in self.backends])[0], None  # written, read in receive
+
+    def receive(self, version: int, sent: Any) -> dict[str, float]:
+        """The engines' half (they must be idle): ``sent`` is what :meth:`send` returned."""
+        if self.collective:  # every side in the same collectives
+            results = ray_get([b.publish.remote(version) for b in self.backends]
+                              + [e.sync.remote(version) for e in self.engines])
+            stats, received = dict(results[0]), results[len(self.backends):]
+        else:
+            stats, payload = dict(sent[0]), sent[1]
             if self.rendezvous and not self.connected:
                 endpoints = ray_get([b.endpoint.remote() for b in self.backends])
                 ray_get([e.connect.remote(endpoints) for e in self.engines])
                 self.connected = True
-            received = ray_get([e.sync.remote(version) for e in self.engines])
-        stats = dict(sent)
+            calls = ([e.sync.remote(version, payload) for e in self.engines] if self.carries_payload
+                     else [e.sync.remote(version) for e in self.engines])
+            received = ray_get(calls)
         stats.update(received[0])
         return stats
 
@@ -516,6 +537,7 @@ class RayPlacement:
         self.engine: Any = None
         self.sync: RaySync | None = None
         self._vocab_size: int | None = None
+        self._staged: tuple[int, Any] | None = None  # (version, what RaySync.send returned), until commit
         self.closed = False
 
     @property
@@ -526,6 +548,33 @@ class RayPlacement:
 
     def publish(self, version: int) -> Mapping[str, float]:
         return self.sync.publish(version) if self.sync is not None else {}
+
+    def stage(self, version: int) -> Mapping[str, float]:
+        """StagedPlacement (async RL): the backend ranks' half of publishing ``version``
+        (delta: encode and write it; lora: the adapters into the object store) while the
+        engine actors still generate; a collective transport (broadcast) waits for
+        :meth:`commit`, which needs both sides. The engine actors are not called: each
+        runs one call at a time, so anything sent to them would only queue behind the
+        generation in progress."""
+        if self.sync is None:
+            return {}
+        self._staged = (version, self.sync.send(version))
+        return {}
+
+    def commit(self, version: int) -> Mapping[str, float]:
+        """The engines' half (they are idle): the staged version's receive (delta: fetch,
+        verify and apply), or the whole publish of one not staged. ``sync_pause_s``: the
+        seconds the engines were held."""
+        if self.sync is None:
+            return {}
+        t0 = time.perf_counter()
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == version:
+            stats = self.sync.receive(version, staged[1])
+        else:
+            stats = self.sync.publish(version)
+        stats["sync_pause_s"] = time.perf_counter() - t0
+        return stats
 
     def save_final(self, path: str) -> None:
         self.backend.save_final(path)  # gathered from the ranks, saved by rank 0

@@ -769,6 +769,32 @@ class Placement(Protocol):
 
 
 @runtime_checkable
+class StagedTransport(Protocol):
+    """A weight transport that moves a version toward the engine while it still
+    generates (send, fetch, verify) and applies it later, the apply the only pause
+    (async RL: :mod:`skyrl_host.asyncrl`)."""
+
+    def stage(self, backend: Backend, engine: Engine, version: int) -> Mapping[str, float]:
+        """Send ``version`` and start bringing it to the engine's side; the engine is not
+        touched and may be generating. Returns metrics."""
+        ...
+
+    def commit(self, engine: Engine, version: int) -> Mapping[str, float]:
+        """Apply the staged ``version`` (the engine is idle); all or nothing. Returns metrics."""
+        ...
+
+
+@runtime_checkable
+class StagedPlacement(Protocol):
+    """A placement whose ``publish`` can be split into :meth:`stage` (while the engines
+    generate) and :meth:`commit` (while they are idle)."""
+
+    def stage(self, version: int) -> Mapping[str, float]: ...
+
+    def commit(self, version: int) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
 class Launcher(Protocol):
     """Places a job's backend ranks and engine replicas (``[cluster] launcher``).
 

@@ -28,6 +28,7 @@ from skyrl_host.interfaces import (
     ReferenceScoring,
     RewardKL,
     SideChannels,
+    StagedTransport,
 )
 
 
@@ -177,6 +178,7 @@ class LocalPlacement:
     def __init__(self, family: Any, loaded: LoadedModel, backend: Any, engine: Any, transport: Any):
         self.family, self.loaded = family, loaded
         self.backend, self.engine, self.transport = backend, engine, transport
+        self._staged: int | None = None  # the version stage() sent, until commit() applies it
 
     @property
     def vocab_size(self) -> int:
@@ -186,6 +188,19 @@ class LocalPlacement:
         if self.transport is None or self.engine is None:
             return {}
         return self.transport.publish(self.backend, self.engine, version)
+
+    def stage(self, version: int) -> Mapping[str, float]:
+        """StagedPlacement: a transport that stages (delta) sends and fetches now; others wait for commit."""
+        if self.transport is None or self.engine is None or not has(self.transport, StagedTransport):
+            return {}
+        self._staged = version
+        return self.transport.stage(self.backend, self.engine, version)
+
+    def commit(self, version: int) -> Mapping[str, float]:
+        if self._staged == version:
+            self._staged = None
+            return self.transport.commit(self.engine, version)
+        return self.publish(version)
 
     def save_final(self, path: str) -> None:
         save_trained_model(self.backend, self.family, self.loaded, path)

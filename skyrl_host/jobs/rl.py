@@ -30,6 +30,7 @@ from skyrl_host.interfaces import (
     RewardKL,
     RewardMetrics,
     SharedWeights,
+    StagedPlacement,
     TokenizerLoading,
     TurnContinuation,
 )
@@ -419,6 +420,13 @@ class RLDriver:
             metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
         if self.pipeline is None:
             sync = self._publish(step)
+        elif has(self.placement, StagedPlacement):
+            # Send (and, for delta, fetch and verify) while the engine still generates; the
+            # apply, once the engine is idle, is the only pause.
+            staged = dict(self.placement.stage(step))
+            sync, waited = self.pipeline.publish(step, self.placement.commit)
+            sync = {**staged, **sync}
+            metrics["publish_wait_time_s"] = waited
         else:
             sync, waited = self.pipeline.publish(step, self._publish)
             metrics["publish_wait_time_s"] = waited

@@ -3,10 +3,11 @@ a :class:`DeltaSender` and a :class:`DeltaReceiver` over one URL."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 from skyrl_host.contracts import has
-from skyrl_host.interfaces import SharedWeights
+from skyrl_host.interfaces import SharedWeights, WorkerReceiving
 from skyrl_weightsync import weights_to_serve
 
 from .receiver import DeltaReceiver
@@ -24,6 +25,7 @@ class Delta:
         self.config = config
         self._sender: DeltaSender | None = None
         self._receiver: DeltaReceiver | None = None
+        self._prefetching: int | None = None  # the version stage() is fetching
 
     def sender(self, **_context: Any) -> DeltaSender:
         c = self.config
@@ -35,6 +37,13 @@ class Delta:
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         """One process: publish the backend's weights, then bring the engine up to date."""
+        stats = self.stage(backend, engine, version, prefetch=False)
+        stats.update(self._receiver.sync(engine, version))
+        return stats
+
+    def stage(self, backend: Any, engine: Any, version: int, prefetch: bool = True) -> dict[str, float]:
+        """StagedTransport: publish ``version``, and start fetching and verifying it in a
+        background thread while the engine keeps generating (``commit`` applies it)."""
         if has(engine, SharedWeights) and engine.shares_weights and self.config.dtype != _param_dtype(backend):
             raise ValueError(
                 f"the delta transport ships weights as {self.config.dtype}, but the engine shares the trainer's "
@@ -43,8 +52,21 @@ class Delta:
             )
         if self._sender is None:
             self._sender, self._receiver = self.sender(), self.receiver()
-        stats = self._sender.publish(version, weights_to_serve(backend))
-        stats.update(self._receiver.sync(engine, version))
+        stats = dict(self._sender.publish(version, weights_to_serve(backend)))
+        if prefetch and not (has(engine, WorkerReceiving) and engine.receives_in_workers):
+            self._receiver.prefetch(version)
+            self._prefetching = version
+        return stats
+
+    def commit(self, engine: Any, version: int) -> dict[str, float]:
+        """Apply the staged ``version``: only the apply pauses the engine (``sync_pause_s``)."""
+        t0 = time.perf_counter()
+        if self._prefetching == version:
+            self._prefetching = None
+            stats = self._receiver.apply(engine)
+        else:  # an engine whose workers receive weights themselves fetches there (its own pause)
+            stats = self._receiver.sync(engine, version)
+        stats["sync_pause_s"] = time.perf_counter() - t0
         return stats
 
 

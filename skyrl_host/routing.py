@@ -143,17 +143,19 @@ class RouterHooks(_LayerRecorder):
         self._record: list[list[torch.Tensor]] | None = None
         self._record_layers, self._what = self.routers, "router"
         self._handles = []
+        self._modules: list[Any] = []  # the hooked routers: a copy of the model (an engine's) carries the hooks too
         for layer, info in enumerate(self.routers):
             try:
                 module = model.get_submodule(info.path)
             except AttributeError:
                 raise ValueError(f"router {info.path!r} (layer {info.layer}) is not a module of the model") from None
+            self._modules.append(module)
             self._handles.append(module.register_forward_hook(self._hook(layer, info)))
 
     def _hook(self, layer: int, info: RouterInfo) -> Any:
-        def hook(_module: Any, _inputs: Any, output: Any) -> Any:
-            if self._force is None and self._record is None:
-                return None
+        def hook(module: Any, _inputs: Any, output: Any) -> Any:
+            if (self._force is None and self._record is None) or module is not self._modules[layer]:
+                return None  # idle, or a deep copy of the hooked model (an engine's own) running its forward
             logits, weights, ids = output
             if self._force is not None:
                 forced = self._force[:, layer, :]
@@ -259,12 +261,13 @@ class IndexerHooks(_LayerRecorder):
         self._force: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self._record: list[list[torch.Tensor]] | None = None
         self._record_layers, self._what = self.paths, "indexer"
+        self._modules = modules
         self._handles = [m.register_forward_hook(self._hook(i, p)) for i, (p, m) in enumerate(zip(self.paths, modules))]
 
     def _hook(self, layer: int, path: str) -> Any:
-        def hook(_module: Any, _inputs: Any, output: Any) -> Any:
-            if self._force is None and self._record is None:
-                return None
+        def hook(module: Any, _inputs: Any, output: Any) -> Any:
+            if (self._force is None and self._record is None) or module is not self._modules[layer]:
+                return None  # idle, or a deep copy of the hooked model running its forward
             import torch
 
             B, S, kk = output.shape

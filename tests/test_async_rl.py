@@ -121,3 +121,78 @@ def test_async_resume_after_kill_reproduces_the_uninterrupted_run(skyrl_tiny_rl_
     got = [learning_metrics(r, transport=True) for r in step_rows(out)]
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # every step once: no prompt twice, none lost
     assert got == expected
+
+
+def test_async_multi_turn_with_routes_and_support_replayed(skyrl_cli, tmp_path) -> None:
+    """A multi-turn game on a MoE preset, async (k = 1), routes and support sets recorded
+    per turn and replayed by the trainer: each step trains on its own version's
+    trajectories (none spans two versions), and at equal weights (step 1) the trainer
+    reproduces the engine's logprobs through r3 + support within 1e-5."""
+    path = tmp_path / "job.toml"
+    path.write_text(f"""
+[job]
+kind = "rl"
+seed = 2
+steps = 4
+batch_size = 4
+n_samples = 4
+max_new_tokens = 2
+max_turns = 3
+max_total_tokens = 16
+checkpoint_every = 0
+save_final = false
+threads = 1
+mode = "async"
+max_staleness = 1
+output_dir = "{tmp_path / 'out'}"
+
+[model]
+family = "kimi"
+preset = "tiny-kimi"
+
+[dataset]
+name = "guess_number"
+
+[environment]
+name = "guess_number"
+
+[engine]
+name = "embedded"
+share_weights = false
+return_routed_experts = true
+
+[sampler]
+name = "top_p"
+top_p = 0.9
+return_support = true
+
+[replay]
+strategies = ["r3", "support"]
+""")
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = step_rows(tmp_path / "out")
+    assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["turns_mean"] > 1.0 for r in rows)
+    assert rows[0]["logprob_diff_max"] <= 1e-5, rows[0]["logprob_diff_max"]
+
+
+def test_async_lora_shares_the_frozen_base(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """A LoRA backend: the engine may serve the trainer's frozen base (nothing copied)
+    and gets copies of the adapters; k = 0 equals the synchronous LoRA run."""
+    def lora_job(name, **job):
+        made = skyrl_tiny_rl_job(tmp_path, name,
+                                 job={"steps": 4, "batch_size": 4, "output_dir": tmp_path / f"{name}_out", **job},
+                                 backend={"lr": 1e-2, "micro_batch_tokens": 128, "lora_rank": 4, "lora_alpha": 8.0})
+        return made.path, made.out
+
+    sync_path, sync_out = lora_job("sync")
+    async_path, async_out = lora_job("async", mode="async", max_staleness=0)
+    for path in (sync_path, async_path):
+        result = skyrl_cli("run", str(path))
+        assert result.exit_code == 0, result.stderr
+    want = [learning_metrics(r) for r in step_rows(sync_out)]
+    got = [{k: v for k, v in learning_metrics(r).items() if k not in ASYNC_ONLY} for r in step_rows(async_out)]
+    assert got == want
+    assert step_rows(async_out)[0]["logprob_diff_max"] < 1e-4

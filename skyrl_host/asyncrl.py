@@ -15,6 +15,12 @@ version (steps up to ``v + k``) has been. So weights are only handed over while 
 engine is idle, a rollout never mixes versions, and a run is the same pure function of
 the seed as a synchronous one.
 
+In-flight updates (``weight_updates = "in_flight"``): the trainer publishes at once and
+the engine applies the new version between two forwards of the generation in progress;
+step ``t`` still starts with version ``t - 1 - k`` or newer, so the bound holds, but a
+sample's tokens may come from several versions (the engine's ``token_versions`` side
+channel says which) and the schedule depends on timing.
+
 Resume: a checkpoint after step ``s`` holds the rollouts of steps ``s + 1 ..`` that are
 already generated (made with versions older than ``s``, which a resumed run could not
 remake); the step being generated, if any, uses version ``s`` and is generated again
@@ -43,10 +49,11 @@ class RolloutPipeline:
 
     def __init__(
         self, rollout: Callable[[int], Any], *, first: int, last: int, max_staleness: int, version: int,
-        saved: Mapping[int, Any] | None = None, on_start: Callable[[], None] | None = None,
+        saved: Mapping[int, Any] | None = None, on_start: Callable[[], None] | None = None, in_flight: bool = False,
     ):
         self.rollout_fn, self.first, self.last, self.k = rollout, first, last, max_staleness
         self.on_start = on_start
+        self.in_flight = in_flight  # publish at once: the engine applies it between two forwards
         self.v0 = version  # the version published when the run (re)started
         self.published = version
         self.ready: dict[int, Any] = dict(saved or {})
@@ -78,7 +85,7 @@ class RolloutPipeline:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if self.published != need:  # never: publish() waits for this step first
+                    if self.published != need and not self.in_flight:  # never: publish() waits for this step
                         raise RuntimeError(f"step {step} needs version {need}, the engine holds {self.published}")
                 self.wait_s += time.perf_counter() - w0
                 g0 = time.perf_counter()
@@ -115,7 +122,7 @@ class RolloutPipeline:
         that older weights must generate is generated (the engine is then idle); returns
         what ``publish`` returned and the seconds waited."""
         t0 = time.perf_counter()
-        upto = min(self.last, version + self.k)
+        upto = self.generated if self.in_flight else min(self.last, version + self.k)
         with self._cond:
             while self.generated < upto:
                 self._raise()

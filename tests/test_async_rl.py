@@ -196,3 +196,29 @@ def test_async_lora_shares_the_frozen_base(skyrl_cli, skyrl_tiny_rl_job, tmp_pat
     got = [{k: v for k, v in learning_metrics(r).items() if k not in ASYNC_ONLY} for r in step_rows(async_out)]
     assert got == want
     assert step_rows(async_out)[0]["logprob_diff_max"] < 1e-4
+
+
+def test_in_flight_updates_land_inside_generations(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """weight_updates = "in_flight": the trainer publishes at once and the engine switches
+    weights between two decode steps; long generations against short train steps, so
+    samples span two versions, and still none is more than k = 1 version old."""
+    def job(name, **engine):
+        made = skyrl_tiny_rl_job(
+            tmp_path, name,
+            job={"steps": 6, "batch_size": 2, "n_samples": 4, "max_new_tokens": 48, "mode": "async",
+                 "max_staleness": 1, "weight_updates": "in_flight", "output_dir": tmp_path / f"{name}_out"},
+            engine={"name": "embedded", "dtype": "auto", "share_weights": False, **engine},
+            backend={"lr": 1e-3, "micro_batch_tokens": 512})
+        return made.path, made.out
+
+    path, _ = job("refused")
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 2 and "return_token_versions = true" in result.stderr, result.stderr
+    path, out = job("inflight", return_token_versions=True)
+    result = skyrl_cli("run", str(path))
+    assert result.exit_code == 0, result.stderr
+    rows = step_rows(out)
+    assert all(r["staleness_max"] <= 1.0 and 0.0 <= r["token_staleness_mean"] <= 1.0 for r in rows)
+    assert any(r["mixed_version_fraction"] > 0.0 for r in rows), [r["mixed_version_fraction"] for r in rows]
+    # A mixed sample is as old as its oldest token, so its tokens are on average younger.
+    assert any(r["token_staleness_mean"] < r["staleness_mean"] for r in rows)

@@ -30,6 +30,7 @@ from skyrl_host.interfaces import (
     RewardKL,
     RewardMetrics,
     SharedWeights,
+    SideChannels,
     StagedPlacement,
     TokenizerLoading,
     TurnContinuation,
@@ -93,6 +94,12 @@ class RLConfig:
     max_staleness: int = option(
         1, help="async: a trained sample is at most this many weight versions behind the trainer (step t is "
         "generated with version t-1-k; 0 = the synchronous schedule)", validator=ge(0),
+    )
+    weight_updates: str = option(
+        "idle", help="async: 'idle': a new version reaches the engine only between generations (a pure function "
+        "of the seed); 'in_flight': at once, between two decode steps of the generation in progress (each token "
+        "records its version; needs an engine with the token_versions side channel)",
+        validator=one_of("idle", "in_flight"),
     )
     env_waves: int = option(
         1, help="multi-turn: split the trajectories in this many waves; a wave's environment steps run while the "
@@ -201,12 +208,19 @@ class RLDriver:
                 "while the engine generates; give the engine a copy of its own ([engine] share_weights = false) or "
                 "run mode = \"sync\""
             )
+        in_flight = self.cfg.weight_updates == "in_flight"
+        if in_flight and has(self.engine, SideChannels) and "token_versions" not in self.engine.side_channels(self.sampler):
+            raise UserError(
+                "[job] weight_updates = \"in_flight\": the engine must record the version of every token (a generation "
+                "can span versions); set [engine] return_token_versions = true"
+            )
         import torch
 
         threads = torch.get_num_threads()  # a new thread starts with the default count, not the job's
         self.pipeline = RolloutPipeline(
             self._rollout, first=self.start_step, last=self.run_.total_steps, max_staleness=self.cfg.max_staleness,
             version=self.start_step - 1, saved=self._saved_rollouts, on_start=lambda: torch.set_num_threads(threads),
+            in_flight=in_flight,
         )
         self._saved_rollouts = {}
 
@@ -399,9 +413,20 @@ class RLDriver:
             metrics = dict(metrics)
             metrics["rollout_wait_time_s"] = waited
             if batch.n_sequences > 0:
-                staleness = (step - 1) - np.asarray(batch.versions, dtype=np.float64)
+                staleness = (step - 1) - np.asarray(batch.versions, dtype=np.float64)  # each sample's oldest token
                 metrics["staleness_mean"] = float(staleness.mean())
                 metrics["staleness_max"] = float(staleness.max())
+                tv = batch.side_channels.get("token_versions")
+                if tv is not None:  # per generated token; a sample an update landed in spans two versions
+                    on = np.asarray(batch.loss_mask) != 0
+                    v = np.asarray(tv, dtype=np.int64)
+                    metrics["token_staleness_mean"] = float(((step - 1) - v[on]).mean()) if on.any() else 0.0
+                    seq = np.repeat(np.arange(batch.n_sequences), np.diff(batch.cu_seqlens))[on]
+                    lo = np.full(batch.n_sequences, np.iinfo(np.int64).max)
+                    hi = np.full(batch.n_sequences, np.iinfo(np.int64).min)
+                    np.minimum.at(lo, seq, v[on])
+                    np.maximum.at(hi, seq, v[on])
+                    metrics["mixed_version_fraction"] = float(np.mean(hi > lo))
         if batch.n_sequences > 0 and self.kl_in_reward:
             # KL against the reference policy as a reward penalty (instead of a loss term).
             ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)

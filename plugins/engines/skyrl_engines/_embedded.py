@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -137,6 +138,13 @@ class EmbeddedEngine:
         self._hooks: Any = None  # RouterHooks when return_routed_experts
         self._indexers: IndexerCapture | None = None  # also then, on a model with a sparse-attention indexer
         self._turns: TurnCache | None = None  # conversations' KV between continue_turn calls
+        # In-flight weight updates: update_weights from another thread lands between two
+        # forwards of a generation in progress (never inside one); each token records the
+        # version of the forward that produced it (side channel token_versions).
+        self._forward_lock = threading.RLock()
+        self._base_version = 0  # bumped by every update_weights
+        self._base_label = 0  # the version the last update_weights reported
+        self._fwd_version = 0  # the version label of the last forward
         self.routers: list[Any] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -235,10 +243,13 @@ class EmbeddedEngine:
         self._require_started()
         if self.precision is not None:  # quantized payloads + scales -> the weights the trainer computed with
             named_tensors = self.precision.unpack(named_tensors, self.dtype)
-        self.last_update = copy_weights(self._params, self._buffers, named_tensors)
-        self.weight_version = int(version)
-        if self._turns is not None:
-            self._turns.clear()  # KV of the old weights
+        with self._forward_lock:  # between two forwards of a generation in progress, never inside one
+            self.last_update = copy_weights(self._params, self._buffers, named_tensors)
+            self.weight_version = int(version)
+            self._base_version += 1
+            self._base_label = int(version)
+            if self._turns is not None:
+                self._turns.clear()  # KV of the old weights
 
     def adapter_slots(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """``{adapter tensor name: shape}`` that a complete LoRA adapter with ``config``
@@ -271,7 +282,8 @@ class EmbeddedEngine:
         support sets."""
         return ({"routed_experts"} if self.config.return_routed_experts else set()) | (
             {"sample_support"} if wants_support(sampler) else set()) | (
-            {INDEXER_CHANNEL} if self._indexers is not None else set())
+            {INDEXER_CHANNEL} if self._indexers is not None else set()) | (
+            {"token_versions"} if getattr(self.config, "return_token_versions", False) else set())
 
     def generate(
         self,
@@ -368,6 +380,9 @@ class EmbeddedEngine:
         total = len(prompts) * n
         generator = torch.Generator(device=self.device)
         generator.manual_seed(int(seed))
+        self._call_base, self._call_label = self._base_version, version  # labels: `version` until an update lands
+        resp_ver = np.full((total, max_new_tokens), version, dtype=np.int64)
+        prompt_ver = np.full(len(prompts), version, dtype=np.int64)
 
         resp = np.zeros((total, max_new_tokens), dtype=np.int32)
         resp_lp = np.zeros((total, max_new_tokens), dtype=np.float32)
@@ -404,6 +419,7 @@ class EmbeddedEngine:
                         None if force is None else force[p0:p1], reuse,
                     )
                     resp[s0:s1], resp_lp[s0:s1], resp_len[s0:s1], stopped[s0:s1] = out[:4]
+                    prompt_ver[p0:p1], resp_ver[s0:s1] = out[7]
                     if want_support:
                         keys, lens, values = out[4]
                         support_parts.append((keys + s0 * max_new_tokens, lens, values))
@@ -429,6 +445,18 @@ class EmbeddedEngine:
                 for i in np.flatnonzero(resp_len < generated):
                     resp_picks[i, resp_len[i] - 1 :] = -1
         batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
+        if self._base_version != self._call_base or getattr(self.config, "return_token_versions", False):
+            # Each sequence's version: its oldest token's (a generation an update landed in spans two).
+            tv = np.empty(batch.n_tokens, dtype=np.int64)
+            for i in range(batch.n_sequences):
+                lo, p_len, L = int(batch.cu_seqlens[i]), int(batch.prompt_lens[i]), int(resp_len[i])
+                tv[lo : lo + p_len] = prompt_ver[i // n]
+                tv[lo + p_len : lo + p_len + L] = resp_ver[i, :L]
+            batch.versions = np.asarray([tv[int(batch.cu_seqlens[i]) + int(batch.prompt_lens[i]):
+                                            int(batch.cu_seqlens[i + 1])].min(initial=int(prompt_ver[i // n]))
+                                         for i in range(batch.n_sequences)], dtype=batch.versions.dtype)
+            if getattr(self.config, "return_token_versions", False):
+                batch.side_channels["token_versions"] = tv.astype(np.int32)
         if want_support:
             support = support_csr(support_parts)
             if not np.array_equal(generated, resp_len):  # keep the rows of the tokens left after the cut
@@ -458,6 +486,13 @@ class EmbeddedEngine:
             self._turns.put(ids, keys, values)
 
     def _forward(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
+        with self._forward_lock:
+            updated = self._base_version != getattr(self, "_call_base", self._base_version)
+            self._fwd_version = self._base_label if updated else getattr(self, "_call_label", 0)
+            return self._forward_unlocked(model, ids, mask, pos, cache)
+
+    def _forward_unlocked(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                          cache: Any):
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self._cache_kw: cache}, **self._extra
         )
@@ -542,6 +577,8 @@ class EmbeddedEngine:
         with forcing, (indexers.prefill_forcing(prompts, force_picks, width, dev) if indexers is not None
                        else contextlib.nullcontext()):
             logits = self._forward(model, ids, mask_upto(prefill_cols), pos, cache)
+        prefill_version = self._fwd_version
+        logits_version = prefill_version  # the version of the forward the current logits came from
         if indexers is not None:
             pre_picks = indexers.after_prefill(prompts, width, dev)
         if hooks is not None:
@@ -559,6 +596,7 @@ class EmbeddedEngine:
         out_lp = torch.zeros((rows, max_new), dtype=torch.float32, device=dev)
         out_len = torch.zeros(rows, dtype=torch.long, device=dev)
         out_stop = torch.zeros(rows, dtype=torch.bool, device=dev)
+        out_ver = np.full((rows, max_new), prefill_version, dtype=np.int64)  # version of each token's forward
         if hooks is not None:
             # Routes of each response token fed back (the last one never is: it stays 0).
             out_routes = torch.zeros((rows, max_new, hooks.n_layers, hooks.k), dtype=torch.int32, device=dev)
@@ -585,6 +623,8 @@ class EmbeddedEngine:
             out_tok[live_seq, t] = tok.to(torch.int32)
             out_lp[live_seq, t] = sample.logprobs.to(device=dev, dtype=torch.float32).reshape(-1)
             out_len[live_seq] = t + 1
+            if logits_version != prefill_version:
+                out_ver[live_seq.cpu().numpy(), t] = logits_version
             hit = torch.isin(tok, self._stops)
             if self._stop_scan is not None:  # a response whose text now holds a stop string ends here too
                 hit |= self._stop_scan.hits(out_tok.index_select(0, live_seq), t)
@@ -605,7 +645,7 @@ class EmbeddedEngine:
                 feed = torch.full((rows,), self.pad_token_id, dtype=torch.long, device=dev)
                 feed[alive] = tok
                 if rows - alive.numel() >= max(1, math.ceil(COMPACT_FRACTION * rows)):
-                    if store:  # the finished rows leave the cache: keep their KV first
+                    if store and self._base_version == self._call_base:  # finished rows leave: keep their KV
                         gone = torch.ones(rows, dtype=torch.bool, device=dev)
                         gone[alive] = False
                         self._keep_turns(cache, attn, prompts, torch.nonzero(gone)[:, 0], seq_of_row, out_tok, out_len)
@@ -619,6 +659,7 @@ class EmbeddedEngine:
             slot = width + t
             attn[:, slot] = True
             logits = self._forward(model, feed[:, None], mask_upto(slot + 1), next_pos[:, None], cache)
+            logits_version = self._fwd_version
             if hooks is not None:
                 step_routes = hooks.take()  # [rows, L, k]: the routes of response token t of each row
                 if alive is None:
@@ -632,6 +673,7 @@ class EmbeddedEngine:
                 else:
                     out_picks[seq_of_row.index_select(0, alive), t] = step_picks.index_select(0, alive)
             next_pos = next_pos + 1
+        store = store and self._base_version == self._call_base  # KV made across an update is not kept
         if store:
             self._keep_turns(cache, attn, prompts, torch.arange(rows, device=dev), seq_of_row, out_tok, out_len)
         out = (out_tok.cpu().numpy(), out_lp.cpu().numpy(), out_len.cpu().numpy(), out_stop.cpu().numpy())
@@ -648,4 +690,5 @@ class EmbeddedEngine:
         picks = None
         if indexers is not None:
             picks = (pre_picks, out_picks.cpu().numpy())
-        return out + (support, routes, picks)
+        versions = (np.full(n_prompts, prefill_version, dtype=np.int64), out_ver)
+        return out + (support, routes, picks, versions)

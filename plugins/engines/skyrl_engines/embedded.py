@@ -61,6 +61,11 @@ class EmbeddedConfig:
         validator=check_device,
     )
     max_batch_size: int = option(256, help="most sequences decoded together in one batch", validator=gt(0))
+    return_token_versions: bool = option(
+        False,
+        help="side channel 'token_versions': the weight version of the forward that produced each token; with "
+        "in-flight weight updates ([job] weight_updates = \"in_flight\") a generation's tokens can span versions",
+    )
     turn_cache_mb: int = option(
         1024,
         help="multi-turn: MiB of conversations' KV kept between turns, so a turn (continue_turn) prefills only its "

@@ -30,7 +30,7 @@ Tools: SkyRL-Gym's ``PythonCodeExecutorToolGroup`` runs model code with a plain
 ``python -c`` on the host. With ``sandbox_python = true`` (the default) the adapter
 hands the environment, through its public ``init_tool_groups``, the same tool group
 whose ``python`` tool runs the code in our sandbox instead
-(:mod:`skyrl_environments._sandbox`) and answers in the same words. Other tools (the
+(:mod:`skyrl_environments.sandbox`) and answers in the same words. Other tools (the
 search tool's HTTP calls, SQL) run as SkyRL-Gym ships them.
 """
 
@@ -82,7 +82,7 @@ def _sandboxed_group_class():
     from skyrl_gym.tools import PythonCodeExecutorToolGroup
     from skyrl_gym.tools.core import tool
 
-    from skyrl_environments._sandbox import SandboxLimits, run_python
+    from skyrl_environments.sandbox import SandboxLimits, run_python
 
     class SandboxedPythonCodeExecutorToolGroup(PythonCodeExecutorToolGroup):
         memory_bytes = 512 * 2**20
@@ -147,7 +147,7 @@ class SkyRLGym:
         self.env_config = OmegaConf.create(dict(config.env_config))
         self.groups = _sandboxed_group_class() if config.sandbox_python else None
         if config.sandbox_python:
-            from skyrl_environments._sandbox import SandboxUnavailable, run_python
+            from skyrl_environments.sandbox import SandboxUnavailable, run_python
 
             try:  # fail at the job's start, not in the first tool call
                 run_python("pass")

@@ -64,6 +64,38 @@ def _chunks(data: Sequence[Mapping[str, Any]], plans: Sequence[Any], vocab: int)
     return chunks
 
 
+
+def _check_data(data: Sequence[Mapping[str, Any]], loss_fn: str, context: int, vocab: int) -> None:
+    """A 400 naming the first datum that is empty, longer than ``context``, holds a token
+    outside ``vocab`` or lacks (a right-sized) one of ``loss_fn``'s inputs. The common
+    case, every datum fine, is checked over all of them at once."""
+    needed = LOSS_INPUTS[loss_fn]
+    lengths = np.fromiter((len(d["tokens"]) for d in data), dtype=np.int64, count=len(data))
+    if (lengths.size and lengths.min() > 0 and lengths.max() <= context
+            and all(key in d["inputs"] and d["inputs"][key].size == n for d, n in zip(data, lengths) for key in needed)):
+        tokens = np.concatenate([d["tokens"] for d in data])
+        targets = np.concatenate([d["inputs"]["target_tokens"] for d in data])
+        if tokens.min() >= 0 and tokens.max() < vocab and targets.min() >= 0 and targets.max() < vocab:
+            return
+    for i, datum in enumerate(data):  # something is wrong: find it datum by datum, for the message
+        tokens = datum["tokens"]
+        if len(tokens) == 0:
+            raise BadRequest(f"datum {i}: model_input has no tokens")
+        if len(tokens) > context:
+            raise BadRequest(f"datum {i}: {len(tokens)} tokens, longer than the model's context ({context})")
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise BadRequest(f"datum {i}: model_input holds a token outside the vocabulary (0..{vocab - 1})")
+        for key in needed:
+            if key not in datum["inputs"]:
+                raise BadRequest(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
+            if datum["inputs"][key].size != len(tokens):
+                raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has {datum['inputs'][key].size} values "
+                                 f"for {len(tokens)} input tokens")
+        targets = datum["inputs"]["target_tokens"]
+        if targets.min() < 0 or targets.max() >= vocab:
+            raise BadRequest(f"datum {i}: target_tokens holds a token outside the vocabulary (0..{vocab - 1})")
+
+
 def lora_targets(loaded: Any, parts: str) -> list[str]:
     """The ``nn.Linear`` names LoRA adapts for ``parts`` (a comma-separated subset of
     :data:`LORA_PARTS`): the family's targets inside attention modules (a path with
@@ -175,32 +207,22 @@ class TrainingMixin:
                          config: Mapping[str, float], forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per datum: ``logprobs`` and ``elementwise_loss`` (float32 [N]); metrics
         ``loss:sum``. Without ``forward_only`` the loss's gradient is added to the
-        adapters' (summed over the data, like the loss)."""
+        adapters' (summed over the data, like the loss).
+
+        A chunk of data is one right-padded forward, one log_softmax and gather over it,
+        and one loss over its real tokens packed end to end (the losses are sums over
+        tokens, so a chunk's loss is the sum of its data's); only data whose targets are
+        scored over recorded kept sets take a step of their own."""
         import torch
 
         tm = self.model(model_id)
         base = self.bases[tm.base]
         config = loss_config(loss_fn, config)
-        for i, datum in enumerate(data):
-            tokens = datum["tokens"]
-            if len(tokens) == 0:
-                raise BadRequest(f"datum {i}: model_input has no tokens")
-            if len(tokens) > base.context:
-                raise BadRequest(f"datum {i}: {len(tokens)} tokens, longer than the model's context ({base.context})")
-            if tokens.min() < 0 or tokens.max() >= base.vocab:
-                raise BadRequest(f"datum {i}: model_input holds a token outside the vocabulary (0..{base.vocab - 1})")
-            for key in LOSS_INPUTS[loss_fn]:
-                if key not in datum["inputs"]:
-                    raise BadRequest(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
-                if datum["inputs"][key].size != len(tokens):
-                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has {datum['inputs'][key].size} values "
-                                     f"for {len(tokens)} input tokens")
-            targets = datum["inputs"]["target_tokens"]
-            if targets.min() < 0 or targets.max() >= base.vocab:
-                raise BadRequest(f"datum {i}: target_tokens holds a token outside the vocabulary (0..{base.vocab - 1})")
+        _check_data(data, loss_fn, base.context, base.vocab)
         backend = tm.backend
         module, device = backend.module, backend.device
         plans = self.replay_plans(tm, data, device)  # R3 from the provenance spans, checked before any gradient
+        keys = [k for k in LOSS_INPUTS[loss_fn] if k != "target_tokens"]
         outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
         total = 0.0
         grad = torch.enable_grad() if not forward_only else torch.no_grad()
@@ -208,31 +230,40 @@ class TrainingMixin:
             for chunk in _chunks(data, plans, base.vocab):
                 # One forward for the chunk: right-padded rows (a causal model's real positions
                 # never see the padding), or the datum alone when its routes are forced.
-                lengths = [len(data[i]["tokens"]) for i in chunk]
-                ids = torch.zeros((len(chunk), max(lengths)), dtype=torch.long)
-                for row, i in enumerate(chunk):
-                    ids[row, : lengths[row]] = torch.as_tensor(np.asarray(data[i]["tokens"], dtype=np.int64))
-                ids = ids.to(device)
+                lengths = np.fromiter((len(data[i]["tokens"]) for i in chunk), dtype=np.int64, count=len(chunk))
+                width = int(lengths.max())
+                real = np.arange(width)[None, :] < lengths[:, None]  # [B, W]: the chunk's real positions
+                ids = np.zeros((len(chunk), width), dtype=np.int64)
+                ids[real] = np.concatenate([data[i]["tokens"] for i in chunk])
+                targets = np.zeros((len(chunk), width), dtype=np.int64)
+                targets[real] = np.concatenate([data[i]["inputs"]["target_tokens"] for i in chunk])
                 kwargs = {}
-                if len(set(lengths)) > 1:
-                    kwargs["attention_mask"] = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]).to(
-                        device=device, dtype=torch.long)
+                if width * len(chunk) != int(lengths.sum()):
+                    kwargs["attention_mask"] = torch.as_tensor(real, dtype=torch.long, device=device)
                 with plans[chunk[0]] if len(chunk) == 1 else contextlib.nullcontext():
-                    all_logits = module(input_ids=ids, **kwargs).logits.float()
-                chunk_loss = None
+                    all_logits = module(input_ids=torch.as_tensor(ids, device=device), **kwargs).logits.float()
+                targets_t = torch.as_tensor(targets, device=device)
+                real_t = torch.as_tensor(real, device=device)
+                padded = torch.log_softmax(all_logits, dim=-1).gather(-1, targets_t[..., None])[..., 0]
+                logprobs = padded[real_t]  # [T]: the chunk's real tokens, datum after datum
+                if any(plans[i].sets for i in chunk):  # over the sampler's kept sets, where recorded
+                    pieces = list(torch.split(logprobs, lengths.tolist()))
+                    for row, i in enumerate(chunk):
+                        if plans[i].sets:
+                            n = int(lengths[row])
+                            pieces[row] = plans[i].logprobs(all_logits[row, :n], targets_t[row, :n], pieces[row])
+                    logprobs = torch.cat(pieces)
+                inputs = {k: np.concatenate([np.asarray(data[i]["inputs"][k], dtype=np.float32).reshape(-1)
+                                             for i in chunk]) for k in keys}
+                elementwise, loss = loss_terms(loss_fn, logprobs, inputs, config, device, self.host)
+                total += float(loss.detach())
+                if not forward_only:
+                    loss.backward()
+                bounds = np.cumsum(lengths)[:-1]
+                lp = np.split(logprobs.detach().cpu().numpy().astype(np.float32, copy=False), bounds)
+                el = np.split(elementwise.detach().cpu().numpy().astype(np.float32, copy=False), bounds)
                 for row, i in enumerate(chunk):
-                    datum, plan = data[i], plans[i]
-                    logits = all_logits[row, : lengths[row]]
-                    targets = torch.as_tensor(np.array(datum["inputs"]["target_tokens"], dtype=np.int64), device=device)
-                    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
-                    logprobs = plan.logprobs(logits, targets, logprobs)  # over the sampler's kept sets, where recorded
-                    elementwise, loss = loss_terms(loss_fn, logprobs, datum["inputs"], config, device, self.host)
-                    chunk_loss = loss if chunk_loss is None else chunk_loss + loss
-                    total += float(loss.detach())
-                    outputs[i] = {"logprobs": logprobs.detach().cpu().numpy().astype(np.float32),
-                                  "elementwise_loss": elementwise.detach().cpu().numpy().astype(np.float32)}
-                if not forward_only and chunk_loss is not None:
-                    chunk_loss.backward()
+                    outputs[i] = {"logprobs": lp[row], "elementwise_loss": el[row]}
         return outputs, {"loss:sum": total, **self.replay_metrics(plans)}
 
     def optim_step(self, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:

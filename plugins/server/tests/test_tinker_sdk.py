@@ -396,3 +396,39 @@ def test_data_of_different_lengths_share_one_forward_and_score_as_alone(service)
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     a, b = (c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (training, twin))
     assert a == pytest.approx(b, rel=1e-5) and a < together.metrics["loss:sum"]
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+def test_a_chunk_of_data_equals_its_data_one_by_one(server, service, loss_fn) -> None:
+    """One forward_backward over data of different lengths (one packed chunk) gives each
+    datum the logprobs, elementwise loss and gradient it gets alone, and the loss their sum."""
+    training = service.create_lora_training_client(base_model=BASE, rank=2, seed=9).result()
+    tm = server["service_models"]()[training.model_id]
+    rng = np.random.default_rng(len(loss_fn))
+    data = []
+    for n in (9, 2, 5, 12, 3, 7):
+        tokens = rng.integers(0, len(ALPHABET), n).tolist()
+        extra = ({"weights": rng.uniform(0, 2, n - 1)} if loss_fn == "cross_entropy" else
+                 {"logprobs": rng.normal(-2.5, 0.5, n - 1), "advantages": rng.normal(0, 1, n - 1)})
+        data.append(_datum(tokens, **extra))
+
+    def grads():
+        out = np.concatenate([p.grad.detach().numpy().ravel().copy() for p in tm.params])
+        training.optim_step(types.AdamParams(learning_rate=0.0)).result()  # clears them; lr 0 leaves the adapters
+        return out
+
+    together = training.forward_backward(data, loss_fn).result()
+    g_together = grads()
+    alone, total = [], 0.0
+    for datum in data:
+        out = training.forward_backward([datum], loss_fn).result()
+        alone.append(out.loss_fn_outputs[0])
+        total += out.metrics["loss:sum"]
+    g_alone = grads()
+    for i, (out, one) in enumerate(zip(together.loss_fn_outputs, alone)):
+        for key in ("logprobs", "elementwise_loss"):
+            np.testing.assert_allclose(out[key].to_numpy(), one[key].to_numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{i} {key}")
+        assert out["logprobs"].to_numpy().shape == (len(data[i].loss_fn_inputs["target_tokens"].data),)
+    assert together.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    assert np.abs(g_alone).max() > 1e-4  # the data carry a gradient
+    np.testing.assert_allclose(g_together, g_alone, rtol=1e-4, atol=1e-6)

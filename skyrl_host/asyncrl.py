@@ -19,7 +19,9 @@ In-flight updates (``weight_updates = "in_flight"``): the trainer publishes at o
 the engine applies the new version between two forwards of the generation in progress;
 step ``t`` still starts with version ``t - 1 - k`` or newer, so the bound holds, but a
 sample's tokens may come from several versions (the engine's ``token_versions`` side
-channel says which) and the schedule depends on timing.
+channel says which) and the schedule depends on timing. ``weight_updates = "abort"``
+publishes at once as well; the engine then aborts the requests in progress and resubmits
+them with what they generated, prefilled again with the new weights.
 
 Resume: a checkpoint after step ``s`` holds the rollouts of steps ``s + 1 ..`` that are
 already generated (made with versions older than ``s``, which a resumed run could not

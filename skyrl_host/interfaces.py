@@ -247,7 +247,7 @@ class Engine(Protocol):
         ...
 
     # Capabilities engines may offer: SharedWeights, UpdateStats, AdapterServing,
-    # SideChannels, TurnContinuation (below).
+    # SideChannels, TurnContinuation, AbortingUpdates (below).
 
 
 @attrs.define
@@ -588,6 +588,24 @@ class SideChannels(Protocol):
     def side_channels(self, sampler: Sampler) -> set[str]:
         """The side channels every batch of ``generate`` with ``sampler`` carries, as
         this engine is configured."""
+        ...
+
+
+@runtime_checkable
+class AbortingUpdates(Protocol):
+    """An engine that, when ``update_weights`` lands in a generation in progress, can abort
+    that generation's requests and resubmit them with what they generated: each request's
+    generated tokens become part of its continued prompt, prefilled with the new weights,
+    and decoding goes on from there (instead of on the old weights' KV). The returned
+    batch is the same as without an abort: prompt, all generated tokens, their sampling
+    logprobs, and (``token_versions``) the version that produced each token."""
+
+    resubmitted: int  # requests resubmitted so far (one per live request per abort)
+
+    def abort_on_update(self, enabled: bool) -> None:
+        """Abort and resubmit (``True``) or continue on the kept KV (``False``, the default)
+        at an update that lands inside a generation; raises a UserError where the engine, as
+        configured, cannot resubmit (e.g. recorded routes it could not keep consistent)."""
         ...
 
 

@@ -198,27 +198,38 @@ def test_async_lora_shares_the_frozen_base(skyrl_cli, skyrl_tiny_rl_job, tmp_pat
     assert step_rows(async_out)[0]["logprob_diff_max"] < 1e-4
 
 
-def test_in_flight_updates_land_inside_generations(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_in_flight_and_aborting_updates_land_inside_generations(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """weight_updates = "in_flight": the trainer publishes at once and the engine switches
-    weights between two decode steps; long generations against short train steps, so
-    samples span two versions, and still none is more than k = 1 version old."""
-    def job(name, **engine):
+    weights between two decode steps; "abort": the requests in progress are resubmitted
+    with what they generated, prefilled again with the new weights. Long generations
+    against short train steps, so samples span two versions, and still none is more than
+    k = 1 version old; both runs report the same metrics ("abort" adds resubmitted_requests)."""
+    def job(name, updates, **engine):
         made = skyrl_tiny_rl_job(
             tmp_path, name,
             job={"steps": 6, "batch_size": 2, "n_samples": 4, "max_new_tokens": 48, "mode": "async",
-                 "max_staleness": 1, "weight_updates": "in_flight", "output_dir": tmp_path / f"{name}_out"},
+                 "max_staleness": 1, "weight_updates": updates, "output_dir": tmp_path / f"{name}_out"},
             engine={"name": "embedded", "dtype": "auto", "share_weights": False, **engine},
             backend={"lr": 1e-3, "micro_batch_tokens": 512})
         return made.path, made.out
 
-    path, _ = job("refused")
-    result = skyrl_cli("run", str(path))
-    assert result.exit_code == 2 and "return_token_versions = true" in result.stderr, result.stderr
-    path, out = job("inflight", return_token_versions=True)
-    result = skyrl_cli("run", str(path))
-    assert result.exit_code == 0, result.stderr
-    rows = step_rows(out)
-    assert all(r["staleness_max"] <= 1.0 and 0.0 <= r["token_staleness_mean"] <= 1.0 for r in rows)
-    assert any(r["mixed_version_fraction"] > 0.0 for r in rows), [r["mixed_version_fraction"] for r in rows]
-    # A mixed sample is as old as its oldest token, so its tokens are on average younger.
-    assert any(r["token_staleness_mean"] < r["staleness_mean"] for r in rows)
+    runs = {}
+    for updates in ("in_flight", "abort"):
+        path, _ = job(f"refused_{updates}", updates)
+        result = skyrl_cli("run", str(path))
+        assert result.exit_code == 2, result.stderr
+        assert f'weight_updates = "{updates}"' in result.stderr and "return_token_versions = true" in result.stderr
+        path, out = job(updates, updates, return_token_versions=True)
+        result = skyrl_cli("run", str(path))
+        assert result.exit_code == 0, result.stderr
+        rows = runs[updates] = step_rows(out)
+        assert [r["step"] for r in rows] == list(range(1, 7))
+        assert all(r["staleness_max"] <= 1.0 and 0.0 <= r["token_staleness_mean"] <= 1.0 for r in rows)
+        assert any(r["mixed_version_fraction"] > 0.0 for r in rows), [r["mixed_version_fraction"] for r in rows]
+        # A mixed sample is as old as its oldest token, so its tokens are on average younger.
+        assert any(r["token_staleness_mean"] < r["staleness_mean"] for r in rows)
+        assert all(abs(r["loss"]) < 1e3 and 0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert [set(r) for r in runs["abort"]] == [set(r) | {"resubmitted_requests"} for r in runs["in_flight"]]
+    # A sample spans two versions only where its request was resubmitted.
+    assert sum(r["resubmitted_requests"] for r in runs["abort"]) > 0
+    assert all(r["resubmitted_requests"] > 0 for r in runs["abort"] if r["mixed_version_fraction"] > 0)

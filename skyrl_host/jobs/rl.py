@@ -24,6 +24,7 @@ from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
+    AbortingUpdates,
     AdapterTraining,
     CharacterAlphabet,
     PlacementRequest,
@@ -97,9 +98,11 @@ class RLConfig:
     )
     weight_updates: str = option(
         "idle", help="async: 'idle': a new version reaches the engine only between generations (a pure function "
-        "of the seed); 'in_flight': at once, between two decode steps of the generation in progress (each token "
-        "records its version; needs an engine with the token_versions side channel)",
-        validator=one_of("idle", "in_flight"),
+        "of the seed); 'in_flight': at once, between two decode steps of the generation in progress, which goes on "
+        "on the old weights' KV (each token records its version; needs an engine with the token_versions side "
+        "channel); 'abort': at once too, but the requests in progress are aborted and resubmitted with what they "
+        "generated, prefilled again with the new weights (an engine with abort_on_update, e.g. embedded)",
+        validator=one_of("idle", "in_flight", "abort"),
     )
     env_waves: int = option(
         1, help="multi-turn: split the trajectories in this many waves; a wave's environment steps run while the "
@@ -208,12 +211,23 @@ class RLDriver:
                 "while the engine generates; give the engine a copy of its own ([engine] share_weights = false) or "
                 "run mode = \"sync\""
             )
-        in_flight = self.cfg.weight_updates == "in_flight"
+        updates = self.cfg.weight_updates
+        in_flight = updates in ("in_flight", "abort")  # published at once, landing inside generations
         if in_flight and has(self.engine, SideChannels) and "token_versions" not in self.engine.side_channels(self.sampler):
             raise UserError(
-                "[job] weight_updates = \"in_flight\": the engine must record the version of every token (a generation "
-                "can span versions); set [engine] return_token_versions = true"
+                f"[job] weight_updates = \"{updates}\": the engine must record the version of every token (a "
+                "generation can span versions); set [engine] return_token_versions = true"
             )
+        if updates == "abort":
+            if not has(self.engine, AbortingUpdates):
+                name = self.run_.plugin("engine").registration.name
+                launcher = getattr(self.run_.spec.cluster, "launcher", "local")
+                raise UserError(
+                    f"[job] weight_updates = \"abort\": engine {name!r} with launcher {launcher!r} cannot abort and "
+                    "resubmit the requests in progress at a weight update; use weight_updates = \"in_flight\" or "
+                    "\"idle\""
+                )
+            self.engine.abort_on_update(True)
         import torch
 
         threads = torch.get_num_threads()  # a new thread starts with the default count, not the job's
@@ -392,12 +406,16 @@ class RLDriver:
 
     def _rollout(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
         """Generate and score step ``step``'s samples (in async mode, in the rollout thread)."""
+        aborting = self.cfg.mode == "async" and self.cfg.weight_updates == "abort"
+        resubmitted = self.engine.resubmitted if aborting else 0
         if self.multiturn is None:
             batch, rewards, metrics, gen_time, gen_tokens = self._single_turn(step)
         else:
             batch, rewards, metrics, gen_time, gen_tokens = self._multi_turn(step)
         if has(self.dataset, RewardMetrics):  # e.g. answers the math verifier could not parse
             metrics.update({k: float(v) for k, v in self.dataset.reward_metrics().items()})
+        if aborting:  # requests an update landed in, resubmitted with what they had generated
+            metrics["resubmitted_requests"] = float(self.engine.resubmitted - resubmitted)
         return batch, rewards, metrics, gen_time, gen_tokens
 
     def step(self, step: int) -> dict[str, float]:

@@ -145,6 +145,11 @@ class EmbeddedEngine:
         self._base_version = 0  # bumped by every update_weights
         self._base_label = 0  # the version the last update_weights reported
         self._fwd_version = 0  # the version label of the last forward
+        self._fwd_base = 0  # the _base_version of the last forward (whose weights made its KV)
+        # Abort-and-resubmit (abort_on_update): at an update inside a generation, its live
+        # requests are prefilled again, prompt + generated tokens, with the new weights.
+        self._abort_on_update = False
+        self.resubmitted = 0  # requests resubmitted so far (one per live row per abort)
         self.routers: list[Any] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -250,6 +255,20 @@ class EmbeddedEngine:
             self._base_label = int(version)
             if self._turns is not None:
                 self._turns.clear()  # KV of the old weights
+
+    def abort_on_update(self, enabled: bool) -> None:
+        """The AbortingUpdates capability: with ``enabled``, an update that lands between two
+        decode steps aborts the generation's live requests and resubmits them, each with
+        its prompt and the tokens it generated so far as the new prompt, prefilled with the
+        new weights (the old weights' KV is dropped); their tokens and logprobs so far stay
+        as sampled, and ``token_versions`` says which version sampled each."""
+        if enabled and self.config.return_routed_experts:
+            raise UserError(
+                "[job] weight_updates = \"abort\" cannot be used with [engine] return_routed_experts = true: a "
+                "resubmitted request's earlier tokens would have two sets of routes (the ones their logprobs came "
+                "from and the new prefill's); use weight_updates = \"in_flight\" or \"idle\""
+            )
+        self._abort_on_update = bool(enabled)
 
     def adapter_slots(self, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """``{adapter tensor name: shape}`` that a complete LoRA adapter with ``config``
@@ -489,6 +508,7 @@ class EmbeddedEngine:
         with self._forward_lock:
             updated = self._base_version != getattr(self, "_call_base", self._base_version)
             self._fwd_version = self._base_label if updated else getattr(self, "_call_label", 0)
+            self._fwd_base = self._base_version
             return self._forward_unlocked(model, ids, mask, pos, cache)
 
     def _forward_unlocked(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
@@ -497,6 +517,33 @@ class EmbeddedEngine:
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{self._cache_kw: cache}, **self._extra
         )
         return out.logits[:, -1, :].float()
+
+    def _resubmit(self, model: torch.nn.Module, prompts: list[list[int]], rep: torch.Tensor,
+                  seq_of_row: torch.Tensor, out_tok: torch.Tensor, t: int, max_new: int) -> tuple[Any, ...]:
+        """Resubmit the requests of batch rows ``seq_of_row`` after decode step ``t``: each
+        one's prompt and its generated tokens ``0..t`` as one new prompt, prefilled (left-
+        padded) with the weights now served, in a fresh cache with room for the decode
+        steps left. Returns the cache, the attention mask, the logits of each row's next
+        token, and the column offset ``width`` such that the token of step ``t2 > t`` is
+        fed at column ``width + t2`` (as the decode loop counts)."""
+        dev = self.device
+        contexts = [list(prompts[int(rep[s])]) + out_tok[s, : t + 1].tolist() for s in seq_of_row.tolist()]
+        rows = len(contexts)
+        full = max(len(c) for c in contexts)
+        cap = max(full, full + max_new - t - 2)  # tokens t+1 .. max_new-2 are still to be fed
+        ids = torch.full((rows, full), self.pad_token_id, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, full - len(c) :] = torch.tensor(c, dtype=torch.long)
+        ids = ids.to(dev)
+        lens = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=dev)
+        cols = torch.arange(full, device=dev)
+        first = (full - lens)[:, None]
+        attn = torch.zeros((rows, cap), dtype=torch.bool, device=dev)
+        attn[:, :full] = cols[None, :] >= first
+        cache = make_cache(model.config, cap)
+        logits = self._forward(model, ids, attn[:, :full], (cols[None, :] - first).clamp_min(0), cache)
+        self.resubmitted += rows
+        return cache, attn, logits, full - (t + 1)
 
     def _generate_chunk(
         self,
@@ -579,6 +626,8 @@ class EmbeddedEngine:
             logits = self._forward(model, ids, mask_upto(prefill_cols), pos, cache)
         prefill_version = self._fwd_version
         logits_version = prefill_version  # the version of the forward the current logits came from
+        kv_base = self._fwd_base  # the weights the cache's KV was made with
+        aborting = self._abort_on_update
         if indexers is not None:
             pre_picks = indexers.after_prefill(prompts, width, dev)
         if hooks is not None:
@@ -657,9 +706,25 @@ class EmbeddedEngine:
                     rows = alive.numel()
                     alive = None
             slot = width + t
-            attn[:, slot] = True
-            logits = self._forward(model, feed[:, None], mask_upto(slot + 1), next_pos[:, None], cache)
+            # abort_on_update: the check and the forward under one hold of the lock, so an
+            # update cannot land between them.
+            with (self._forward_lock if aborting else contextlib.nullcontext()):
+                resubmit = aborting and self._base_version != kv_base
+                if resubmit:  # new weights: abort the live requests, resubmit them with what they generated
+                    if alive is not None:
+                        seq_of_row, next_pos = seq_of_row.index_select(0, alive), next_pos.index_select(0, alive)
+                        alive = None
+                    rows = seq_of_row.numel()
+                    cache, attn, logits, width = self._resubmit(model, prompts, rep, seq_of_row, out_tok, t,
+                                                                max_new)
+                    kv_base = self._fwd_base
+                else:
+                    attn[:, slot] = True
+                    logits = self._forward(model, feed[:, None], mask_upto(slot + 1), next_pos[:, None], cache)
             logits_version = self._fwd_version
+            if resubmit:
+                next_pos = next_pos + 1
+                continue
             if hooks is not None:
                 step_routes = hooks.take()  # [rows, L, k]: the routes of response token t of each row
                 if alive is None:

@@ -233,3 +233,22 @@ def test_in_flight_and_aborting_updates_land_inside_generations(skyrl_cli, skyrl
     # A sample spans two versions only where its request was resubmitted.
     assert sum(r["resubmitted_requests"] for r in runs["abort"]) > 0
     assert all(r["resubmitted_requests"] > 0 for r in runs["abort"] if r["mixed_version_fraction"] > 0)
+
+
+def test_aborting_updates_are_refused_where_they_cannot_work(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """weight_updates = "abort" with a Ray engine actor (it applies updates between its
+    calls) or with recorded routes (a resubmitted request would have two sets) is a
+    one-line error naming the key, from validate and from run before anything starts."""
+    cases = {
+        "ray": ({"launcher": "ray"}, {}, "launcher = \"ray\""),
+        "routes": (None, {"return_routed_experts": True}, "return_routed_experts"),
+    }
+    for name, (cluster, engine, says) in cases.items():
+        made = skyrl_tiny_rl_job(tmp_path, name, job={"steps": 2, "mode": "async", "weight_updates": "abort"},
+                                 cluster=cluster, engine={"share_weights": False, "return_token_versions": True,
+                                                          **engine})
+        for command in ("validate", "run"):
+            result = skyrl_cli(command, str(made.path))
+            assert result.exit_code == 2, (name, command, result.stderr)
+            assert "job.weight_updates" in result.stderr and says in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr

@@ -153,6 +153,26 @@ def check_chat_template(tokenizer: Any, messages: Any) -> None:
         )
 
 
+def check_rl_job(spec: Any) -> list[tuple[str, str]]:
+    """Job-level checks (``skyrl validate``, and ``skyrl run`` before anything starts):
+    ``weight_updates = "abort"`` needs an engine that can resubmit requests in the job's
+    process; a Ray engine actor serves one call at a time (an update never lands inside
+    its generation), and resubmitting cannot keep recorded routes consistent."""
+    cfg = spec.kind_config
+    if cfg.mode != "async" or cfg.weight_updates != "abort":
+        return []
+    if getattr(spec.cluster, "launcher", "local") == "ray":
+        return [("job.weight_updates", 'weight_updates = "abort" needs the engine in the job\'s process; a Ray engine '
+                 'actor applies updates between its generate calls: use "idle" (or "in_flight") with [cluster] '
+                 'launcher = "ray"')]
+    engine = spec.plugins.get("engine")
+    if engine is not None and getattr(engine.config, "return_routed_experts", False):
+        return [("job.weight_updates", 'weight_updates = "abort" cannot be used with [engine] return_routed_experts '
+                 '= true: a resubmitted request\'s earlier tokens would have two sets of routes; use "in_flight" or '
+                 '"idle"')]
+    return []
+
+
 class RLDriver:
     def __init__(self, run: Any):
         self.run_ = run
@@ -220,12 +240,10 @@ class RLDriver:
             )
         if updates == "abort":
             if not has(self.engine, AbortingUpdates):
-                name = self.run_.plugin("engine").registration.name
-                launcher = getattr(self.run_.spec.cluster, "launcher", "local")
                 raise UserError(
-                    f"[job] weight_updates = \"abort\": engine {name!r} with launcher {launcher!r} cannot abort and "
-                    "resubmit the requests in progress at a weight update; use weight_updates = \"in_flight\" or "
-                    "\"idle\""
+                    f"[job] weight_updates = \"abort\": engine {self.run_.plugin('engine').registration.name!r} "
+                    "cannot abort and resubmit the requests in progress at a weight update (no abort_on_update); use "
+                    "weight_updates = \"in_flight\" or \"idle\""
                 )
             self.engine.abort_on_update(True)
         import torch
@@ -538,4 +556,5 @@ def skyrl_register_jobs(register: Any) -> None:
         config=RLConfig,
         description="Reinforcement learning: generate, reward, filter, advantages, train, sync",
         slots=SLOTS,
+        check=check_rl_job,
     )

@@ -80,3 +80,26 @@ def test_async_ray_with_broadcast_hands_each_version_over_when_the_engine_is_idl
     assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert [r["sync_collectives"] for r in rows] == [1.0] * 4 and all(r["sync_pause_s"] > 0 for r in rows)
+
+
+def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generates(ray_session, skyrl_cli,
+                                                                                 skyrl_tiny_rl_job, tmp_path) -> None:
+    """A rendezvous transport: right after its train step the backend actor writes version
+    v into its registered buffers (the sender's half, while the engine actor generates);
+    once the engine is idle it reads them over NIXL and applies them. Exact float32
+    weights: the run equals the delta run, learning metric for learning metric."""
+    import nixl_cu12  # noqa: F401  (NIXL comes with the test requirements: skyrl-weightsync[test])
+
+    rows = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "nixl", {"transport": "nixl", "dtype": "float32"}, steps=5,
+               mode="async", max_staleness=1)
+    assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0, 3.0]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r["sync_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    for r in rows:  # staged: served before the pause; only the read and the apply inside it
+        assert r["sync_served_bytes"] > 0 and r["sync_publish_s"] > 0
+        assert r["sync_bytes"] > 0 and r["sync_read_s"] + r["sync_apply_s"] <= r["sync_pause_s"]
+    assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4
+    want = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "delta", delta(tmp_path, "delta"), steps=5, mode="async",
+               max_staleness=1)
+    assert [learning_metrics(r) for r in rows] == [learning_metrics(r) for r in want]
+

@@ -1,0 +1,383 @@
+"""megatron-core models built from a Hugging Face config, and their weights in both naming schemes.
+
+- (:func:`skyrl_backends._mcore_arch.describe`: the :class:`Architecture` of a Hugging
+  Face config, or a ``NotExpressible`` naming what megatron-core lacks for it;)
+- :func:`ensure_parallel_state`: torch.distributed and megatron-core's parallel groups
+  (a one-process gloo group when the launcher started none), plus the CPU shims
+  megatron-core 0.16 needs (FACTS.md: ``torch.cuda.current_device`` while building,
+  the inference RNG tracker, no TransformerEngine GEMM in the router; activation
+  recompute without a CUDA generator to save);
+- :func:`build`: the ``GPTModel`` (local, TransformerEngine-free layer specs);
+- :func:`hf_to_mcore` / :func:`mcore_to_hf`: a state dict in the other scheme (fused QKV
+  in query-group order, fused gate/up, per-expert MLPs, tied heads), for this rank's
+  tensor-parallel shard or from the gathered shards;
+- :class:`MegatronLM`: the model called the way the torch backend's train step calls
+  ``PackedLM``: packed rows with positions restarting per sequence (a block-diagonal
+  causal mask and rotary angles taken at each slot's own position), logits at the loss
+  positions only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from skyrl_backends._mcore_arch import Architecture
+
+
+# -- process groups and the CPU shims ---------------------------------------------------
+
+
+def _quiet_megatron() -> None:
+    """megatron-core warns on import and in every forward about what a CPU machine lacks
+    (TransformerEngine, Apex) and about its own deprecations: not the user's business.
+    Only warnings raised inside megatron-core's modules are silenced."""
+    import warnings
+
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron\.")
+
+
+def _patch_moe_utils() -> None:
+    # megatron-core 0.16.1's router GEMM reads the module global ``te_general_gemm``, which is
+    # left undefined when TransformerEngine did not import (a NameError in every MoE forward).
+    import megatron.core.transformer.moe.moe_utils as mu
+
+    if not hasattr(mu, "te_general_gemm") or not torch.cuda.is_available():
+        mu.te_general_gemm = None
+
+
+def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: torch.device, seed: int) -> tuple[int, int]:
+    """torch.distributed (a one-process gloo group when none runs) and megatron-core's model-parallel
+    groups of these sizes; returns (rank, world)."""
+    import torch.distributed as dist
+
+    _quiet_megatron()
+    from megatron.core import parallel_state, tensor_parallel as tp
+
+    _patch_moe_utils()
+    _cpu_shims()
+    if not dist.is_initialized():
+        if tensor_parallel * expert_parallel > 1:
+            raise ValueError(
+                f"tensor_parallel = {tensor_parallel}, expert_parallel = {expert_parallel} need that many processes: "
+                "start the trainer ranks with [cluster] trainer_ranks"
+            )
+        fd, path = tempfile.mkstemp(prefix="skyrl-megatron-")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % tensor_parallel or world % expert_parallel:
+        raise ValueError(f"{world} trainer ranks do not divide into tensor_parallel = {tensor_parallel} x expert_parallel = {expert_parallel}")
+    if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
+                and parallel_state.get_expert_model_parallel_world_size() == expert_parallel)
+        if not same:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
+            distributed_timeout_minutes=30, order="tp-cp-ep-dp-pp", create_gloo_process_groups=backend == "gloo",
+        )
+    if device.type == "cuda":
+        tp.model_parallel_cuda_manual_seed(seed)
+    else:
+        tp.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return rank, world
+
+
+def _cpu_shims() -> None:
+    """megatron-core asks ``torch.cuda.current_device()`` where to put buffers (while building,
+    and for attention's scratch buffer in every forward). On a machine without CUDA that call
+    can only raise; it answers "cpu" instead (process-wide, installed once; a machine with
+    CUDA is left alone)."""
+    if torch.cuda.is_available() or getattr(torch.cuda.current_device, "_skyrl_cpu", False):
+        return
+
+    def current_device() -> str:
+        return "cpu"
+
+    current_device._skyrl_cpu = True  # type: ignore[attr-defined]
+    torch.cuda.current_device = current_device  # type: ignore[assignment]
+    # Activation recompute saves and restores the CUDA generator's state around each layer
+    # (megatron-core keeps the CPU generator's itself): without CUDA there is none to keep.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool = False) -> Any:
+    """megatron-core's TransformerConfig for ``m``: float32 parameters, no fusions, no dropout;
+    ``recompute``: full activation recompute of every layer in the backward pass."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw: dict[str, Any] = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads, num_query_groups=m.groups,
+        kv_channels=m.head_dim, ffn_hidden_size=m.ffn, normalization="RMSNorm", layernorm_epsilon=m.eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, params_dtype=torch.float32, use_cpu_initialization=True,
+        perform_initialization=False, attention_softmax_in_fp32=True,
+    )
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    from megatron.core import parallel_state
+
+    kw["tensor_model_parallel_size"] = parallel_state.get_tensor_model_parallel_world_size()
+    kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+    if m.is_moe:
+        kw.update(
+            num_moe_experts=m.experts, moe_router_topk=m.top_k, moe_ffn_hidden_size=m.ffn,
+            # norm_topk_prob: softmax over the top-k logits (= the renormalised top-k of the full softmax)
+            moe_router_pre_softmax=not m.norm_topk, moe_router_score_function="softmax",
+            moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_dtype="fp32",
+            moe_enable_routing_replay=routing_replay,
+        )
+    return TransformerConfig(**kw)
+
+
+def build(m: Architecture, device: torch.device, *, routing_replay: bool, recompute: bool = False) -> Any:
+    """The ``GPTModel`` of ``m`` on ``device`` (uninitialised weights: load them with :func:`hf_to_mcore`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    config = transformer_config(m, routing_replay=routing_replay, recompute=recompute)
+    spec = get_gpt_layer_local_spec(
+        num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    # RouterReplay keeps a process-wide list of its instances: this model's routers are its own.
+    RouterReplay.clear_global_router_replay_instances()
+    model = GPTModel(
+        config, spec, vocab_size=m.vocab, max_sequence_length=m.max_positions, pre_process=True, post_process=True,
+        share_embeddings_and_output_weights=m.tied, position_embedding_type="rope", rotary_percent=1.0,
+        rotary_base=m.rope_theta, parallel_output=True,
+    )
+    RouterReplay.clear_global_router_replay_instances()
+    return model.to(device)
+
+
+# -- weights: Hugging Face <-> megatron-core -----------------------------------------------
+
+
+def _tp() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _ep() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def _fuse_qkv(m: Architecture, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``linear_qkv`` rows: per query group, its query heads, then its key, then its value head."""
+    per = m.heads // m.groups
+    d, h = m.head_dim, q.shape[-1]
+    q = q.reshape(m.groups, per * d, h)
+    k = k.reshape(m.groups, d, h)
+    v = v.reshape(m.groups, d, h)
+    return torch.cat([q, k, v], dim=1).reshape(-1, h)
+
+
+def _split_qkv(m: Architecture, qkv: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per = m.heads // m.groups
+    d, h = m.head_dim, qkv.shape[-1]
+    g = qkv.reshape(groups, (per + 2) * d, h)
+    return (g[:, : per * d].reshape(-1, h), g[:, per * d: (per + 1) * d].reshape(-1, h), g[:, (per + 1) * d:].reshape(-1, h))
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return t.chunk(size, dim=dim)[rank] if size > 1 else t
+
+
+def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's megatron-core state dict (weights only) from a full Hugging Face state dict."""
+    tr, ts = _tp()
+    er, es = _ep()
+    out: dict[str, torch.Tensor] = {}
+    vocab_rows = hf["model.embed_tokens.weight"]
+    out["embedding.word_embeddings.weight"] = _shard(vocab_rows, 0, tr, ts)
+    for i in range(m.num_layers):
+        a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+        # the fused QKV is split by query group across tensor-parallel ranks
+        qkv = _fuse_qkv(m, hf[a + "self_attn.q_proj.weight"], hf[a + "self_attn.k_proj.weight"], hf[a + "self_attn.v_proj.weight"])
+        out[o + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tr, ts)
+        out[o + "self_attention.linear_proj.weight"] = _shard(hf[a + "self_attn.o_proj.weight"], 1, tr, ts)
+        out[o + "self_attention.q_layernorm.weight"] = hf[a + "self_attn.q_norm.weight"]
+        out[o + "self_attention.k_layernorm.weight"] = hf[a + "self_attn.k_norm.weight"]
+        out[o + "input_layernorm.weight"] = hf[a + "input_layernorm.weight"]
+        out[o + "pre_mlp_layernorm.weight"] = hf[a + "post_attention_layernorm.weight"]
+        if m.is_moe:
+            out[o + "mlp.router.weight"] = hf[a + "mlp.gate.weight"]
+            gate_up, down = hf[a + "mlp.experts.gate_up_proj"], hf[a + "mlp.experts.down_proj"]
+            local = m.experts // es
+            for j in range(local):
+                e = er * local + j
+                out[o + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = _shard_glu(gate_up[e], tr, ts)
+                out[o + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = _shard(down[e], 1, tr, ts)
+        else:
+            fc1 = torch.cat([hf[a + "mlp.gate_proj.weight"], hf[a + "mlp.up_proj.weight"]], dim=0)
+            out[o + "mlp.linear_fc1.weight"] = _shard_glu(fc1, tr, ts)
+            out[o + "mlp.linear_fc2.weight"] = _shard(hf[a + "mlp.down_proj.weight"], 1, tr, ts)
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not m.tied:
+        out["output_layer.weight"] = _shard(hf["lm_head.weight"], 0, tr, ts)
+    return out
+
+
+def _shard_glu(fc1: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A [gate; up] weight's tensor-parallel shard: [gate shard; up shard]."""
+    if size == 1:
+        return fc1
+    gate, up = fc1.chunk(2, dim=0)
+    return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
+
+
+def _unshard_glu(shards: list[torch.Tensor]) -> torch.Tensor:
+    if len(shards) == 1:
+        return shards[0]
+    parts = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([torch.cat([p[0] for p in parts], 0), torch.cat([p[1] for p in parts], 0)], 0)
+
+
+def mcore_to_hf(m: Architecture, shards: list[Mapping[str, torch.Tensor]], experts: list[list[Mapping[str, torch.Tensor]]] | None = None) -> dict[str, torch.Tensor]:
+    """The full Hugging Face state dict from megatron-core state dicts: ``shards[r]`` is
+    tensor-parallel rank r's (one entry without tensor parallelism); ``experts[e][r]``, with
+    expert parallelism, the state dict of expert-parallel rank e and tensor-parallel rank r
+    (None: the experts are in ``shards``). Names and layouts are the live
+    transformers model's (``model.state_dict()``), including the tied head's alias."""
+    ts = len(shards)
+    s0 = shards[0]
+
+    def cat(name: str, dim: int) -> torch.Tensor:
+        return shards[0][name] if ts == 1 else torch.cat([s[name] for s in shards], dim=dim)
+
+    out: dict[str, torch.Tensor] = {}
+    out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)
+    for i in range(m.num_layers):
+        a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qs, ks, vs = zip(*[_split_qkv(m, s[o + "self_attention.linear_qkv.weight"], m.groups // ts) for s in shards])
+        out[a + "self_attn.q_proj.weight"] = torch.cat(qs, 0)
+        out[a + "self_attn.k_proj.weight"] = torch.cat(ks, 0)
+        out[a + "self_attn.v_proj.weight"] = torch.cat(vs, 0)
+        out[a + "self_attn.o_proj.weight"] = cat(o + "self_attention.linear_proj.weight", 1)
+        out[a + "self_attn.q_norm.weight"] = s0[o + "self_attention.q_layernorm.weight"]
+        out[a + "self_attn.k_norm.weight"] = s0[o + "self_attention.k_layernorm.weight"]
+        if m.is_moe:
+            groups = experts if experts is not None else [shards]
+            fc1s, fc2s = [], []
+            for ep_shards in groups:
+                local = m.experts // len(groups)
+                for j in range(local):
+                    p = o + f"mlp.experts.local_experts.{j}."
+                    fc1s.append(_unshard_glu([s[p + "linear_fc1.weight"] for s in ep_shards]))
+                    fc2s.append(torch.cat([s[p + "linear_fc2.weight"] for s in ep_shards], 1))
+            out[a + "mlp.experts.gate_up_proj"] = torch.stack(fc1s)
+            out[a + "mlp.experts.down_proj"] = torch.stack(fc2s)
+            out[a + "mlp.gate.weight"] = s0[o + "mlp.router.weight"]
+        else:
+            gate, up = _unshard_glu([s[o + "mlp.linear_fc1.weight"] for s in shards]).chunk(2, dim=0)
+            out[a + "mlp.gate_proj.weight"] = gate
+            out[a + "mlp.up_proj.weight"] = up
+            out[a + "mlp.down_proj.weight"] = cat(o + "mlp.linear_fc2.weight", 1)
+        out[a + "input_layernorm.weight"] = s0[o + "input_layernorm.weight"]
+        out[a + "post_attention_layernorm.weight"] = s0[o + "pre_mlp_layernorm.weight"]
+    out["model.norm.weight"] = s0["decoder.final_layernorm.weight"]
+    out["lm_head.weight"] = out["model.embed_tokens.weight"] if m.tied else cat("output_layer.weight", 0)
+    return out
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's tensors (no ``_extra_state`` entries), detached."""
+    return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` (every weight of the model, nothing else) into ``model``."""
+    own = weights_of(model)
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"megatron weights: missing {missing[:4]}, unexpected {extra[:4]}")
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for k, v in state.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"megatron weight {k}: shape {tuple(v.shape)}, the model has {tuple(own[k].shape)}")
+            (params[k] if k in params else own[k]).copy_(v.to(own[k].dtype))
+
+
+# -- the forward the train step calls ---------------------------------------------------------
+
+
+class OutputHead:
+    """What a scoring replay strategy reads of the output head: its ``weight`` (this rank's
+    vocabulary rows) and ``bias`` (none)."""
+
+    bias = None
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
+def segment_mask(pos: torch.Tensor) -> torch.Tensor:
+    """bool [rows, 1, R, R], True where attention is masked: a new sequence starts wherever a
+    position is not its predecessor's + 1 (as transformers reads packed position ids), and
+    a slot sees only earlier slots of its own sequence."""
+    rows, R = pos.shape
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    seg = torch.cumsum(start.long(), dim=1)
+    same = seg[:, :, None] == seg[:, None, :]
+    causal = torch.ones(R, R, dtype=torch.bool, device=pos.device).tril()
+    return ~(same & causal)[:, None]
+
+
+class MegatronLM(torch.nn.Module):
+    """A ``GPTModel`` called as ``PackedLM`` is: ``forward(ids [rows, R], pos [rows, R], keep [K])``
+    gives logits ``[K, V]`` (this rank's vocabulary shard under tensor parallelism), or a
+    scorer's result from ``hidden=[K, H], head=OutputHead``."""
+
+    def __init__(self, gpt: torch.nn.Module, padding_idx: int | None = None):
+        super().__init__()
+        self.gpt = gpt
+        # The Hugging Face embedding's padding_idx: that row gets no gradient from its lookups
+        # (nn.Embedding's rule, which megatron-core's embedding lacks; the row may still learn
+        # through a tied head). Transformers initialises it to zeros, where RMSNorm's gradient is huge.
+        self.padding_idx = padding_idx
+
+    def head_weight(self) -> torch.Tensor:
+        return self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else self.gpt.output_layer.weight
+
+    def get_output_embeddings(self) -> OutputHead:
+        return OutputHead(self.head_weight())
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None, **kwargs: Any) -> Any:
+        if kwargs:
+            raise ValueError(f"the megatron backend takes packed rows only, not {sorted(kwargs)}")
+        gpt = self.gpt
+        emb = gpt.embedding(input_ids=ids, position_ids=pos)  # [R, rows, H]
+        if self.padding_idx is not None and emb.requires_grad:
+            emb = torch.where((ids == self.padding_idx).t()[..., None], emb.detach(), emb)
+        # Rotary angles at each slot's own position (positions restart for every packed sequence).
+        # (megatron-core's RotaryEmbedding gives angles of 0..S-1 only.)
+        inv_freq = gpt.rotary_pos_emb.inv_freq.to(emb.device)
+        angles = pos.t().to(inv_freq.dtype)[..., None] * inv_freq  # [R, rows, d/2]
+        rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
+        hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
+        hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[keep]
+        head = OutputHead(self.head_weight())
+        if scorer is not None:
+            return scorer(hidden=hidden, head=head)
+        return F.linear(hidden, head.weight)

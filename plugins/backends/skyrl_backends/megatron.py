@@ -1,0 +1,134 @@
+"""megatron: the megatron-core training backend (``[backend] name = "megatron"``).
+
+The model a job loads is rebuilt as a megatron-core ``GPTModel`` (local layer specs, no
+TransformerEngine needed) from its Hugging Face config, its weights converted into
+megatron-core's layout (fused QKV per query group, fused gate/up, per-expert MLPs), and
+trained with the same packing, algorithm losses and AdamW as the torch backend. The
+engine gets Hugging Face names back (``named_weights``), so every transport and engine
+works unchanged. ``r3`` runs through megatron-core's own routing replay (the routers'
+``RouterReplay``), ``support`` through the same kept-set scoring as the torch backend.
+
+What megatron-core cannot express for a model (another architecture, RoPE scaling,
+biases, ...) is refused at validate time where the job's files say it, else when the
+backend starts, with a message naming it. See docs/backends.md.
+
+This module only declares the options and registers the backend: it imports neither
+torch nor megatron-core (the factory imports ``skyrl_backends._mcore_trainer``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import attrs
+
+from skyrl_backends._options import TrainerOptions
+from skyrl_host import hookimpl
+from skyrl_host.devices import cuda_problem
+from skyrl_host.options import ge, option
+
+NOT_BUILT = {
+    "tensor_parallel": "tensor parallelism (a vocabulary-parallel head and sharded linear layers across trainer ranks)",
+    "expert_parallel": "expert parallelism (experts spread across trainer ranks)",
+    "pipeline_parallel": "pipeline parallelism",
+    "context_parallel": "context parallelism",
+}
+
+
+@attrs.frozen
+class MegatronBackendConfig(TrainerOptions):
+    """Options of ``[backend]`` when ``name = "megatron"``."""
+
+    tensor_parallel: int = option(1, help="tensor-parallel size (megatron-core's TP)", validator=ge(1))
+    pipeline_parallel: int = option(1, help="pipeline-parallel size (megatron-core's PP)", validator=ge(1))
+    expert_parallel: int = option(1, help="expert-parallel size (megatron-core's EP, MoE models)", validator=ge(1))
+    context_parallel: int = option(1, help="context-parallel size (megatron-core's CP)", validator=ge(1))
+
+
+def create(config: MegatronBackendConfig) -> Any:
+    """The factory: a :class:`skyrl_host.interfaces.Backend` (imports torch and megatron-core)."""
+    from skyrl_backends._mcore_trainer import MegatronBackend
+
+    return MegatronBackend(config)
+
+
+def _model_config(choice: Any) -> dict[str, Any] | None:
+    """What the job's files say of the model's Hugging Face config: a local folder's
+    config.json, or ``{"model_type": ...}`` of a preset; None when they say nothing."""
+    path = getattr(choice.config, "path", None)
+    if isinstance(path, str):
+        try:
+            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # the family's own validator reports a bad folder
+        return data if isinstance(data, dict) else None
+    model_type = getattr(choice.config, "model_type", None)
+    return {"model_type": model_type} if isinstance(model_type, str) else None
+
+
+class _Config:
+    """A config.json's keys as attributes (what :func:`describe` reads of a transformers config)."""
+
+    def __init__(self, data: dict[str, Any]):
+        self.__dict__.update(data)
+        text = data.get("text_config")
+        self._text = _Config(text) if isinstance(text, dict) else None
+
+    def get_text_config(self) -> Any:
+        return self._text or self
+
+
+def check(spec: Any) -> list[tuple[str, str]]:
+    """Job-level checks (``skyrl validate``): the parallelism this backend runs, a CUDA
+    ``device`` on a machine with CUDA, and a model megatron-core can express."""
+    from skyrl_host.kinds import SLOT_KINDS
+
+    choice = spec.plugins.get("backend")
+    if choice is None or isinstance(choice, tuple):
+        return []
+    cfg = choice.config
+    problems: list[tuple[str, str]] = []
+    for key, what in NOT_BUILT.items():
+        if getattr(cfg, key) != 1:
+            problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what} is not built yet in the megatron "
+                             "backend (it trains on one process); set it to 1, or use [backend] name = \"torch\" "
+                             "with data_parallel for several ranks"))
+    ranks = spec.cluster.trainer_ranks
+    if ranks > 1:
+        problems.append(("cluster.trainer_ranks", f"[cluster] trainer_ranks = {ranks}: the megatron backend trains on one "
+                         "process (data parallelism is not built yet); set trainer_ranks = 1"))
+    if getattr(spec.cluster, "launcher", "local") != "ray":
+        problem = cuda_problem(cfg.device)
+        if problem is not None:
+            problems.append(("backend.device", problem))
+    model = spec.plugins.get("model")
+    if model is not None and not isinstance(model, tuple):
+        data = _model_config(model)
+        if data is not None:
+            from skyrl_backends._mcore_arch import NotExpressible, check_model_type, describe
+
+            try:
+                if len(data) == 1:  # a preset: its model type
+                    check_model_type(data["model_type"])
+                else:
+                    describe(_Config(data))
+            except NotExpressible as exc:
+                where = "model.path" if getattr(model.config, "path", None) else f"model.{SLOT_KINDS['model'].selector}"
+                if getattr(model.config, "preset", None):
+                    where = "model.preset"
+                problems.append((where, f"the megatron backend cannot build this model: {exc}"))
+    return problems
+
+
+@hookimpl
+def skyrl_register_backends(register: Any) -> None:
+    register(
+        "megatron",
+        create,
+        config=MegatronBackendConfig,
+        description="megatron-core trainer: Qwen3 dense and MoE as megatron-core GPT models, routing replay through "
+        "megatron-core's RouterReplay, packed micro-batches, AdamW",
+        check=check,
+    )

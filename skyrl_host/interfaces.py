@@ -730,6 +730,10 @@ class PlacementRequest:
     sampler: Any = None  # [sampler]
     weight_sync: Any = None  # [weight_sync]
     threads: int | None = None
+    # Async RL with updates inside generations ([job] weight_updates = "in_flight" or "abort"):
+    # a weight sync may reach an engine while it generates (the ray launcher's engine actors
+    # then serve a sync beside the generate call in progress).
+    in_flight_updates: bool = False
 
 
 @runtime_checkable

@@ -235,16 +235,18 @@ def test_in_flight_and_aborting_updates_land_inside_generations(skyrl_cli, skyrl
     assert all(r["resubmitted_requests"] > 0 for r in runs["abort"] if r["mixed_version_fraction"] > 0)
 
 
-def test_aborting_updates_are_refused_where_they_cannot_work(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
-    """weight_updates = "abort" with a Ray engine actor (it applies updates between its
-    calls) or with recorded routes (a resubmitted request would have two sets) is a
-    one-line error naming the key, from validate and from run before anything starts."""
+def test_updates_inside_generations_are_refused_where_they_cannot_work(skyrl_cli, skyrl_tiny_rl_job,
+                                                                      tmp_path) -> None:
+    """From validate and from run before anything starts, a one-line error naming the key:
+    updates landing inside generations without per-token versions (also for a Ray engine
+    actor, whose capabilities the driver cannot see), and weight_updates = "abort" with
+    recorded routes (a resubmitted request would have two sets)."""
     cases = {
-        "ray": ({"launcher": "ray"}, {}, "launcher = \"ray\""),
-        "routes": (None, {"return_routed_experts": True}, "return_routed_experts"),
+        "ray": ("in_flight", {"launcher": "ray"}, {"return_token_versions": False}, "return_token_versions = true"),
+        "routes": ("abort", None, {"return_routed_experts": True}, "return_routed_experts"),
     }
-    for name, (cluster, engine, says) in cases.items():
-        made = skyrl_tiny_rl_job(tmp_path, name, job={"steps": 2, "mode": "async", "weight_updates": "abort"},
+    for name, (updates, cluster, engine, says) in cases.items():
+        made = skyrl_tiny_rl_job(tmp_path, name, job={"steps": 2, "mode": "async", "weight_updates": updates},
                                  cluster=cluster, engine={"share_weights": False, "return_token_versions": True,
                                                           **engine})
         for command in ("validate", "run"):

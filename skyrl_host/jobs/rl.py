@@ -155,22 +155,26 @@ def check_chat_template(tokenizer: Any, messages: Any) -> None:
 
 def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``, and ``skyrl run`` before anything starts):
-    ``weight_updates = "abort"`` needs an engine that can resubmit requests in the job's
-    process; a Ray engine actor serves one call at a time (an update never lands inside
-    its generation), and resubmitting cannot keep recorded routes consistent."""
+    updates that land inside generations need an engine recording each token's version,
+    and resubmitting (``weight_updates = "abort"``) cannot keep recorded routes
+    consistent."""
     cfg = spec.kind_config
-    if cfg.mode != "async" or cfg.weight_updates != "abort":
+    if cfg.mode != "async" or cfg.weight_updates == "idle":
         return []
-    if getattr(spec.cluster, "launcher", "local") == "ray":
-        return [("job.weight_updates", 'weight_updates = "abort" needs the engine in the job\'s process; a Ray engine '
-                 'actor applies updates between its generate calls: use "idle" (or "in_flight") with [cluster] '
-                 'launcher = "ray"')]
+    problems = []
+    updates = cfg.weight_updates
     engine = spec.plugins.get("engine")
-    if engine is not None and getattr(engine.config, "return_routed_experts", False):
-        return [("job.weight_updates", 'weight_updates = "abort" cannot be used with [engine] return_routed_experts '
-                 '= true: a resubmitted request\'s earlier tokens would have two sets of routes; use "in_flight" or '
-                 '"idle"')]
-    return []
+    engine_config = getattr(engine, "config", None)
+    if getattr(engine_config, "return_token_versions", True) is False:
+        problems.append(("job.weight_updates", f'weight_updates = "{updates}": the engine must record the version of '
+                         'every token (a generation can span versions); set [engine] return_token_versions = true'))
+    if updates != "abort":
+        return problems
+    if getattr(engine_config, "return_routed_experts", False):
+        problems.append(("job.weight_updates", 'weight_updates = "abort" cannot be used with [engine] '
+                         'return_routed_experts = true: a resubmitted request\'s earlier tokens would have two sets of '
+                         'routes; use "in_flight" or "idle"'))
+    return problems
 
 
 class RLDriver:
@@ -205,6 +209,7 @@ class RLDriver:
             alphabet=alphabet, seed=self.seed, total_steps=run.total_steps, algorithm=self.algorithm,
             replay=tuple(run.plugin("replay")), engine=run.plugin("engine"), sampler=run.plugin("sampler"),
             weight_sync=run.plugin("weight_sync"), threads=cfg.threads,
+            in_flight_updates=cfg.mode == "async" and cfg.weight_updates in ("in_flight", "abort"),
         )
         self.placement = run.launcher().place(request)
         self.loaded = self.placement.loaded

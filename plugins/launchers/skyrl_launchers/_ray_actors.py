@@ -22,7 +22,11 @@ while its main thread calls the backend actors, so generation and training run a
 their processes (Ray handles may be used from several threads; each actor runs one call
 at a time, in the order its calls were made). The driver's schedule calls an engine's
 ``sync`` only once it is idle; :meth:`RayPlacement.stage` does the backend's half of a
-publish before that, while the engines still generate.
+publish before that, while the engines still generate. With in-flight updates
+(``weight_updates = "in_flight"`` or ``"abort"``: ``PlacementRequest.in_flight_updates``)
+the engine actors are threaded (two calls at once), so a ``sync`` runs beside the
+``generate`` call in progress and the engine applies it between two forwards (or, with
+``"abort"``, resubmits the live requests there).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 from skyrl_host.contracts import describe, has, require
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
+    AbortingUpdates,
     AdapterTraining,
     LoadedModel,
     PlacementRequest,
@@ -131,6 +136,7 @@ class EngineWorker:
     def __init__(self, request: PlacementRequest):
         import torch
 
+        self.threads = request.threads
         if request.threads:
             torch.set_num_threads(request.threads)
         precision = request.precision.create()  # first: it may decide what the model code imports
@@ -171,12 +177,28 @@ class EngineWorker:
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int,
                  group_offset: int) -> Mapping[str, Any]:
+        if self.threads:  # a threaded actor's calls run in pool threads, which start with the default count
+            import torch
+
+            torch.set_num_threads(self.threads)
         batch = self.engine.generate(prompts, n=n, sampler=self.sampler, max_new_tokens=max_new_tokens, seed=seed,
                                      group_offset=group_offset)
         return dict(batch.to_arrays())
 
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
+
+    def abort_on_update(self, enabled: bool) -> None:
+        """AbortingUpdates, passed on to this actor's engine (a UserError where it has none)."""
+        if not has(self.engine, AbortingUpdates):
+            raise UserError(
+                f"[job] weight_updates = \"abort\": engine {type(self.engine).__name__} in the engine actor cannot "
+                "abort and resubmit the requests in progress at a weight update; use weight_updates = \"in_flight\""
+            )
+        self.engine.abort_on_update(enabled)
+
+    def resubmitted(self) -> int:
+        return int(getattr(self.engine, "resubmitted", 0))
 
     def close(self) -> None:
         if self.group is not None:
@@ -386,6 +408,15 @@ class RemoteEngine:
     def weight_version(self) -> int:
         return min(ray_get([a.weight_version.remote() for a in self.actors]))
 
+    def abort_on_update(self, enabled: bool) -> None:
+        """AbortingUpdates: every replica aborts and resubmits at an update inside its
+        generation (the actors are threaded then: ``PlacementRequest.in_flight_updates``)."""
+        ray_get([a.abort_on_update.remote(enabled) for a in self.actors])
+
+    @property
+    def resubmitted(self) -> int:
+        return sum(ray_get([a.resubmitted.remote() for a in self.actors]))
+
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, sampler: Any, max_new_tokens: int, seed: int,
                  group_offset: int = 0) -> Any:
         from skyrl_host.rollout import RolloutBatch
@@ -469,10 +500,11 @@ class Actors:
     def __init__(self) -> None:
         self.started: list[tuple[list[Any], Any]] = []  # (actors, placement group)
 
-    def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0) -> list[Any]:
+    def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0, concurrency: int = 1) -> list[Any]:
         """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
         placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
-        enough free ones to give each one: :func:`gpu_bundles`); waits until all are built."""
+        enough free ones to give each one: :func:`gpu_bundles`); waits until all are built.
+        ``concurrency`` > 1: a threaded actor serving that many calls at once."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -488,7 +520,7 @@ class Actors:
                 f"[cluster]: Ray cannot place {n} {worker.__name__} actor(s) of {bundle} each "
                 f"(the cluster has {ray.cluster_resources()}): lower cpus_per_actor, trainer_ranks or engine_replicas"
             )
-        actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus)(worker)
+        actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency)(worker)
         actors = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
@@ -620,8 +652,11 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
         ray_get([b.start.remote(dp_address) for b in backends])
         placement.backend = RemoteBackend(backends)
         if request.engine is not None:
+            # In-flight updates: a sync runs in a second thread of the actor beside the generate
+            # call in progress; the engine applies it between two forwards.
             engines = placement.actors.start(
-                EngineWorker, [(request,)] * cluster.engine_replicas, cpus=config.cpus_per_actor
+                EngineWorker, [(request,)] * cluster.engine_replicas, cpus=config.cpus_per_actor,
+                concurrency=2 if request.in_flight_updates else 1,
             )
             placement.engine = RemoteEngine(engines)
             if transport is not None:

@@ -103,3 +103,31 @@ def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generate
                max_staleness=1)
     assert [learning_metrics(r) for r in rows] == [learning_metrics(r) for r in want]
 
+
+
+@pytest.mark.parametrize("updates", ["in_flight", "abort"])
+def test_async_ray_updates_land_inside_the_engine_actors_generation(ray_session, skyrl_cli, skyrl_tiny_rl_job,
+                                                                    tmp_path, updates) -> None:
+    """weight_updates = "in_flight" / "abort": the engine actor is threaded, so the sync the
+    driver sends right after a train step runs beside the generate call in progress, and
+    the engine applies it between two decode steps (with "abort", resubmitting the live
+    requests there). Long generations against short train steps: samples span two
+    versions, none is more than k = 1 version old."""
+    made = skyrl_tiny_rl_job(
+        tmp_path, updates,
+        job={"steps": 6, "batch_size": 2, "n_samples": 4, "max_new_tokens": 48, "mode": "async", "max_staleness": 1,
+             "weight_updates": updates},
+        cluster={"launcher": "ray"}, engine={"dtype": "float32", "return_token_versions": True},
+        backend={"lr": 1e-3, "micro_batch_tokens": 512}, weight_sync=delta(tmp_path, updates))
+    result = skyrl_cli("run", str(made.path))
+    assert result.exit_code == 0, result.stderr
+    rows = made.rows()
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["staleness_max"] <= 1.0 and 0.0 <= r["token_staleness_mean"] <= 1.0 for r in rows)
+    assert any(r["mixed_version_fraction"] > 0.0 for r in rows), [r["mixed_version_fraction"] for r in rows]
+    assert any(r["token_staleness_mean"] < r["staleness_mean"] for r in rows)
+    assert [r["sync_version"] for r in rows] == [float(s) for s in range(1, 7)]
+    if updates == "abort":  # a sample spans two versions only where its request was resubmitted
+        assert all(r["resubmitted_requests"] > 0 for r in rows if r["mixed_version_fraction"] > 0)
+    else:
+        assert all("resubmitted_requests" not in r for r in rows)

@@ -145,6 +145,31 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
     return TransformerConfig(**kw)
 
 
+def _sdpa_attention_class() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):
+        """megatron-core's local core attention computed by ``F.scaled_dot_product_attention``
+        (one fused kernel: no [b, heads, s, s] scores kept for the backward as the local
+        DotProductAttention's baddbmm + masked softmax + bmm do), with the same mask
+        convention (True: masked), scale and grouped-query layout."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError("SDPAttention takes neither packed_seq_params nor an attention bias")
+            # [s, b, heads, d] -> [b, heads, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            per = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            if per > 1:
+                k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale)
+            sq, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    return SDPAttention
+
+
 def build(m: Architecture, device: torch.device, *, routing_replay: bool, recompute: bool = False) -> Any:
     """The ``GPTModel`` of ``m`` on ``device`` (uninitialised weights: load them with :func:`hf_to_mcore`)."""
     from megatron.core.models.gpt import GPTModel
@@ -155,6 +180,7 @@ def build(m: Architecture, device: torch.device, *, routing_replay: bool, recomp
     spec = get_gpt_layer_local_spec(
         num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     # RouterReplay keeps a process-wide list of its instances: this model's routers are its own.
     RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(

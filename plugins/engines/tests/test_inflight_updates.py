@@ -206,3 +206,46 @@ def test_abort_is_refused_where_routes_are_recorded(skyrl_host) -> None:
     with pytest.raises(UserError, match='weight_updates = "abort" cannot be used with .*return_routed_experts'):
         engine.abort_on_update(True)
     engine.abort_on_update(False)  # continuing on the kept KV stays possible
+
+
+def test_abort_in_a_continued_turn_resubmits_the_whole_conversation(skyrl_host) -> None:
+    """continue_turn with the turn cache (the history's KV kept from the turn before): an
+    update inside the new turn's decoding resubmits the whole conversation so far, so
+    the turn's later tokens are what the new weights give the full conversation."""
+    import copy
+
+    torch.manual_seed(1)
+    loaded = make(skyrl_host, "models", "qwen", preset="tiny").load(alphabet="0123456789:", seed=0)
+    new_model = copy.deepcopy(loaded.model).eval()
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    engine = make(skyrl_host, "engines", "embedded", share_weights=False, return_token_versions=True)
+    engine.start(loaded)
+    engine.abort_on_update(True)
+    engine.stop_token_ids, engine._stops = [], torch.zeros(0, dtype=torch.long)  # every response runs to its cap
+    sampler = make(skyrl_host, "samplers", "temperature", temperature=1.0)
+    first = engine.generate([[1, 2, 3], [4, 5]], n=1, sampler=sampler, max_new_tokens=5, seed=2)
+    history = first.append_turn(engine.continue_turn(first, [[9], [9]], sampler=sampler, max_new_tokens=5, seed=3))
+    pausing = PausingSampler(sampler, at=4)
+    turns = [[6, 7], [8]]
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(segment=engine.continue_turn(
+        history, turns, sampler=pausing, max_new_tokens=10, seed=4)))
+    worker.start()
+    assert pausing.reached.wait(30)
+    engine.update_weights({k: v.detach().clone() for k, v in new_model.named_parameters()}.items(), version=2)
+    pausing.release.set()
+    worker.join(30)
+    segment = out["segment"]
+    assert engine._turns.hits == 2  # the third turn's prefill started from the second's kept KV
+    assert engine.resubmitted == 2
+    for i in range(segment.n_sequences):
+        p = int(segment.prompt_lens[i])
+        response = segment.sequence(i)[p:].tolist()
+        assert len(response) == 10
+        full = history.sequence(i).tolist() + turns[i] + response
+        want = teacher_forced_logprobs(new_model, full, len(full) - 10)
+        np.testing.assert_allclose(segment.response_logprobs(i)[5:], want[5:], atol=1e-5)
+        tv = segment.side_channels["token_versions"][int(segment.cu_seqlens[i]) + p : int(segment.cu_seqlens[i + 1])]
+        assert tv.tolist() == [0] * 5 + [2] * 5

@@ -70,7 +70,8 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
         fd, path = tempfile.mkstemp(prefix="skyrl-megatron-")
         os.close(fd)
         os.unlink(path)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{path}", rank=0,
+                                world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % tensor_parallel or world % expert_parallel:
         raise ValueError(f"{world} trainer ranks do not divide into tensor_parallel = {tensor_parallel} x expert_parallel = {expert_parallel}")

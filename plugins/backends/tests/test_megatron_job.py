@@ -103,6 +103,7 @@ def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
 @pytest.mark.parametrize("override, message", [
     ("backend.tensor_parallel=2", "backend.tensor_parallel: tensor_parallel = 2: tensor parallelism"),
     ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism"),
+    ('precision.name="fp8"', "precision.name: precision 'fp8' fake-quantizes linear layers"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),
 ])

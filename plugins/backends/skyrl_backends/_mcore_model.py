@@ -51,6 +51,25 @@ def _patch_moe_utils() -> None:
         mu.te_general_gemm = None
 
 
+_OWN_GROUP = False  # whether ensure_parallel_state started the process's torch.distributed group
+
+
+def release_parallel_state() -> None:
+    """Undo :func:`ensure_parallel_state`: megatron-core's groups, and the one-process
+    torch.distributed group if it started one (a group the launcher started stays). For
+    a process that goes on without the backend (tests, notebooks): other code reads an
+    initialised group as the launcher's."""
+    global _OWN_GROUP
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP = False
+
+
 def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: torch.device, seed: int) -> tuple[int, int]:
     """torch.distributed (a one-process gloo group when none runs) and megatron-core's model-parallel
     groups of these sizes; returns (rank, world)."""
@@ -72,6 +91,8 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
         os.unlink(path)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{path}", rank=0,
                                 world_size=1)
+        global _OWN_GROUP
+        _OWN_GROUP = True
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % tensor_parallel or world % expert_parallel:
         raise ValueError(f"{world} trainer ranks do not divide into tensor_parallel = {tensor_parallel} x expert_parallel = {expert_parallel}")
@@ -139,6 +160,8 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
             num_moe_experts=m.experts, moe_router_topk=m.top_k, moe_ffn_hidden_size=m.ffn,
             # norm_topk_prob: softmax over the top-k logits (= the renormalised top-k of the full softmax)
             moe_router_pre_softmax=not m.norm_topk, moe_router_score_function="softmax",
+            # allgather: every expert-parallel rank's micro-batch has the same shape (the backend pads
+            # them to it); megatron-core's alltoall dispatcher needs CUDA streams
             moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_dtype="fp32",
             moe_enable_routing_replay=routing_replay,
@@ -404,6 +427,10 @@ class MegatronLM(torch.nn.Module):
         rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
         hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
         hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[keep]
+        if _tp()[1] > 1:  # the head's rows are this rank's vocabulary shard: its input gradient sums over ranks
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            hidden = copy_to_tensor_model_parallel_region(hidden)
         head = OutputHead(self.head_weight())
         if scorer is not None:
             return scorer(hidden=hidden, head=head)

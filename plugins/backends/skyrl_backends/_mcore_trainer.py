@@ -124,6 +124,10 @@ class MegatronRoutingReplay:
                 replay.forced = None
 
 
+_TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The weights tensor parallelism splits across ranks (by name); norms and routers are whole on every rank."""
+
+
 class MegatronBackend(TorchBackend):
     """A :class:`skyrl_host.interfaces.Backend` on megatron-core, one process."""
 
@@ -142,7 +146,25 @@ class MegatronBackend(TorchBackend):
             raise UserError(f"[backend] name = \"megatron\" cannot build this model: {exc}") from None
         self.device = _parallel.pick_device(False, cfg.device)
         self.seed = seed
-        ensure_parallel_state(1, 1, self.device, seed)
+        tp, ep = cfg.tensor_parallel, cfg.expert_parallel
+        if tp > 1 and ep > 1:
+            raise UserError("[backend] tensor_parallel and expert_parallel > 1 together are not built yet; set one to 1")
+        if ep > 1 and not self.arch.is_moe:
+            raise UserError(f"[backend] expert_parallel = {ep} needs a mixture-of-experts model; this one is dense")
+        if tp > 1 and (self.arch.vocab % tp or self.arch.groups % tp):
+            raise UserError(f"[backend] tensor_parallel = {tp} must divide the vocabulary ({self.arch.vocab}) and the "
+                            f"key/value heads ({self.arch.groups})")
+        if ep > 1 and self.arch.experts % ep:
+            raise UserError(f"[backend] expert_parallel = {ep} must divide the experts ({self.arch.experts})")
+        self.rank, world = ensure_parallel_state(tp, ep, self.device, seed)
+        if world != tp * ep:
+            raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} needs exactly that many trainer "
+                            f"processes, found {world}")
+        # Expert parallelism spreads the experts over data-parallel ranks: each trains on its own
+        # share of the batch, as the torch backend's data parallel does (the normalisers and
+        # metrics reduce over the ranks; the dense weights' gradients are summed by _clip_gradients).
+        # Tensor-parallel ranks all see the whole batch.
+        self._dp, self.world = ep > 1, ep
         torch.manual_seed(seed)
         hf = {k: v.detach().to(self.device, torch.float32) for k, v in loaded.model.state_dict().items()}
         weights = hf_to_mcore(self.arch, hf)
@@ -176,9 +198,125 @@ class MegatronBackend(TorchBackend):
                 raise ValueError(f"replay strategy {strategy.name!r} is not supported by the megatron backend "
                                  "(it replays 'r3' and scoring strategies such as 'support')")
         self._scorer_strategy = next((s for s in self.replay if has(s, ScoringReplay)), None)
+        if self._scorer_strategy is not None and tp > 1:
+            raise UserError(f"replay strategy {self._scorer_strategy.name!r} with [backend] tensor_parallel = {tp}: kept-set "
+                            "scoring over a vocabulary-parallel head is not built yet")
         self.optimizer, self.scheduler = make_optimizer(gpt, cfg, total_steps)
 
+    # -- model parallelism --------------------------------------------------------------
+
+    def _loss_scale(self) -> float:
+        return 1.0  # _clip_gradients sums the replicated weights' gradients itself
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Under tensor parallelism first sum the q/k norms' partial gradients over the ranks,
+        under expert parallelism the replicated (non-expert) weights' gradients; then the
+        global norm: the squares of tensor-parallel shards and of experts summed over the
+        ranks holding parts of them, replicated weights counted once. (Which weights are
+        split is read from their names: megatron-core sets its partition attributes only
+        when it initialises the weights itself.)"""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        tp, ep = self.config.tensor_parallel, self.config.expert_parallel
+        if tp * ep == 1:
+            return super()._clip_gradients(max_norm)
+        named = [(k, p) for k, p in self.module.named_parameters() if p.grad is not None]
+        if tp > 1:
+            # the q/k norms act on each rank's own heads: their gradients are partial sums
+            # (megatron-core's finalize_model_grads sums them the same way)
+            group = parallel_state.get_tensor_model_parallel_group()
+            for name, p in named:
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    dist.all_reduce(p.grad, group=group)
+        if ep > 1:
+            group = parallel_state.get_data_parallel_group()
+            for name, p in named:
+                if ".experts." not in name:
+                    dist.all_reduce(p.grad, group=group)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        split, replicated = zero.clone(), zero.clone()
+        for name, p in named:
+            sq = p.grad.detach().double().pow(2).sum()
+            if (tp > 1 and any(part in name for part in _TP_SPLIT)) or (ep > 1 and ".experts." in name):
+                split += sq
+            else:
+                replicated += sq
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else parallel_state.get_data_parallel_group()
+        dist.all_reduce(split, group=group)
+        norm = (split + replicated).sqrt()
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for _, p in named:
+                p.grad.mul_(coef)
+        return norm.float()
+
+    def _same_shape(self, mb: Any) -> None:
+        """Under expert parallelism pad ``mb``'s rows (in place, once) to the largest
+        ``[rows, R]`` of the ranks' micro-batches at this forward: megatron-core's allgather
+        dispatcher gathers equal-sized token blocks. Padding slots (id 0, position 0: each
+        its own sequence) are neither scored nor replayed; ``keep`` and ``slot_tokens`` follow
+        the new row length. A collective: every rank calls it at the same forwards."""
+        if self.config.expert_parallel == 1 or getattr(mb, "_same_shape", False):
+            return
+        import torch.distributed as dist
+
+        rows, R = mb.ids.shape
+        shape = torch.tensor([rows, R], dtype=torch.int64)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+        rows2, R2 = int(shape[0]), int(shape[1])
+        if (rows2, R2) != (rows, R):
+            ids = torch.zeros((rows2, R2), dtype=mb.ids.dtype, device=mb.ids.device)
+            pos = torch.zeros((rows2, R2), dtype=mb.pos.dtype, device=mb.pos.device)
+            ids[:rows, :R], pos[:rows, :R] = mb.ids, mb.pos
+            mb.ids, mb.pos = ids, pos
+            mb.keep = (mb.keep // R) * R2 + mb.keep % R
+            if mb.slot_tokens is not None:
+                slots = np.full((rows2, R2), -1, dtype=np.int64)
+                slots[:rows, :R] = np.asarray(mb.slot_tokens, dtype=np.int64).reshape(rows, R)
+                mb.slot_tokens = slots.reshape(-1)
+        mb._same_shape = True
+
+    def _logprobs(self, module: Any, mb: Any, temperature: float, entropy: bool = False) -> tuple[Any, Any, Any]:
+        """Under tensor parallelism each rank holds a vocabulary shard of the logits: the
+        log-softmax reduces its max and sums over the ranks (never gathering the logits)."""
+        self._same_shape(mb)
+        if self.config.tensor_parallel == 1:
+            return super()._logprobs(module, mb, temperature, entropy)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
+        import torch.distributed as dist
+
+        keep = mb.keep if mb.n_loss else torch.zeros(1, dtype=torch.long, device=self.device)
+        with self._autocast():
+            logits = module(mb.ids, mb.pos, keep)
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        if not mb.n_loss:
+            return None, None, logits
+        group = parallel_state.get_tensor_model_parallel_group()
+        width = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * width
+        top = logits.detach().max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        z = logits - top[:, None]
+        lse = torch.log(reduce_sum(torch.exp(z).sum(-1))) + top
+        local = mb.targets - start
+        here = (local >= 0) & (local < width)
+        picked = z.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1) * here
+        lp = reduce_sum(picked) + top - lse
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                p = torch.exp(logits - lse[:, None])
+                mean_logit = (p * logits).sum(-1)
+                dist.all_reduce(mean_logit, group=group)
+                ent = lse - mean_logit
+        return lp, ent, logits
+
     def _replaying(self, mb: Any) -> Any:
+        self._same_shape(mb)
         if self._r3 is not None and mb.ids is not None:
             self._r3.rows = int(mb.ids.shape[0])
         return super()._replaying(mb)
@@ -187,11 +325,22 @@ class MegatronBackend(TorchBackend):
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The model's weights with the transformers model's names and layouts (the tied
-        head's alias included), converted from megatron-core's."""
+        head's alias included), converted from megatron-core's. Under tensor or expert
+        parallelism a collective (every rank calls it; every rank gets the full weights)."""
         if self.module is None:
             raise RuntimeError("named_weights before start()")
-        return iter(list(mcore_to_hf(self.arch, [weights_of(self.module)]).items()))
+        own = weights_of(self.module)
+        tp, ep = self.config.tensor_parallel, self.config.expert_parallel
+        if tp * ep == 1:
+            return iter(list(mcore_to_hf(self.arch, [own]).items()))
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * (tp * ep)
+        dist.all_gather_object(gathered, {k: v.cpu() for k, v in own.items()})
+        if tp > 1:
+            return iter(list(mcore_to_hf(self.arch, gathered).items()))
+        return iter(list(mcore_to_hf(self.arch, [gathered[0]], experts=[[g] for g in gathered]).items()))
 
     def local_weights(self) -> Iterator[tuple[str, Any]]:
-        """One rank holds every weight: :meth:`named_weights`."""
+        """Every rank's full weights (:meth:`named_weights`; shards by name are not served yet)."""
         return self.named_weights()

@@ -135,6 +135,19 @@ class TrainStep:
         return lp, ent, logits
 
 
+    def _loss_scale(self) -> float:
+        """What each micro-batch's loss is multiplied by before its backward: the world size
+        under data parallel (DDP and FSDP2 average gradients over ranks; the algorithm's loss
+        is already normalised by global counts, so the sum is wanted)."""
+        return float(self.world) if self._dp else 1.0
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to the global norm ``max_norm``; returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm
+
     def train_step(
         self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float, max_new_tokens: int
     ) -> Mapping[str, float]:
@@ -185,7 +198,7 @@ class TrainStep:
             d[key] = d.get(key, zero) + value.detach().to(torch.float64)
 
         grad_norms, lr = [], self.optimizer.param_groups[0]["lr"]
-        scale = float(self.world) if self._dp else 1.0
+        scale = self._loss_scale()
         module = self._train_module
         for j in active:
             micros = plan[j]
@@ -219,11 +232,7 @@ class TrainStep:
                             add(sums, "kl", kl_estimate(old.detach(), mb.ref, "k3").sum())
                     add(sums, "loss", loss)
                     (loss * scale if scale != 1.0 else loss).backward()
-            norm = torch.nn.utils.clip_grad_norm_(
-                self.module.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            )
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
+            norm = self._clip_gradients(cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
             grad_norms.append(norm.detach().double())
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()

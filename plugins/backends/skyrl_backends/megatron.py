@@ -30,10 +30,12 @@ from skyrl_host.devices import cuda_problem
 from skyrl_host.options import ge, option
 
 NOT_BUILT = {
-    "tensor_parallel": "tensor parallelism (a vocabulary-parallel head and sharded linear layers across trainer ranks)",
-    "expert_parallel": "expert parallelism (experts spread across trainer ranks)",
-    "pipeline_parallel": "pipeline parallelism",
-    "context_parallel": "context parallelism",
+    "tensor_parallel": "tensor parallelism runs in the backend (tested on two processes) but not yet in jobs: the "
+    "launchers give every trainer rank its own share of the batch and checkpoints hold one process's state",
+    "expert_parallel": "expert parallelism runs in the backend (tested on two processes) but not yet in jobs: "
+    "checkpoints hold one process's state (no megatron-core dist_checkpointing yet)",
+    "pipeline_parallel": "pipeline parallelism is not built",
+    "context_parallel": "context parallelism is not built",
 }
 
 
@@ -92,13 +94,13 @@ def check(spec: Any) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     for key, what in NOT_BUILT.items():
         if getattr(cfg, key) != 1:
-            problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what} is not built yet in the megatron "
-                             "backend (it trains on one process); set it to 1, or use [backend] name = \"torch\" "
-                             "with data_parallel for several ranks"))
+            problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what}; set it to 1, or use [backend] "
+                             "name = \"torch\" with data_parallel for several ranks"))
     ranks = spec.cluster.trainer_ranks
     if ranks > 1:
-        problems.append(("cluster.trainer_ranks", f"[cluster] trainer_ranks = {ranks}: the megatron backend trains on one "
-                         "process (data parallelism is not built yet); set trainer_ranks = 1"))
+        problems.append(("cluster.trainer_ranks", f"[cluster] trainer_ranks = {ranks}: megatron backend jobs train on one "
+                         "process so far (data, tensor and expert parallelism across ranks are not wired into jobs yet); "
+                         "set trainer_ranks = 1"))
     if getattr(spec.cluster, "launcher", "local") != "ray":
         problem = cuda_problem(cfg.device)
         if problem is not None:

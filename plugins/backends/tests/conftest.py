@@ -48,3 +48,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def mcore_worker():
+    return load("mcore_worker.py")

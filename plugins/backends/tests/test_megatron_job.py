@@ -24,6 +24,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def released_parallel_state():
+    """The megatron backend starts a one-process torch.distributed group for megatron-core;
+    later tests in this process must not find it (they would read it as a launcher's)."""
+    yield
+    from skyrl_backends.megatron_backend import release_parallel_state
+
+    release_parallel_state()
+
+
 def write_job(make_job, tmp_path, name: str, steps: int, every: int):
     job = make_job(tmp_path, name,
                    job={"steps": steps, "batch_size": 4, "checkpoint_every": every, "save_final": None,
@@ -61,7 +71,7 @@ def test_resume_after_kill_equals_the_uninterrupted_run_and_the_final_folder_loa
 
     # The final folder: transformers' logits are the trained megatron model's (from the
     # last checkpoint, rebuilt by the backend), on packed rows and on a plain forward.
-    from skyrl_backends._mcore_model import MegatronLM
+    from skyrl_backends.megatron_backend import MegatronLM
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
     final = transformers.AutoModelForCausalLM.from_pretrained(full_out / "final").float().eval()
@@ -101,8 +111,8 @@ def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("backend.tensor_parallel=2", "backend.tensor_parallel: tensor_parallel = 2: tensor parallelism"),
-    ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism"),
+    ("backend.tensor_parallel=2", "backend.tensor_parallel: tensor_parallel = 2: tensor parallelism runs in the backend"),
+    ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism is not built"),
     ('precision.name="fp8"', "precision.name: precision 'fp8' fake-quantizes linear layers"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),

@@ -1,0 +1,69 @@
+"""One rank of the megatron backend's model-parallel tests (test_megatron.py runs
+:func:`train` in 2 gloo processes through ``skyrl_host.testing.run_gloo_ranks``).
+
+``train(rank, world, mode)`` trains a tiny model 3 steps with ``[backend]
+tensor_parallel = 2`` (mode "tp": dense Qwen3, every rank the whole batch) or
+``expert_parallel = 2`` (mode "ep": Qwen3-MoE, each rank its half of every batch) and
+returns the metrics, the logprobs before each step and the full weights by their Hugging
+Face names. :func:`train` with world 1 is the same training in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _tiny as tiny  # noqa: E402
+
+from skyrl_host.interfaces import LoadedModel  # noqa: E402
+
+OPTIONS = dict(lr=1e-3, micro_batch_tokens=32, pack_length=12, max_grad_norm=0.5, weight_decay=0.1)
+
+
+def model(mode: str):
+    if mode == "tp":
+        return tiny.tiny_model(0)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, vocab_size=32,
+                         tie_word_embeddings=False, norm_topk_prob=True)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def logprobs(be, batch) -> np.ndarray:
+    out = np.zeros(batch.n_tokens, dtype=np.float32)
+    with torch.no_grad():
+        for micros in be._plan(batch, np.zeros(batch.n_tokens, dtype=np.float32)):
+            for mb in micros:
+                if mb.n_loss:
+                    out[mb.batch_idx] = be._logprobs(be._lm, mb, 1.0)[0].cpu().numpy()
+    return out
+
+
+def train(rank: int, world: int, mode: str) -> dict:
+    from skyrl_backends.megatron import MegatronBackendConfig, create
+
+    parallel = {"tp": "tensor_parallel", "ep": "expert_parallel"}[mode]
+    be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
+    be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
+             reference=False)
+    algo = tiny.TokenMean()
+    metrics, lps = [], []
+    for step in range(3):
+        batch = tiny.tiny_batch(10 + step, n=8)
+        adv = tiny.tiny_advantages(batch, seed=step)
+        if mode == "ep" and world > 1:  # each rank its half of the sequences
+            seqs = list(range(rank, batch.n_sequences, world))
+            idx = np.concatenate([np.arange(batch.cu_seqlens[s], batch.cu_seqlens[s + 1]) for s in seqs])
+            batch, adv = batch.select(seqs), adv[idx]
+        if mode == "tp" or world == 1:  # (a forward of its own per rank: the ranks' counts differ under ep)
+            lps.append(logprobs(be, batch))
+        metrics.append(be.train_step(batch, adv, algo, temperature=1.0, max_new_tokens=8))
+    weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
+    return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None}

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe")
 
 
 class NotExpressible(ValueError):
@@ -33,6 +33,17 @@ class Architecture:
     experts: int = 0  # 0: dense
     top_k: int = 0
     norm_topk: bool = True
+    qk_norm: bool = True  # RMSNorm on each query and key head
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    rotary_percent: float = 1.0  # the share of each head's dimensions RoPE rotates (the first ones)
+    dense_layers: int = 0  # MoE models: the first layers with a dense MLP instead
+    dense_ffn: int = 0  # their MLP width
+    shared_ffn: int = 0  # the shared expert's width (0: none)
+    score: str = "softmax"  # the router's score function: "softmax" or "sigmoid"
+    expert_bias: bool = False  # a correction bias added to the scores for the choice only
+    scaling: float | None = None  # the chosen experts' weights are multiplied by this
+    route_groups: int = 0  # group-limited routing: experts in this many groups ...
+    topk_groups: int = 0  # ... of which each token uses the best this many
 
     @property
     def is_moe(self) -> bool:
@@ -64,7 +75,7 @@ def describe(config: Any) -> Architecture:
     if rope_type not in ("default", None):
         raise NotExpressible(f"{mt}: rope_type {rope_type!r} (only plain RoPE is mapped; megatron-core's yarn/llama3 scaling is not wired)")
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    if getattr(cfg, "attention_bias", False):
+    if getattr(cfg, "attention_bias", False) and mt != "glm4_moe":
         raise NotExpressible(f"{mt}: attention_bias = true (the mapped layers have no biases)")
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         raise NotExpressible(f"{mt}: sliding-window attention (megatron-core's local attention has no window)")
@@ -80,6 +91,8 @@ def describe(config: Any) -> Architecture:
     )
     if mt == "qwen3":
         return Architecture(ffn=int(cfg.intermediate_size), **common)
+    if mt == "glm4_moe":
+        return _glm4_moe(cfg, rope, common)
     # qwen3_moe: every layer a MoE layer, no shared expert
     if list(getattr(cfg, "mlp_only_layers", []) or []) or int(getattr(cfg, "decoder_sparse_step", 1) or 1) != 1:
         raise NotExpressible(f"{mt}: dense layers between MoE layers (mlp_only_layers / decoder_sparse_step) are not mapped")
@@ -87,3 +100,27 @@ def describe(config: Any) -> Architecture:
         ffn=int(cfg.moe_intermediate_size), experts=int(cfg.num_experts), top_k=int(cfg.num_experts_per_tok),
         norm_topk=bool(getattr(cfg, "norm_topk_prob", True)), **common,
     )
+
+
+def _glm4_moe(cfg: Any, rope: dict, common: dict) -> Architecture:
+    """GLM-4.5 / GLM-4.6: partial RoPE, optional q/k biases and norms, dense first layers,
+    a shared expert, a sigmoid router with a correction bias, group-limited top-k and a
+    scaling factor (DeepSeek-V3's router, which megatron-core has)."""
+    mt = "glm4_moe"
+    top_k, groups, topk_groups = int(cfg.num_experts_per_tok), int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+    if not getattr(cfg, "norm_topk_prob", True):
+        raise NotExpressible(f"{mt}: norm_topk_prob = false (megatron-core's sigmoid router always normalises the chosen weights)")
+    if groups > 1 and top_k // topk_groups != 2:
+        raise NotExpressible(f"{mt}: group-limited routing with num_experts_per_tok / topk_group = {top_k // topk_groups}: "
+                             "megatron-core scores a group by its best top_k / topk_group experts, the model by its best 2")
+    partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
+    shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
+    return Architecture(
+        ffn=int(cfg.moe_intermediate_size), experts=int(cfg.n_routed_experts), top_k=top_k, norm_topk=True,
+        qk_norm=bool(getattr(cfg, "use_qk_norm", False)), qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        rotary_percent=partial, dense_layers=int(getattr(cfg, "first_k_dense_replace", 0) or 0),
+        dense_ffn=int(cfg.intermediate_size), shared_ffn=shared * int(cfg.moe_intermediate_size), score="sigmoid",
+        expert_bias=True, scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+        route_groups=groups if groups > 1 else 0, topk_groups=topk_groups if groups > 1 else 0, **common,
+    )
+

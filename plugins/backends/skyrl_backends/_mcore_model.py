@@ -142,8 +142,9 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
 
     kw: dict[str, Any] = dict(
         num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads, num_query_groups=m.groups,
-        kv_channels=m.head_dim, ffn_hidden_size=m.ffn, normalization="RMSNorm", layernorm_epsilon=m.eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
+        kv_channels=m.head_dim, ffn_hidden_size=m.dense_ffn if m.dense_layers else m.ffn, normalization="RMSNorm",
+        layernorm_epsilon=m.eps, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=m.qkv_bias, qk_layernorm=m.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=torch.float32, use_cpu_initialization=True,
@@ -159,7 +160,11 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
         kw.update(
             num_moe_experts=m.experts, moe_router_topk=m.top_k, moe_ffn_hidden_size=m.ffn,
             # norm_topk_prob: softmax over the top-k logits (= the renormalised top-k of the full softmax)
-            moe_router_pre_softmax=not m.norm_topk, moe_router_score_function="softmax",
+            moe_router_pre_softmax=m.score == "softmax" and not m.norm_topk, moe_router_score_function=m.score,
+            moe_router_enable_expert_bias=m.expert_bias, moe_router_topk_scaling_factor=m.scaling,
+            moe_router_num_groups=m.route_groups or None, moe_router_group_topk=m.topk_groups or None,
+            moe_shared_expert_intermediate_size=m.shared_ffn or None,
+            moe_layer_freq=[0] * m.dense_layers + [1] * (m.num_layers - m.dense_layers),
             # allgather: every expert-parallel rank's micro-batch has the same shape (the backend pads
             # them to it); megatron-core's alltoall dispatcher needs CUDA streams
             moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
@@ -197,19 +202,25 @@ def _sdpa_attention_class() -> type:
 def build(m: Architecture, device: torch.device, *, routing_replay: bool, recompute: bool = False) -> Any:
     """The ``GPTModel`` of ``m`` on ``device`` (uninitialised weights: load them with :func:`hf_to_mcore`)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     config = transformer_config(m, routing_replay=routing_replay, recompute=recompute)
-    spec = get_gpt_layer_local_spec(
-        num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-    )
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    if m.dense_layers:  # dense and MoE layers: one spec per layer (moe_layer_freq)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layers = spec.layer_specs
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=m.qk_norm, normalization="RMSNorm"
+        )
+        layers = [spec]
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     # RouterReplay keeps a process-wide list of its instances: this model's routers are its own.
     RouterReplay.clear_global_router_replay_instances()
     model = GPTModel(
         config, spec, vocab_size=m.vocab, max_sequence_length=m.max_positions, pre_process=True, post_process=True,
-        share_embeddings_and_output_weights=m.tied, position_embedding_type="rope", rotary_percent=1.0,
+        share_embeddings_and_output_weights=m.tied, position_embedding_type="rope", rotary_percent=m.rotary_percent,
         rotary_base=m.rope_theta, parallel_output=True,
     )
     RouterReplay.clear_global_router_replay_instances()
@@ -265,12 +276,23 @@ def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, to
         qkv = _fuse_qkv(m, hf[a + "self_attn.q_proj.weight"], hf[a + "self_attn.k_proj.weight"], hf[a + "self_attn.v_proj.weight"])
         out[o + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tr, ts)
         out[o + "self_attention.linear_proj.weight"] = _shard(hf[a + "self_attn.o_proj.weight"], 1, tr, ts)
-        out[o + "self_attention.q_layernorm.weight"] = hf[a + "self_attn.q_norm.weight"]
-        out[o + "self_attention.k_layernorm.weight"] = hf[a + "self_attn.k_norm.weight"]
+        if m.qkv_bias:
+            bias = _fuse_qkv(m, *(hf[a + f"self_attn.{x}_proj.bias"][:, None] for x in "qkv"))[:, 0]
+            out[o + "self_attention.linear_qkv.bias"] = _shard(bias, 0, tr, ts)
+        if m.qk_norm:
+            out[o + "self_attention.q_layernorm.weight"] = hf[a + "self_attn.q_norm.weight"]
+            out[o + "self_attention.k_layernorm.weight"] = hf[a + "self_attn.k_norm.weight"]
         out[o + "input_layernorm.weight"] = hf[a + "input_layernorm.weight"]
         out[o + "pre_mlp_layernorm.weight"] = hf[a + "post_attention_layernorm.weight"]
-        if m.is_moe:
+        if m.is_moe and i >= m.dense_layers:
             out[o + "mlp.router.weight"] = hf[a + "mlp.gate.weight"]
+            if m.expert_bias:
+                out[o + "mlp.router.expert_bias"] = hf[a + "mlp.gate.e_score_correction_bias"]
+            if m.shared_ffn:
+                sh = a + "mlp.shared_experts."
+                fc1 = torch.cat([hf[sh + "gate_proj.weight"], hf[sh + "up_proj.weight"]], dim=0)
+                out[o + "mlp.shared_experts.linear_fc1.weight"] = _shard_glu(fc1, tr, ts)
+                out[o + "mlp.shared_experts.linear_fc2.weight"] = _shard(hf[sh + "down_proj.weight"], 1, tr, ts)
             gate_up, down = hf[a + "mlp.experts.gate_up_proj"], hf[a + "mlp.experts.down_proj"]
             local = m.experts // es
             for j in range(local):
@@ -323,9 +345,21 @@ def mcore_to_hf(m: Architecture, shards: list[Mapping[str, torch.Tensor]], exper
         out[a + "self_attn.k_proj.weight"] = torch.cat(ks, 0)
         out[a + "self_attn.v_proj.weight"] = torch.cat(vs, 0)
         out[a + "self_attn.o_proj.weight"] = cat(o + "self_attention.linear_proj.weight", 1)
-        out[a + "self_attn.q_norm.weight"] = s0[o + "self_attention.q_layernorm.weight"]
-        out[a + "self_attn.k_norm.weight"] = s0[o + "self_attention.k_layernorm.weight"]
-        if m.is_moe:
+        if m.qkv_bias:
+            bq, bk, bv = zip(*[_split_qkv(m, s[o + "self_attention.linear_qkv.bias"][:, None], m.groups // ts) for s in shards])
+            for x, parts in zip("qkv", (bq, bk, bv)):
+                out[a + f"self_attn.{x}_proj.bias"] = torch.cat(parts, 0)[:, 0]
+        if m.qk_norm:
+            out[a + "self_attn.q_norm.weight"] = s0[o + "self_attention.q_layernorm.weight"]
+            out[a + "self_attn.k_norm.weight"] = s0[o + "self_attention.k_layernorm.weight"]
+        if m.is_moe and i >= m.dense_layers:
+            if m.expert_bias:
+                out[a + "mlp.gate.e_score_correction_bias"] = s0[o + "mlp.router.expert_bias"]
+            if m.shared_ffn:
+                gate, up = _unshard_glu([s[o + "mlp.shared_experts.linear_fc1.weight"] for s in shards]).chunk(2, dim=0)
+                out[a + "mlp.shared_experts.gate_proj.weight"] = gate
+                out[a + "mlp.shared_experts.up_proj.weight"] = up
+                out[a + "mlp.shared_experts.down_proj.weight"] = cat(o + "mlp.shared_experts.linear_fc2.weight", 1)
             groups = experts if experts is not None else [shards]
             fc1s, fc2s = [], []
             for ep_shards in groups:

@@ -38,8 +38,17 @@ def released_parallel_state():
 
 
 def load(skyrl_host, preset: str, seed: int = 0):
-    reg = skyrl_host.registry.get("models", "qwen")
-    return reg.create(reg.config(preset=preset)).load(alphabet=ALPHABET, seed=seed)
+    """A qwen preset, or ``glm:PRESET``: a glm one, its routers given a correction bias
+    of their own (so it changes which experts they choose)."""
+    family, _, preset = preset.rpartition(":")
+    reg = skyrl_host.registry.get("models", family or "qwen")
+    loaded = reg.create(reg.config(preset=preset)).load(alphabet=ALPHABET, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in loaded.model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+    return loaded
 
 
 def backend(skyrl_host, name: str, loaded, replay=(), reference: bool = False, steps: int = 10, **options):
@@ -98,6 +107,9 @@ def generate(loaded, *, routes: bool = True, sampler=None, seed: int = 1):
     ("tiny", {"mini_batches": 2, "micro_batch_tokens": 24, "pack_length": 16, "max_grad_norm": 0.5}),
     ("tiny-moe", {}),
     ("tiny-moe", {"gradient_checkpointing": True, "micro_batch_tokens": 24, "pack_length": 16}),
+    # GLM-4.5's architecture: partial RoPE, a dense first layer, a shared expert, a sigmoid
+    # router with a correction bias, group-limited top-k (2 groups, 1 chosen), scaling 2.5
+    ("glm:tiny-glm4-moe", {}),
 ])
 def test_ten_steps_equal_the_torch_backend(skyrl_host, preset: str, options: dict) -> None:
     """Per step: loss, entropy, grad norm and logprobs within 1e-5, and the weights (by
@@ -154,6 +166,17 @@ def test_the_padding_row_learns_only_through_the_head(skyrl_host) -> None:
 
 
 # -- replay ----------------------------------------------------------------------------------
+
+
+def test_r3_on_glm4_moe_gives_the_engines_logprobs(skyrl_host) -> None:
+    """GLM-4.5's sigmoid, bias-corrected, group-limited router: with r3 the megatron
+    trainer's logprobs are the engine's (<= 1e-5), through megatron-core's group-limited top-k."""
+    batch = generate(load(skyrl_host, "glm:tiny-glm4-moe"))
+    assert batch.side_channels["routed_experts"].shape[1:] == (2, 2)  # the two MoE layers (layer 0 is dense)
+    be = backend(skyrl_host, "megatron", load(skyrl_host, "glm:tiny-glm4-moe"), replay=[RoutingReplay()])
+    batch.rewards = np.random.default_rng(0).random(batch.n_sequences).astype(np.float32)
+    metrics = train(skyrl_host, be, batch, algorithm(skyrl_host))
+    assert metrics["logprob_diff_max"] <= 1e-5, metrics["logprob_diff_max"]
 
 
 def test_r3_gives_the_engines_logprobs_through_megatron_core_routing_replay(skyrl_host) -> None:

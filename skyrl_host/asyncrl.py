@@ -147,3 +147,136 @@ class RolloutPipeline:
             self._cond.notify_all()
         # A rollout in progress is not interrupted; the thread is a daemon and ends with it.
         self._thread.join(timeout=0.1)
+
+
+class DroppingPipeline:
+    """``stale_samples = "drop"``: the producer never waits for a weight version.
+
+    Rollouts are keyed by *dataset position* ``p`` (the prompts ``dataset.batch(p)``, the
+    generation seed of ``p``), not by the step that trains them. The producer generates
+    positions ``first .. last`` in order, a dropped position again before any new one,
+    each with the newest version it has, as long as the buffer has room: at most
+    ``k + 1`` rollouts generated and not trained, the one in progress included (when
+    full it waits for the trainer to take one). At step ``t`` (the trainer holds version
+    ``t - 1``) :meth:`take` drops every buffered rollout generated with a version older
+    than ``t - 1 - k`` (they can only get older), queues their positions to be generated
+    again, and trains the fresh rollout of the lowest position, waiting only when none is
+    buffered. A trainer waiting publishes nothing, so the next rollout started is fresh:
+    every step gets one. Positions never exceed ``last`` (the run's steps), so a run
+    trains every position ``first .. last`` exactly once, in an order timing decides.
+
+    With idle updates (``in_flight`` false) :meth:`publish` waits for the rollout in
+    progress, and no rollout starts while a version is being handed over, so a rollout
+    never mixes versions; with in-flight updates it publishes at once."""
+
+    def __init__(
+        self, rollout: Callable[[int], Any], *, first: int, last: int, max_staleness: int, version: int,
+        saved: Mapping[str, Any] | None = None, on_start: Callable[[], None] | None = None, in_flight: bool = False,
+        version_of: Callable[[Any], int] | None = None,
+    ):
+        import heapq
+
+        self._heapq = heapq
+        self.rollout_fn, self.last, self.k = rollout, last, max_staleness
+        self.on_start, self.in_flight, self.version_of = on_start, in_flight, version_of
+        self.bound = max_staleness + 1  # rollouts generated and not trained, the one in progress included
+        self.published = version
+        saved = saved or {}
+        self.ready: dict[int, tuple[int, Any]] = dict(saved.get("ready", {}))  # position -> (version, rollout)
+        self.todo: list[int] = sorted(saved.get("todo", []))  # dropped positions, generated again first
+        self.next_position = int(saved.get("next_position", first))
+        self.current: int | None = None  # the position being generated
+        self._publishing = False
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self.busy_s = 0.0
+        self.wait_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="skyrl-rollouts", daemon=True)
+        self._thread.start()
+
+    _raise = RolloutPipeline._raise
+    close = RolloutPipeline.close
+
+    def _has_work(self) -> bool:
+        return bool(self.todo) or self.next_position <= self.last
+
+    def _loop(self) -> None:
+        try:
+            if self.on_start is not None:
+                self.on_start()
+            while True:
+                w0 = time.perf_counter()
+                with self._cond:
+                    while not self._stop and (self._publishing or len(self.ready) + 1 > self.bound
+                                              or not self._has_work()):
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    if self.todo:
+                        position = self._heapq.heappop(self.todo)
+                    else:
+                        position, self.next_position = self.next_position, self.next_position + 1
+                    self.current, version = position, self.published
+                self.wait_s += time.perf_counter() - w0
+                g0 = time.perf_counter()
+                out = self.rollout_fn(position)
+                self.busy_s += time.perf_counter() - g0
+                if self.version_of is not None:  # the oldest weights in it, as the engine recorded them
+                    version = int(self.version_of(out))
+                with self._cond:
+                    self.ready[position] = (version, out)
+                    self.current = None
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def take(self, step: int) -> tuple[int, Any, list[Any], float]:
+        """Step ``step``'s rollout: ``(position, rollout, dropped rollouts, seconds waited)``."""
+        oldest = step - 1 - self.k  # the oldest version step ``step`` may train on
+        dropped: list[Any] = []
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                self._raise()
+                for position in [p for p, (v, _) in self.ready.items() if v < oldest]:
+                    dropped.append(self.ready.pop(position)[1])
+                    self._heapq.heappush(self.todo, position)
+                if self.ready:
+                    position = min(self.ready)
+                    out = self.ready.pop(position)[1]
+                    self._cond.notify_all()
+                    break
+                self._cond.notify_all()
+                self._cond.wait()
+        return position, out, dropped, time.perf_counter() - t0
+
+    def publish(self, version: int, publish: Callable[[int], Any]) -> tuple[Any, float]:
+        """Hand ``version`` over with ``publish(version)``: at once with in-flight updates,
+        else once the rollout in progress (if any) is finished; returns what ``publish``
+        returned and the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._publishing = True
+            while self.current is not None and not self.in_flight:
+                self._raise()
+                self._cond.wait()
+        waited = time.perf_counter() - t0
+        try:
+            out = publish(version)
+            with self._cond:
+                self.published = version
+        finally:
+            with self._cond:
+                self._publishing = False
+                self._cond.notify_all()
+        return out, waited
+
+    def pending(self) -> dict[str, Any]:
+        """What a checkpoint holds: the buffered rollouts with their versions, the
+        positions to generate again (the one in progress included) and the next new one."""
+        with self._cond:
+            todo = sorted(self.todo + ([self.current] if self.current is not None else []))
+            return {"ready": dict(self.ready), "todo": todo, "next_position": self.next_position}

@@ -104,6 +104,14 @@ class RLConfig:
         "generated, prefilled again with the new weights (an engine with abort_on_update, e.g. embedded)",
         validator=one_of("idle", "in_flight", "abort"),
     )
+    stale_samples: str = option(
+        "wait", help="async: how max_staleness is kept: 'wait': the rollout thread waits for version t-1-k before "
+        "generating step t (nothing is dropped; a pure function of the seed with idle updates); 'drop': it never "
+        "waits for a version, generates ahead with the newest weights into a buffer of k+1 rollouts, and a rollout "
+        "more than k versions old when the trainer takes it is dropped and its prompts generated again "
+        "(dropped_samples; the order of the dataset's batches then depends on timing)",
+        validator=one_of("wait", "drop"),
+    )
     env_waves: int = option(
         1, help="multi-turn: split the trajectories in this many waves; a wave's environment steps run while the "
         "others decode (1: decode and steps take turns; 2+ hides slow tools at the cost of smaller decode batches)",
@@ -159,9 +167,16 @@ def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     and resubmitting (``weight_updates = "abort"``) cannot keep recorded routes
     consistent."""
     cfg = spec.kind_config
-    if cfg.mode != "async" or cfg.weight_updates == "idle":
-        return []
     problems = []
+    if cfg.stale_samples == "drop" and cfg.mode != "async":
+        problems.append(("job.stale_samples", 'stale_samples = "drop" needs mode = "async" (a synchronous step trains '
+                         'what it has just generated: nothing is ever stale)'))
+    elif cfg.stale_samples == "drop" and cfg.max_staleness == 0:
+        problems.append(("job.stale_samples", 'stale_samples = "drop" with max_staleness = 0 would drop every rollout '
+                         'generated while the trainer trains; use stale_samples = "wait" (k = 0 is the synchronous '
+                         'schedule) or max_staleness >= 1'))
+    if cfg.mode != "async" or cfg.weight_updates == "idle":
+        return problems
     updates = cfg.weight_updates
     engine = spec.plugins.get("engine")
     engine_config = getattr(engine, "config", None)
@@ -254,6 +269,17 @@ class RLDriver:
         import torch
 
         threads = torch.get_num_threads()  # a new thread starts with the default count, not the job's
+        if self.cfg.stale_samples == "drop":
+            from skyrl_host.asyncrl import DroppingPipeline
+
+            self.pipeline = DroppingPipeline(
+                self._rollout, first=self.start_step, last=self.run_.total_steps,
+                max_staleness=self.cfg.max_staleness, version=self.start_step - 1, saved=self._saved_rollouts,
+                on_start=lambda: torch.set_num_threads(threads), in_flight=in_flight,
+                version_of=lambda out: int(out[2]["weight_version"]),  # the oldest weights that generated it
+            )
+            self._saved_rollouts = {}
+            return
         self.pipeline = RolloutPipeline(
             self._rollout, first=self.start_step, last=self.run_.total_steps, max_staleness=self.cfg.max_staleness,
             version=self.start_step - 1, saved=self._saved_rollouts, on_start=lambda: torch.set_num_threads(threads),
@@ -450,8 +476,15 @@ class RLDriver:
         if self.pipeline is None:
             batch, rewards, metrics, gen_time, gen_tokens = self._rollout(step)
         else:
-            (batch, rewards, metrics, gen_time, gen_tokens), waited = self.pipeline.take(step)
-            metrics = dict(metrics)
+            if cfg.stale_samples == "drop":
+                position, out, dropped, waited = self.pipeline.take(step)
+                (batch, rewards, metrics, gen_time, gen_tokens) = out
+                metrics = dict(metrics)
+                metrics["dataset_position"] = float(position)  # whose prompts this step trains
+                metrics["dropped_samples"] = float(sum(d[0].n_sequences for d in dropped))
+            else:
+                (batch, rewards, metrics, gen_time, gen_tokens), waited = self.pipeline.take(step)
+                metrics = dict(metrics)
             metrics["rollout_wait_time_s"] = waited
             if batch.n_sequences > 0:
                 staleness = (step - 1) - np.asarray(batch.versions, dtype=np.float64)  # each sample's oldest token
@@ -513,7 +546,15 @@ class RLDriver:
             torch.save(self.backend.state_dict(), folder / "backend.pt")
             save_rng(folder / "rng.pt")
             (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
-            if self.pipeline is not None:  # generated, not trained yet: made with weights a resume cannot remake
+            if self.pipeline is not None and self.cfg.stale_samples == "drop":
+                # By dataset position, with the versions that made them; and the positions not generated yet.
+                pending = self.pipeline.pending()
+                torch.save({"stale_samples": "drop", "positions": sorted(pending["ready"]),
+                            "rollouts": {p: r for p, (_, r) in pending["ready"].items()},
+                            "versions": {p: v for p, (v, _) in pending["ready"].items()},
+                            "regenerate": pending["todo"], "next_position": pending["next_position"]},
+                           folder / "rollouts.pt")
+            elif self.pipeline is not None:  # generated, not trained yet: made with weights a resume cannot remake
                 pending = self.pipeline.pending()
                 torch.save({"steps": sorted(pending), "rollouts": pending}, folder / "rollouts.pt")
 
@@ -532,7 +573,18 @@ class RLDriver:
                 saved = torch.load(folder / "rollouts.pt", weights_only=False)
             except (OSError, RuntimeError) as exc:
                 raise UserError(f"--resume: cannot read checkpoint {folder / 'rollouts.pt'}: {exc}") from None
-            self._saved_rollouts = dict(saved["rollouts"])
+            written = saved.get("stale_samples", "wait")
+            if written != self.cfg.stale_samples:
+                raise UserError(f"--resume: checkpoint {folder} was written with [job] stale_samples = \"{written}\", "
+                                f"the job says \"{self.cfg.stale_samples}\"; resume it with stale_samples = "
+                                f"\"{written}\"")
+            if written == "drop":
+                self._saved_rollouts = {
+                    "ready": {p: (int(saved["versions"][p]), saved["rollouts"][p]) for p in saved["positions"]},
+                    "todo": list(saved["regenerate"]), "next_position": int(saved["next_position"]),
+                }
+            else:
+                self._saved_rollouts = dict(saved["rollouts"])
 
     def _save_final(self) -> None:
         self.placement.save_final(str(self.run_.output_dir / "final"))

@@ -20,7 +20,7 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -122,6 +122,17 @@ class MegatronRoutingReplay:
         finally:
             for replay in self.replays:
                 replay.forced = None
+
+
+def _cpu(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the CPU (containers rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
 
 
 _TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -340,6 +351,60 @@ class MegatronBackend(TorchBackend):
         if tp > 1:
             return iter(list(mcore_to_hf(self.arch, gathered).items()))
         return iter(list(mcore_to_hf(self.arch, [gathered[0]], experts=[[g] for g in gathered]).items()))
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size): tensor-parallel ranks
+        train on the same data (size 1), expert-parallel ranks each on its share."""
+        if self.config.expert_parallel > 1:
+            return self.rank, self.config.expert_parallel
+        return 0, 1
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """One process: the torch backend's state (model by megatron-core names, AdamW,
+        schedule, steps). Under tensor or expert parallelism a collective: rank 0 gets every
+        rank's own state (``"ranks"``, in rank order), the others an empty dict."""
+        if self.config.tensor_parallel * self.config.expert_parallel == 1:
+            return super().state_dict()
+        import torch.distributed as dist
+
+        own = {  # this rank's own tensors (torch's full-state helpers give rank 0 everything, the others nothing)
+            "model": {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                      for k, v in self.module.state_dict().items()},
+            "optimizer": _cpu(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "steps": self.steps,
+        }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, own)
+        if self.rank != 0:
+            return {}
+        return {"format": 1, "steps": own["steps"], "lora": None, "layout": self._layout(), "ranks": gathered}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; under tensor or expert parallelism every rank calls
+        it and rank 0's state (the others may pass ``{}``) gives each rank its own part."""
+        if self.config.tensor_parallel * self.config.expert_parallel == 1:
+            if "ranks" in state:
+                raise ValueError(f"the checkpoint was written by {len(state['ranks'])} megatron ranks "
+                                 f"({state.get('layout')}); this backend runs on one process")
+            return super().load_state_dict(state)
+        import torch.distributed as dist
+
+        box = [state if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        full = box[0] or {}
+        if "ranks" not in full or full.get("layout") != self._layout():
+            raise ValueError(f"the checkpoint was written with megatron layout {full.get('layout', 'one process')}, "
+                             f"this backend runs {self._layout()}: [backend] tensor_parallel and expert_parallel must "
+                             "match the run being resumed")
+        own = full["ranks"][self.rank]
+        self.module.load_state_dict(own["model"], strict=True)
+        self.optimizer.load_state_dict(own["optimizer"])
+        self.scheduler.load_state_dict(own["scheduler"])
+        self.steps = int(own["steps"])
+
+    def _layout(self) -> dict[str, int]:
+        return {"tensor_parallel": self.config.tensor_parallel, "expert_parallel": self.config.expert_parallel}
 
     def local_weights(self) -> Iterator[tuple[str, Any]]:
         """Every rank's full weights (:meth:`named_weights`; shards by name are not served yet)."""

@@ -30,10 +30,6 @@ from skyrl_host.devices import cuda_problem
 from skyrl_host.options import ge, option
 
 NOT_BUILT = {
-    "tensor_parallel": "tensor parallelism runs in the backend (tested on two processes) but not yet in jobs: the "
-    "launchers give every trainer rank its own share of the batch and checkpoints hold one process's state",
-    "expert_parallel": "expert parallelism runs in the backend (tested on two processes) but not yet in jobs: "
-    "checkpoints hold one process's state (no megatron-core dist_checkpointing yet)",
     "pipeline_parallel": "pipeline parallelism is not built",
     "context_parallel": "context parallelism is not built",
 }
@@ -86,6 +82,7 @@ def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``): the parallelism this backend runs, a CUDA
     ``device`` on a machine with CUDA, and a model megatron-core can express."""
     from skyrl_host.kinds import SLOT_KINDS
+    from skyrl_host.routing import model_is_moe
 
     choice = spec.plugins.get("backend")
     if choice is None or isinstance(choice, tuple):
@@ -94,13 +91,25 @@ def check(spec: Any) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     for key, what in NOT_BUILT.items():
         if getattr(cfg, key) != 1:
-            problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what}; set it to 1, or use [backend] "
-                             "name = \"torch\" with data_parallel for several ranks"))
+            problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what} in the megatron backend; set it to 1"))
+    tp, ep = cfg.tensor_parallel, cfg.expert_parallel
     ranks = spec.cluster.trainer_ranks
-    if ranks > 1:
-        problems.append(("cluster.trainer_ranks", f"[cluster] trainer_ranks = {ranks}: megatron backend jobs train on one "
-                         "process so far (data, tensor and expert parallelism across ranks are not wired into jobs yet); "
-                         "set trainer_ranks = 1"))
+    launcher = getattr(spec.cluster, "launcher", "local")
+    if tp > 1 and ep > 1:
+        problems.append(("backend.expert_parallel", f"tensor_parallel = {tp} with expert_parallel = {ep}: the two "
+                         "together are not built yet; set one of them to 1"))
+    elif tp * ep != ranks:
+        key = "backend.tensor_parallel" if tp > 1 else "backend.expert_parallel" if ep > 1 else "cluster.trainer_ranks"
+        problems.append((key, f"the megatron backend runs one model over tensor_parallel x expert_parallel = {tp * ep} "
+                         f"trainer ranks, and [cluster] trainer_ranks = {ranks} (data parallelism over several model "
+                         "replicas is not built): make them equal"))
+    elif ep > 1 and (model := spec.plugins.get("model")) is not None and not isinstance(model, tuple) \
+            and model_is_moe(model) is False:
+        problems.append(("backend.expert_parallel", f"expert_parallel = {ep} spreads experts over ranks, and this "
+                         "model has no MoE layers"))
+    elif ranks > 1 and launcher != "ray":
+        problems.append(("cluster.launcher", f"tensor_parallel x expert_parallel = {ranks} ranks run as processes of "
+                         "their own: set [cluster] launcher = \"ray\""))
     if getattr(spec.cluster, "launcher", "local") != "ray":
         problem = cuda_problem(cfg.device)
         if problem is not None:

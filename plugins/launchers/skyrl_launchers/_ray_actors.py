@@ -252,6 +252,13 @@ class BackendWorker:
             require(self.backend, ShardedWeights, who=describe(request.backend),
                     needed_by=f"transport {request.weight_sync.name!r}")
 
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size): the backend's own when it
+        says (a model-parallel backend: ranks of one model replica train on the same data),
+        else (rank, world)."""
+        layout = getattr(self.backend, "data_parallel", None)
+        return tuple(layout()) if callable(layout) else (self.rank, self.world)
+
     def device(self) -> str:
         """The backend's device ("cpu", "cuda:0", ...)."""
         return str(getattr(self.backend, "device", "cpu"))
@@ -355,15 +362,23 @@ class RemoteBackend:
     def __init__(self, actors: Sequence[Any]):
         self.actors = list(actors)
         self.actor = self.actors[0]
+        self._layout: list[tuple[int, int]] | None = None  # each rank's (data-parallel index, size)
 
     def train_step(self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float,
                    max_new_tokens: int) -> Mapping[str, float]:
+        """Each data-parallel index trains on its share of the sequences; the ranks of one
+        index (a model-parallel backend's tensor-parallel ranks) all get the same share."""
         advantages = np.asarray(advantages)
+        if self._layout is None:
+            self._layout = [tuple(x) for x in ray_get([a.data_parallel.remote() for a in self.actors])]
+        size = self._layout[0][1]
+        shares = split_sequences(batch.seq_lens, size)
         calls = []
-        for actor, seqs in zip(self.actors, split_sequences(batch.seq_lens, len(self.actors))):
-            if len(self.actors) == 1:
+        for actor, (index, _) in zip(self.actors, self._layout):
+            if size == 1:
                 part, adv = batch, advantages
             else:
+                seqs = shares[index]
                 part = batch.select(seqs)
                 cu = batch.cu_seqlens
                 tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)

@@ -111,7 +111,9 @@ def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("backend.tensor_parallel=2", "backend.tensor_parallel: tensor_parallel = 2: tensor parallelism runs in the backend"),
+    ("backend.tensor_parallel=2", "backend.tensor_parallel: the megatron backend runs one model over tensor_parallel x "
+     "expert_parallel = 2 trainer ranks, and [cluster] trainer_ranks = 1"),
+    ("backend.expert_parallel=2", "backend.expert_parallel: the megatron backend runs one model over"),
     ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism is not built"),
     ('precision.name="fp8"', "precision.name: precision 'fp8' fake-quantizes linear layers"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "

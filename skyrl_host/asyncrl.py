@@ -23,6 +23,12 @@ channel says which) and the schedule depends on timing. ``weight_updates = "abor
 publishes at once as well; the engine then aborts the requests in progress and resubmits
 them with what they generated, prefilled again with the new weights.
 
+``stale_samples = "drop"`` (:class:`DroppingPipeline`): instead of waiting for a version the
+producer generates dataset positions ahead with the newest weights, into a buffer of
+``k + 1`` rollouts; the trainer drops those more than ``k`` versions old and their
+positions are generated again, so every position is trained once, in an order that
+timing decides.
+
 Resume: a checkpoint after step ``s`` holds the rollouts of steps ``s + 1 ..`` that are
 already generated (made with versions older than ``s``, which a resumed run could not
 remake); the step being generated, if any, uses version ``s`` and is generated again

@@ -6,7 +6,9 @@ This driver only moves data between them, measures, checkpoints and resumes.
 
 Determinism: the prompts of step ``s`` are ``dataset.batch(s, ...)`` and the
 generation seed is a function of (job seed, step, refill round), so a run
-resumed from a checkpoint reproduces the uninterrupted run's metrics exactly.
+resumed from a checkpoint reproduces the uninterrupted run's metrics exactly
+(async with ``stale_samples = "drop"``: a step trains some dataset position's prompts,
+each position once, in an order that timing decides; docs/async.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 class NotExpressible(ValueError):
@@ -44,6 +44,16 @@ class Architecture:
     scaling: float | None = None  # the chosen experts' weights are multiplied by this
     route_groups: int = 0  # group-limited routing: experts in this many groups ...
     topk_groups: int = 0  # ... of which each token uses the best this many
+    # multi-latent attention (DeepSeek-V3, Kimi K2); kv_lora = 0: ordinary attention
+    q_lora: int = 0  # the query's latent width (0: a plain q_proj)
+    kv_lora: int = 0
+    rope_dim: int = 0  # each head's rotated dimensions (the rest of head_dim is not rotated)
+    v_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint lays the rotated dimensions out in (even, odd) pairs
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora > 0
 
     @property
     def is_moe(self) -> bool:
@@ -93,6 +103,8 @@ def describe(config: Any) -> Architecture:
         return Architecture(ffn=int(cfg.intermediate_size), **common)
     if mt == "glm4_moe":
         return _glm4_moe(cfg, rope, common)
+    if mt == "deepseek_v3":
+        return _deepseek_v3(cfg, rope, common)
     # qwen3_moe: every layer a MoE layer, no shared expert
     if list(getattr(cfg, "mlp_only_layers", []) or []) or int(getattr(cfg, "decoder_sparse_step", 1) or 1) != 1:
         raise NotExpressible(f"{mt}: dense layers between MoE layers (mlp_only_layers / decoder_sparse_step) are not mapped")
@@ -102,25 +114,46 @@ def describe(config: Any) -> Architecture:
     )
 
 
-def _glm4_moe(cfg: Any, rope: dict, common: dict) -> Architecture:
-    """GLM-4.5 / GLM-4.6: partial RoPE, optional q/k biases and norms, dense first layers,
-    a shared expert, a sigmoid router with a correction bias, group-limited top-k and a
-    scaling factor (DeepSeek-V3's router, which megatron-core has)."""
-    mt = "glm4_moe"
+def _sigmoid_router(mt: str, cfg: Any) -> dict:
+    """DeepSeek-V3's router (GLM-4.5 and Kimi K2 use it) as megatron-core expresses it."""
     top_k, groups, topk_groups = int(cfg.num_experts_per_tok), int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
     if not getattr(cfg, "norm_topk_prob", True):
         raise NotExpressible(f"{mt}: norm_topk_prob = false (megatron-core's sigmoid router always normalises the chosen weights)")
     if groups > 1 and top_k // topk_groups != 2:
         raise NotExpressible(f"{mt}: group-limited routing with num_experts_per_tok / topk_group = {top_k // topk_groups}: "
                              "megatron-core scores a group by its best top_k / topk_group experts, the model by its best 2")
-    partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
     shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
-    return Architecture(
+    return dict(
         ffn=int(cfg.moe_intermediate_size), experts=int(cfg.n_routed_experts), top_k=top_k, norm_topk=True,
-        qk_norm=bool(getattr(cfg, "use_qk_norm", False)), qkv_bias=bool(getattr(cfg, "attention_bias", False)),
-        rotary_percent=partial, dense_layers=int(getattr(cfg, "first_k_dense_replace", 0) or 0),
-        dense_ffn=int(cfg.intermediate_size), shared_ffn=shared * int(cfg.moe_intermediate_size), score="sigmoid",
-        expert_bias=True, scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
-        route_groups=groups if groups > 1 else 0, topk_groups=topk_groups if groups > 1 else 0, **common,
+        dense_layers=int(getattr(cfg, "first_k_dense_replace", 0) or 0), dense_ffn=int(cfg.intermediate_size),
+        shared_ffn=shared * int(cfg.moe_intermediate_size), score="sigmoid", expert_bias=True,
+        scaling=float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0),
+        route_groups=groups if groups > 1 else 0, topk_groups=topk_groups if groups > 1 else 0,
     )
 
+
+def _deepseek_v3(cfg: Any, rope: dict, common: dict) -> Architecture:
+    """DeepSeek-V3 / Kimi K2: multi-latent attention (query and key/value latents with their
+    RMSNorms, a decoupled rotary part shared by the heads' keys), the sigmoid router, dense
+    first layers and a shared expert."""
+    mt = "deepseek_v3"
+    if getattr(cfg, "attention_bias", False):
+        raise NotExpressible(f"{mt}: attention_bias = true (megatron-core's MLA projections have no biases here)")
+    nope, rot = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
+    common = dict(common, head_dim=nope)  # megatron-core's qk_head_dim: the heads' unrotated part
+    return Architecture(
+        qk_norm=False, q_lora=int(getattr(cfg, "q_lora_rank", None) or 0), kv_lora=int(cfg.kv_lora_rank),
+        rope_dim=rot, v_dim=int(cfg.v_head_dim), rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
+        **_sigmoid_router(mt, cfg), **common,
+    )
+
+
+def _glm4_moe(cfg: Any, rope: dict, common: dict) -> Architecture:
+    """GLM-4.5 / GLM-4.6: partial RoPE, optional q/k biases and norms, dense first layers,
+    a shared expert, a sigmoid router with a correction bias, group-limited top-k and a
+    scaling factor (DeepSeek-V3's router, which megatron-core has)."""
+    partial = float(rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
+    return Architecture(
+        qk_norm=bool(getattr(cfg, "use_qk_norm", False)), qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        rotary_percent=partial, **_sigmoid_router("glm4_moe", cfg), **common,
+    )

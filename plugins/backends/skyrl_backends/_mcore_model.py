@@ -6,7 +6,8 @@
   (a one-process gloo group when the launcher started none), plus the CPU shims
   megatron-core 0.16 needs (FACTS.md: ``torch.cuda.current_device`` while building,
   the inference RNG tracker, no TransformerEngine GEMM in the router; activation
-  recompute without a CUDA generator to save);
+  recompute without a CUDA generator to save; multi-latent attention told that
+  TransformerEngine is absent);
 - :func:`build`: the ``GPTModel`` (local, TransformerEngine-free layer specs);
 - :func:`hf_to_mcore` / :func:`mcore_to_hf`: a state dict in the other scheme (fused QKV
   in query-group order, fused gate/up, per-expert MLPs, tied heads), for this rank's
@@ -70,6 +71,18 @@ def release_parallel_state() -> None:
     _OWN_GROUP = False
 
 
+def _patch_mla() -> None:
+    # Without TransformerEngine megatron-core 0.16.1's TE extension module still imports, with
+    # mock classes in place of TE's, so multi_latent_attention sets HAVE_TE = True and then
+    # calls isinstance(..., <a mock>) while building (a TypeError). Tell it the truth.
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        import megatron.core.transformer.multi_latent_attention as mla
+
+        mla.HAVE_TE = False
+
+
 def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: torch.device, seed: int) -> tuple[int, int]:
     """torch.distributed (a one-process gloo group when none runs) and megatron-core's model-parallel
     groups of these sizes; returns (rank, world)."""
@@ -79,6 +92,7 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
     from megatron.core import parallel_state, tensor_parallel as tp
 
     _patch_moe_utils()
+    _patch_mla()
     _cpu_shims()
     if not dist.is_initialized():
         if tensor_parallel * expert_parallel > 1:
@@ -156,6 +170,20 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
 
     kw["tensor_model_parallel_size"] = parallel_state.get_tensor_model_parallel_world_size()
     kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+    if m.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kw.update(
+            multi_latent_attention=True, q_lora_rank=m.q_lora or None, kv_lora_rank=m.kv_lora,
+            qk_head_dim=m.head_dim, qk_pos_emb_head_dim=m.rope_dim, v_head_dim=m.v_dim, rope_type="rope",
+            rotary_base=m.rope_theta, qk_layernorm=True,  # (megatron-core's switch for the latents' RMSNorms)
+        )
+        return MLATransformerConfig(**_moe_options(m, kw, routing_replay))
+    return TransformerConfig(**_moe_options(m, kw, routing_replay))
+
+
+def _moe_options(m: Architecture, kw: dict[str, Any], routing_replay: bool) -> dict[str, Any]:
+    """``kw`` with the MoE layers' options of ``m`` (none for a dense model)."""
     if m.is_moe:
         kw.update(
             num_moe_experts=m.experts, moe_router_topk=m.top_k, moe_ffn_hidden_size=m.ffn,
@@ -171,7 +199,7 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
             moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_dtype="fp32",
             moe_enable_routing_replay=routing_replay,
         )
-    return TransformerConfig(**kw)
+    return kw
 
 
 def _sdpa_attention_class() -> type:
@@ -182,6 +210,10 @@ def _sdpa_attention_class() -> type:
         (one fused kernel: no [b, heads, s, s] scores kept for the backward as the local
         DotProductAttention's baddbmm + masked softmax + bmm do), with the same mask
         convention (True: masked), scale and grouped-query layout."""
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+            # (multi-latent attention passes its key and value widths, which SDPA reads off the tensors)
+            super().__init__(*args, **kwargs)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -194,7 +226,7 @@ def _sdpa_attention_class() -> type:
                 k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale)
             sq, b = query.shape[0], query.shape[1]
-            return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # (MLA: heads x v_head_dim)
 
     return SDPAttention
 
@@ -211,7 +243,8 @@ def build(m: Architecture, device: torch.device, *, routing_replay: bool, recomp
         layers = spec.layer_specs
     else:
         spec = get_gpt_layer_local_spec(
-            num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=m.qk_norm, normalization="RMSNorm"
+            num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=m.qk_norm or m.mla,
+            multi_latent_attention=m.mla, normalization="RMSNorm",
         )
         layers = [spec]
     for layer in layers:
@@ -272,9 +305,12 @@ def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, to
     out["embedding.word_embeddings.weight"] = _shard(vocab_rows, 0, tr, ts)
     for i in range(m.num_layers):
         a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-        # the fused QKV is split by query group across tensor-parallel ranks
-        qkv = _fuse_qkv(m, hf[a + "self_attn.q_proj.weight"], hf[a + "self_attn.k_proj.weight"], hf[a + "self_attn.v_proj.weight"])
-        out[o + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tr, ts)
+        if m.mla:
+            out.update(_mla_to_mcore(m, hf, a, o))
+        else:
+            # the fused QKV is split by query group across tensor-parallel ranks
+            qkv = _fuse_qkv(m, hf[a + "self_attn.q_proj.weight"], hf[a + "self_attn.k_proj.weight"], hf[a + "self_attn.v_proj.weight"])
+            out[o + "self_attention.linear_qkv.weight"] = _shard(qkv, 0, tr, ts)
         out[o + "self_attention.linear_proj.weight"] = _shard(hf[a + "self_attn.o_proj.weight"], 1, tr, ts)
         if m.qkv_bias:
             bias = _fuse_qkv(m, *(hf[a + f"self_attn.{x}_proj.bias"][:, None] for x in "qkv"))[:, 0]
@@ -309,6 +345,57 @@ def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, to
     return out
 
 
+def _rope_rows(m: Architecture, w: torch.Tensor, heads: int, to_mcore: bool) -> torch.Tensor:
+    """``w`` (rows: per head its unrotated then its rotated dimensions) with each head's
+    rotated rows in the layout megatron-core's MLA expects (``to_mcore``) or back.
+    megatron-core's MLA takes the rotated dimensions as interleaved (even, odd) pairs and
+    de-interleaves them before rotating halves, as DeepSeek-V3's checkpoints
+    (``rope_interleave = true``) need: those rows stay as they are. A checkpoint whose
+    rotated dimensions are already halves gets them interleaved, so the de-interleave
+    gives its halves back."""
+    if m.rope_interleave:
+        return w
+    r = m.rope_dim
+    per = w.shape[0] // heads
+    w = w.reshape(heads, per, *w.shape[1:])
+    half = torch.arange(r // 2, device=w.device)
+    order = torch.stack([half, half + r // 2], dim=1).reshape(-1)  # row 2i <- i, row 2i+1 <- r/2 + i
+    if not to_mcore:
+        order = torch.argsort(order)
+    rot = w[:, per - r:].index_select(1, order)
+    return torch.cat([w[:, : per - r], rot], dim=1).reshape(heads * per, *w.shape[2:])
+
+
+def _mla_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor], a: str, o: str) -> dict[str, torch.Tensor]:
+    out = {}
+    p = o + "self_attention."
+    if m.q_lora:
+        out[p + "linear_q_down_proj.weight"] = hf[a + "self_attn.q_a_proj.weight"]
+        out[p + "q_layernorm.weight"] = hf[a + "self_attn.q_a_layernorm.weight"]
+        out[p + "linear_q_up_proj.weight"] = _rope_rows(m, hf[a + "self_attn.q_b_proj.weight"], m.heads, True)
+    else:
+        out[p + "linear_q_proj.weight"] = _rope_rows(m, hf[a + "self_attn.q_proj.weight"], m.heads, True)
+    out[p + "linear_kv_down_proj.weight"] = _rope_rows(m, hf[a + "self_attn.kv_a_proj_with_mqa.weight"], 1, True)
+    out[p + "kv_layernorm.weight"] = hf[a + "self_attn.kv_a_layernorm.weight"]
+    out[p + "linear_kv_up_proj.weight"] = hf[a + "self_attn.kv_b_proj.weight"]
+    return out
+
+
+def _mla_to_hf(m: Architecture, s0: Mapping[str, torch.Tensor], a: str, o: str) -> dict[str, torch.Tensor]:
+    out = {}
+    p = o + "self_attention."
+    if m.q_lora:
+        out[a + "self_attn.q_a_proj.weight"] = s0[p + "linear_q_down_proj.weight"]
+        out[a + "self_attn.q_a_layernorm.weight"] = s0[p + "q_layernorm.weight"]
+        out[a + "self_attn.q_b_proj.weight"] = _rope_rows(m, s0[p + "linear_q_up_proj.weight"], m.heads, False)
+    else:
+        out[a + "self_attn.q_proj.weight"] = _rope_rows(m, s0[p + "linear_q_proj.weight"], m.heads, False)
+    out[a + "self_attn.kv_a_proj_with_mqa.weight"] = _rope_rows(m, s0[p + "linear_kv_down_proj.weight"], 1, False)
+    out[a + "self_attn.kv_a_layernorm.weight"] = s0[p + "kv_layernorm.weight"]
+    out[a + "self_attn.kv_b_proj.weight"] = s0[p + "linear_kv_up_proj.weight"]
+    return out
+
+
 def _shard_glu(fc1: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """A [gate; up] weight's tensor-parallel shard: [gate shard; up shard]."""
     if size == 1:
@@ -340,10 +427,13 @@ def mcore_to_hf(m: Architecture, shards: list[Mapping[str, torch.Tensor]], exper
     out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)
     for i in range(m.num_layers):
         a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-        qs, ks, vs = zip(*[_split_qkv(m, s[o + "self_attention.linear_qkv.weight"], m.groups // ts) for s in shards])
-        out[a + "self_attn.q_proj.weight"] = torch.cat(qs, 0)
-        out[a + "self_attn.k_proj.weight"] = torch.cat(ks, 0)
-        out[a + "self_attn.v_proj.weight"] = torch.cat(vs, 0)
+        if m.mla:
+            out.update(_mla_to_hf(m, s0, a, o))
+        else:
+            qs, ks, vs = zip(*[_split_qkv(m, s[o + "self_attention.linear_qkv.weight"], m.groups // ts) for s in shards])
+            out[a + "self_attn.q_proj.weight"] = torch.cat(qs, 0)
+            out[a + "self_attn.k_proj.weight"] = torch.cat(ks, 0)
+            out[a + "self_attn.v_proj.weight"] = torch.cat(vs, 0)
         out[a + "self_attn.o_proj.weight"] = cat(o + "self_attention.linear_proj.weight", 1)
         if m.qkv_bias:
             bq, bk, bv = zip(*[_split_qkv(m, s[o + "self_attention.linear_qkv.bias"][:, None], m.groups // ts) for s in shards])
@@ -454,11 +544,15 @@ class MegatronLM(torch.nn.Module):
         emb = gpt.embedding(input_ids=ids, position_ids=pos)  # [R, rows, H]
         if self.padding_idx is not None and emb.requires_grad:
             emb = torch.where((ids == self.padding_idx).t()[..., None], emb.detach(), emb)
-        # Rotary angles at each slot's own position (positions restart for every packed sequence).
-        # (megatron-core's RotaryEmbedding gives angles of 0..S-1 only.)
-        inv_freq = gpt.rotary_pos_emb.inv_freq.to(emb.device)
-        angles = pos.t().to(inv_freq.dtype)[..., None] * inv_freq  # [R, rows, d/2]
-        rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
+        if getattr(gpt.config, "multi_latent_attention", False):
+            # megatron-core's MLA rotates by 0..R-1 itself: the backend gives it one sequence per row
+            rot = None
+        else:
+            # Rotary angles at each slot's own position (positions restart for every packed sequence).
+            # (megatron-core's RotaryEmbedding gives angles of 0..S-1 only.)
+            inv_freq = gpt.rotary_pos_emb.inv_freq.to(emb.device)
+            angles = pos.t().to(inv_freq.dtype)[..., None] * inv_freq  # [R, rows, d/2]
+            rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
         hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
         hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[keep]
         if _tp()[1] > 1:  # the head's rows are this rank's vocabulary shard: its input gradient sums over ranks

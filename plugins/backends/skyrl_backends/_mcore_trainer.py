@@ -165,6 +165,11 @@ class MegatronBackend(TorchBackend):
         if tp > 1 and (self.arch.vocab % tp or self.arch.groups % tp):
             raise UserError(f"[backend] tensor_parallel = {tp} must divide the vocabulary ({self.arch.vocab}) and the "
                             f"key/value heads ({self.arch.groups})")
+        if tp > 1 and self.arch.mla:
+            raise UserError(f"[backend] tensor_parallel = {tp} with multi-latent attention ({self.arch.model_type}) "
+                            "is not built yet")
+        # megatron-core's multi-latent attention rotates by 0..R-1 along each row: one sequence a row
+        self._one_sequence_per_row = self.arch.mla
         if ep > 1 and self.arch.experts % ep:
             raise UserError(f"[backend] expert_parallel = {ep} must divide the experts ({self.arch.experts})")
         self.rank, world = ensure_parallel_state(tp, ep, self.device, seed)

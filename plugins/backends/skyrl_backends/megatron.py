@@ -144,7 +144,7 @@ def skyrl_register_backends(register: Any) -> None:
         "megatron",
         create,
         config=MegatronBackendConfig,
-        description="megatron-core trainer: Qwen3 dense and MoE and GLM-4.5 as megatron-core GPT models, routing replay "
+        description="megatron-core trainer: Qwen3 dense and MoE, GLM-4.5 and DeepSeek-V3 / Kimi K2 as megatron-core GPT models, routing replay "
         "through megatron-core's RouterReplay, packed micro-batches, AdamW",
         check=check,
     )

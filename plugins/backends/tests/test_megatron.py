@@ -148,6 +148,53 @@ def test_bf16_autocast_stays_near_the_torch_backend(skyrl_host) -> None:
     assert gap < 0.02 and np.abs(lp["torch"] - lp["fp32"]).mean() > 1e-4
 
 
+def deepseek_v3(seed: int = 0, interleave: bool = True, q_lora: int | None = 32):
+    """A tiny DeepSeek-V3 / Kimi K2 (multi-latent attention, sigmoid router with a random
+    correction bias, a dense first layer, a shared expert), one expert group as Kimi K2 has."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from skyrl_host.interfaces import LoadedModel
+
+    cfg = DeepseekV3Config(
+        hidden_size=64, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, vocab_size=32, max_position_embeddings=128,
+        rope_interleave=interleave,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+    return LoadedModel(model=model, tokenizer=None, stop_token_ids=[1], family="test")
+
+
+@pytest.mark.parametrize("interleave, q_lora", [(True, 32), (False, None)])
+def test_multi_latent_attention_equals_the_torch_backend(skyrl_host, interleave: bool, q_lora) -> None:
+    """DeepSeek-V3 / Kimi K2's multi-latent attention on megatron-core's MLASelfAttention
+    (query and key/value latents, the decoupled rotary part; checkpoints with interleaved
+    rotary pairs, and with halves and no query latent), one sequence a row: 5 steps equal
+    the torch backend's (loss, entropy, grad norm, logprobs 1e-5)."""
+    algo = algorithm(skyrl_host)
+    bes = {name: backend(skyrl_host, name, deepseek_v3(interleave=interleave, q_lora=q_lora), steps=5)
+           for name in ("torch", "megatron")}
+    assert bes["megatron"]._pack_length == 1
+    for step in range(5):
+        batch = random_batch(32, seed=step)
+        before = {name: logprobs(be, batch) for name, be in bes.items()}
+        np.testing.assert_allclose(before["megatron"], before["torch"], atol=1e-5, rtol=0, err_msg=f"step {step}")
+        metrics = {name: train(skyrl_host, be, batch, algo) for name, be in bes.items()}
+        for key in ("loss", "entropy", "grad_norm", "logprob_diff_mean"):
+            assert metrics["megatron"][key] == pytest.approx(metrics["torch"][key], rel=1e-5, abs=1e-6), (step, key)
+    weights = {name: dict(be.named_weights()) for name, be in bes.items()}
+    assert sorted(weights["megatron"]) == sorted(weights["torch"])
+    for k, v in weights["torch"].items():
+        assert float((weights["megatron"][k] - v).abs().max()) <= 2e-5, k
+
+
 def test_the_padding_row_learns_only_through_the_head(skyrl_host) -> None:
     """transformers' embedding has padding_idx (that row gets no gradient from its lookups;
     its zero initial row would otherwise meet RMSNorm's 1/sqrt(eps) gradient). The
@@ -282,6 +329,9 @@ def test_an_unmapped_model_is_refused_with_what_is_missing(skyrl_host) -> None:
 
     with pytest.raises(UserError, match=r"cannot build this model: model_type 'qwen3_next' is not mapped"):
         backend(skyrl_host, "megatron", load(skyrl_host, "tiny-qwen3-next"))
+    # the kimi family's tiny preset scores its 4 expert groups by their best 2 of top-2 / 2 groups
+    with pytest.raises(UserError, match=r"deepseek_v3: group-limited routing with num_experts_per_tok / topk_group = 1"):
+        backend(skyrl_host, "megatron", load(skyrl_host, "kimi:tiny-kimi"))
 
 
 # -- tensor and expert parallelism across two gloo processes ------------------------------------

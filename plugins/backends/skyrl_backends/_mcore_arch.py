@@ -119,9 +119,8 @@ def _sigmoid_router(mt: str, cfg: Any) -> dict:
     top_k, groups, topk_groups = int(cfg.num_experts_per_tok), int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
     if not getattr(cfg, "norm_topk_prob", True):
         raise NotExpressible(f"{mt}: norm_topk_prob = false (megatron-core's sigmoid router always normalises the chosen weights)")
-    if groups > 1 and top_k // topk_groups != 2:
-        raise NotExpressible(f"{mt}: group-limited routing with num_experts_per_tok / topk_group = {top_k // topk_groups}: "
-                             "megatron-core scores a group by its best top_k / topk_group experts, the model by its best 2")
+    if groups > 1 and int(cfg.n_routed_experts) // groups < 2:
+        raise NotExpressible(f"{mt}: group-limited routing with fewer than 2 experts per group (a group scores by its best 2)")
     shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
     return dict(
         ffn=int(cfg.moe_intermediate_size), experts=int(cfg.n_routed_experts), top_k=top_k, norm_topk=True,

@@ -46,12 +46,18 @@ def _router_replay_class() -> type:
         routing weights are the router's scores at those ids (megatron-core's replay
         semantics), so the gradient reaches the router as in an ordinary forward."""
 
-        def __init__(self) -> None:
+        def __init__(self, group_best: int | None = None) -> None:
             super().__init__()
             self.forced: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [N, k], bool [N])
+            # group-limited routing scores each group by its best ``group_best`` experts (DeepSeek-V3,
+            # GLM-4.5 and Kimi K2: 2), where megatron-core's own top-k takes top_k / group_topk
+            self.group_best = group_best
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if group_topk and self.group_best:
+                probs, idx = _group_limited_topk(scores, topk, num_groups, group_topk, self.group_best)
+            else:
+                probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             if self.forced is None:
                 return probs, idx
             ids, mask = self.forced
@@ -63,6 +69,33 @@ def _router_replay_class() -> type:
     return EngineRoutes
 
 
+def _group_limited_topk(scores: torch.Tensor, topk: int, groups: int, group_topk: int, best: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's choice: the ``group_topk`` groups whose ``best`` highest scores sum
+    highest, then the top ``topk`` experts within them (as the transformers routers do)."""
+    n, e = scores.shape
+    group_scores = scores.view(n, groups, e // groups).topk(best, dim=-1)[0].sum(dim=-1)
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, chosen, 1).bool()
+    mask = mask.unsqueeze(-1).expand(n, groups, e // groups).reshape(n, e)
+    return torch.topk(scores.masked_fill(~mask, float("-inf")), k=topk, dim=-1)
+
+
+def install_router_replays(gpt: Any, group_best: int | None) -> list[Any]:
+    """An :class:`EngineRoutes` on every MoE router of ``gpt`` (they hold the group rule
+    and, under r3, the engine's routes); returns them in layer order."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    cls = _router_replay_class()
+    replays = []
+    for layer in gpt.decoder.layers:
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if router is not None:
+            router.router_replay = cls(group_best)
+            replays.append(router.router_replay)
+    RouterReplay.clear_global_router_replay_instances()  # ours are held by their routers, not the global list
+    return replays
+
+
 class MegatronRoutingReplay:
     """``r3`` inside the megatron backend: the job's r3 strategy, carried out by the
     routers' replay objects instead of module hooks (ReplayStrategy's native form)."""
@@ -70,19 +103,9 @@ class MegatronRoutingReplay:
     name = "r3"
     side_channel = "routed_experts"
 
-    def __init__(self, gpt: Any, k: int):
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        cls = _router_replay_class()
+    def __init__(self, replays: list[Any], k: int):
         self.k = k
-        self.replays = []
-        for layer in gpt.decoder.layers:
-            router = getattr(getattr(layer, "mlp", None), "router", None)
-            if router is None:
-                continue
-            router.router_replay = cls()
-            self.replays.append(router.router_replay)
-        RouterReplay.clear_global_router_replay_instances()  # ours are held here, not in the global list
+        self.replays = replays  # the routers' EngineRoutes, in layer order
         self._last_of: tuple[Any, np.ndarray] | None = None
         self.rows = 1  # the forward's row count, set by the backend before each replaying()
 
@@ -146,6 +169,7 @@ class MegatronBackend(TorchBackend):
         super().__init__(config)
         self.arch: Any = None
         self._r3: MegatronRoutingReplay | None = None
+        self._router_replays: list[Any] = []  # every MoE router's EngineRoutes
 
     def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = ()) -> None:
         """Build the ``GPTModel`` of ``loaded``'s model, with its weights; ``replay``: the
@@ -193,9 +217,12 @@ class MegatronBackend(TorchBackend):
         gpt = build(self.arch, self.device, routing_replay=False, recompute=cfg.gradient_checkpointing)
         load_into(gpt, weights)
         gpt.train()
+        group_best = 2 if self.arch.route_groups else None
+        self._router_replays = install_router_replays(gpt, group_best)
         if reference:
             ref = build(self.arch, self.device, routing_replay=False)
             load_into(ref, weights)
+            install_router_replays(ref, group_best)
             ref.eval()
             ref.requires_grad_(False)
             self.reference = ref
@@ -205,7 +232,7 @@ class MegatronBackend(TorchBackend):
         self.replay = []
         for strategy in replay:
             if strategy.name == "r3":
-                self._r3 = MegatronRoutingReplay(gpt, self.arch.top_k)
+                self._r3 = MegatronRoutingReplay(self._router_replays, self.arch.top_k)
                 self.replay.append(self._r3)
             elif has(strategy, ScoringReplay):
                 strategy.bind(self._lm, loaded)  # reads the output head through MegatronLM.get_output_embeddings

@@ -12,7 +12,6 @@ import torch
 
 from skyrl_engines.embedded import Embedded, EmbeddedConfig
 from skyrl_host.rollout import CSR, RolloutBatch
-from skyrl_replay._impl import RoutingReplay, SupportReplay
 from skyrl_samplers.processing import TruncatedSampler
 
 ALPHABET = "0123456789:"
@@ -56,6 +55,12 @@ def backend(skyrl_host, name: str, loaded, replay=(), reference: bool = False, s
     be = reg.create(reg.config(lr=1e-3, **options))
     be.start(loaded, seed=0, total_steps=steps, reference=reference, replay=list(replay))
     return be
+
+
+def strategy(skyrl_host, name: str, **options):
+    """The replay strategy ``name`` as a job gets it (the registry: r3, support)."""
+    reg = skyrl_host.registry.get("replay_strategies", name)
+    return reg.create(reg.config(**options) if reg.config else None)
 
 
 def algorithm(skyrl_host, **options):
@@ -225,7 +230,7 @@ def test_r3_on_sigmoid_routers_gives_the_engines_logprobs(skyrl_host, preset: st
     megatron trainer's logprobs are the engine's (<= 1e-5)."""
     batch = generate(load(skyrl_host, preset))
     assert batch.side_channels["routed_experts"].shape[1:] == (2, 2)  # the two MoE layers (layer 0 is dense)
-    be = backend(skyrl_host, "megatron", load(skyrl_host, preset), replay=[RoutingReplay()])
+    be = backend(skyrl_host, "megatron", load(skyrl_host, preset), replay=[strategy(skyrl_host, "r3")])
     batch.rewards = np.random.default_rng(0).random(batch.n_sequences).astype(np.float32)
     metrics = train(skyrl_host, be, batch, algorithm(skyrl_host))
     assert metrics["logprob_diff_max"] <= 1e-5, metrics["logprob_diff_max"]
@@ -240,7 +245,7 @@ def test_r3_gives_the_engines_logprobs_through_megatron_core_routing_replay(skyr
     batch = generate(loaded)
     routes = batch.side_channels["routed_experts"]
     assert routes.shape[1:] == (len(loaded.routers), loaded.routers[0].top_k)
-    be = backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe"), replay=[RoutingReplay()])
+    be = backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe"), replay=[strategy(skyrl_host, "r3")])
     batch.rewards = np.random.default_rng(0).random(batch.n_sequences).astype(np.float32)
     metrics = train(skyrl_host, be, batch, algorithm(skyrl_host))
     assert metrics["logprob_diff_max"] <= 1e-5, metrics["logprob_diff_max"]
@@ -252,11 +257,11 @@ def test_r3_gives_the_engines_logprobs_through_megatron_core_routing_replay(skyr
     batch.side_channels["routed_experts"] = forced
     got = {}
     for name in ("torch", "megatron"):
-        be = backend(skyrl_host, name, load(skyrl_host, "tiny-moe"), replay=[RoutingReplay()],
+        be = backend(skyrl_host, name, load(skyrl_host, "tiny-moe"), replay=[strategy(skyrl_host, "r3")],
                      micro_batch_tokens=24, pack_length=16)
         got[name] = logprobs(be, batch)
         # and a train step through the forced routes, recomputed in the backward pass
-        got[name + "-step"] = train(skyrl_host, backend(skyrl_host, name, load(skyrl_host, "tiny-moe"), replay=[RoutingReplay()],
+        got[name + "-step"] = train(skyrl_host, backend(skyrl_host, name, load(skyrl_host, "tiny-moe"), replay=[strategy(skyrl_host, "r3")],
                                                         gradient_checkpointing=True), batch, algorithm(skyrl_host))
     free = logprobs(backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe")), batch)
     mask = batch.loss_mask != 0
@@ -270,7 +275,7 @@ def test_support_scores_over_the_kept_sets(skyrl_host) -> None:
     """Top-p 0.7: over the kept sets the megatron trainer's logprobs are the engine's
     (<= 1e-5); over the whole vocabulary they are off by the kept mass."""
     out = {}
-    for name, replay in (("none", []), ("support", [SupportReplay(chunk=50)])):
+    for name, replay in (("none", []), ("support", [strategy(skyrl_host, "support", chunk=50)])):
         loaded = load(skyrl_host, "tiny")
         batch = generate(loaded, routes=False, sampler=TruncatedSampler(temperature=0.9, top_p=0.7, return_support=True))
         assert isinstance(batch.side_channels["sample_support"], CSR)
@@ -284,8 +289,8 @@ def test_support_scores_over_the_kept_sets(skyrl_host) -> None:
 
 def test_replay_refusals_name_the_problem(skyrl_host) -> None:
     with pytest.raises(ValueError, match="r3.*mixture-of-experts"):
-        backend(skyrl_host, "megatron", load(skyrl_host, "tiny"), replay=[RoutingReplay()])
-    be = backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe"), replay=[RoutingReplay()])
+        backend(skyrl_host, "megatron", load(skyrl_host, "tiny"), replay=[strategy(skyrl_host, "r3")])
+    be = backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe"), replay=[strategy(skyrl_host, "r3")])
     batch = random_batch(13, seed=0)
     with pytest.raises(ValueError, match="routed_experts.*return_routed_experts"):
         train(skyrl_host, be, batch, algorithm(skyrl_host))

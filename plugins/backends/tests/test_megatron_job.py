@@ -93,19 +93,19 @@ def test_resume_equals_the_uninterrupted_run_and_the_final_folder_loads(skyrl_cl
 
 
 def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
-    """The README's quickstart, --set backend.name=megatron, cut to 100 steps (the full
+    """The README's quickstart, --set backend.name=megatron, cut to 70 steps (the full
     1000-step run is in docs/backends.md: 0.03 -> 0.998, as the torch backend's): the reward
-    climbs (at step 100 the full run's 10-step mean was 0.24, from 0.03)."""
+    climbs (at step 70 the full run's 10-step mean was 0.16, from 0.03)."""
     out = tmp_path / "quickstart"
     proc = subprocess.run(
-        [SKYRL, "run", "examples/quickstart.toml", "--set", "backend.name=\"megatron\"", "--set", "job.steps=100",
+        [SKYRL, "run", "examples/quickstart.toml", "--set", "backend.name=\"megatron\"", "--set", "job.steps=70",
          "--set", "job.checkpoint_every=0", "--set", f"job.output_dir=\"{out}\""],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(out)
     first = np.mean([r["reward_mean"] for r in rows[:5]])
     last = np.mean([r["reward_mean"] for r in rows[-10:]])
-    assert first <= 0.1 and last >= first + 0.1, (first, last)
+    assert first <= 0.1 and last >= first + 0.07, (first, last)
     assert max(r["logprob_diff_max"] for r in rows) < 1e-4
 
 

@@ -156,6 +156,13 @@ class RolloutBatch:
         """int64 [T]: each token's position within its own sequence."""
         return np.arange(self.n_tokens, dtype=np.int64) - np.repeat(self.cu_seqlens[:-1], self.seq_lens)
 
+    def last_tokens(self) -> np.ndarray:
+        """bool [T]: True at the last token of every non-empty sequence (the token the
+        engine sampled last and never fed back, so it has no recorded route)."""
+        last = np.zeros(self.n_tokens, dtype=bool)
+        last[self.cu_seqlens[1:][self.seq_lens > 0] - 1] = True
+        return last
+
     def sequence(self, i: int) -> np.ndarray:
         return self.tokens[self.cu_seqlens[i] : self.cu_seqlens[i + 1]]
 

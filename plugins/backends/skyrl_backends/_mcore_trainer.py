@@ -111,9 +111,7 @@ class MegatronRoutingReplay:
 
     def _is_last(self, batch: Any) -> np.ndarray:
         if self._last_of is None or self._last_of[0] is not batch:
-            last = np.zeros(batch.n_tokens, dtype=bool)
-            last[batch.cu_seqlens[1:][batch.seq_lens > 0] - 1] = True
-            self._last_of = (batch, last)
+            self._last_of = (batch, batch.last_tokens())
         return self._last_of[1]
 
     @contextlib.contextmanager
@@ -163,7 +161,8 @@ _TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "li
 
 
 class MegatronBackend(TorchBackend):
-    """A :class:`skyrl_host.interfaces.Backend` on megatron-core, one process."""
+    """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or one model
+    over ``tensor_parallel`` or ``expert_parallel`` processes."""
 
     def __init__(self, config: Any):
         super().__init__(config)

@@ -45,9 +45,7 @@ class RoutingReplay:
     def _is_last(self, batch: Any) -> np.ndarray:
         # Cached for the batch object itself (not its id: a later batch may reuse a freed id).
         if self._last_of is None or self._last_of[0] is not batch:
-            last = np.zeros(batch.n_tokens, dtype=bool)
-            last[batch.cu_seqlens[1:][batch.seq_lens > 0] - 1] = True
-            self._last_of = (batch, last)
+            self._last_of = (batch, batch.last_tokens())
         return self._last_of[1]
 
     @contextlib.contextmanager

@@ -3,6 +3,7 @@ torch, no megatron-core import; ``skyrl validate`` runs it on a folder's config.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -50,6 +51,15 @@ class Architecture:
     rope_dim: int = 0  # each head's rotated dimensions (the rest of head_dim is not rotated)
     v_dim: int = 0
     rope_interleave: bool = False  # the checkpoint lays the rotated dimensions out in (even, odd) pairs
+    # RoPE scaling, as transformers computes it (rope_parameters): "default", "linear" or "yarn"
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    yarn_original_max: int = 0  # the pretraining context the yarn ramp is measured against
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True  # the ramp's bounds rounded to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin of the rotated dimensions are multiplied by this
+    mscale_all_dim: float = 0.0  # yarn + multi-latent attention: the softmax scale is multiplied by mscale(factor, this)^2
 
     @property
     def mla(self) -> bool:
@@ -81,9 +91,6 @@ def describe(config: Any) -> Architecture:
     mt = getattr(cfg, "model_type", "?")
     check_model_type(mt)
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise NotExpressible(f"{mt}: rope_type {rope_type!r} (only plain RoPE is mapped; megatron-core's yarn/llama3 scaling is not wired)")
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     if getattr(cfg, "attention_bias", False) and mt != "glm4_moe":
         raise NotExpressible(f"{mt}: attention_bias = true (the mapped layers have no biases)")
@@ -98,6 +105,7 @@ def describe(config: Any) -> Architecture:
         head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
         vocab=int(cfg.vocab_size), tied=bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
         rope_theta=float(theta), eps=float(cfg.rms_norm_eps), max_positions=int(cfg.max_position_embeddings),
+        **_rope_scaling(mt, cfg, rope),
     )
     if mt == "qwen3":
         return Architecture(ffn=int(cfg.intermediate_size), **common)
@@ -111,6 +119,45 @@ def describe(config: Any) -> Architecture:
     return Architecture(
         ffn=int(cfg.moe_intermediate_size), experts=int(cfg.num_experts), top_k=int(cfg.num_experts_per_tok),
         norm_topk=bool(getattr(cfg, "norm_topk_prob", True)), **common,
+    )
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``factor`` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_scaling(mt: str, cfg: Any, rope: dict) -> dict:
+    """The RoPE scaling keys of :class:`Architecture` for a config's rope parameters, with the
+    values transformers derives from them (yarn's factor, attention factor and ramp)."""
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        if getattr(cfg, "kv_lora_rank", None):
+            raise NotExpressible(f"{mt}: rope_type 'linear' with multi-latent attention (megatron-core's MLA rotary takes 'rope' or 'yarn')")
+        return dict(rope_type="linear", rope_factor=float(rope["factor"]))
+    if kind != "yarn":
+        raise NotExpressible(f"{mt}: rope_type {kind!r} (mapped: default, linear, yarn)")
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise NotExpressible(f"{mt}: yarn without original_max_position_embeddings")
+    factor = float(rope.get("factor") or cfg.max_position_embeddings / original)
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention = rope.get("attention_factor")
+    if attention is None:  # transformers' rule
+        attention = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else _mscale(factor)
+    if factor <= 1 and attention != 1.0:
+        raise NotExpressible(f"{mt}: yarn with factor {factor} <= 1 and attention_factor {attention} (megatron-core scales only longer contexts)")
+    truncate = bool(rope.get("truncate", True))
+    if getattr(cfg, "kv_lora_rank", None) and not truncate:
+        raise NotExpressible(f"{mt}: yarn with truncate = false and multi-latent attention (megatron-core's MLA rounds the ramp)")
+    return dict(
+        rope_type="yarn", rope_factor=factor, yarn_original_max=int(original),
+        yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+        yarn_truncate=truncate, attention_factor=float(attention),
+        # DeepSeek-V3's attention also sharpens its softmax by mscale(factor, mscale_all_dim)^2
+        mscale_all_dim=float(mscale_all_dim or 0.0) if mt == "deepseek_v3" else 0.0,
     )
 
 

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from typing import Any, Mapping
@@ -178,8 +179,50 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
             qk_head_dim=m.head_dim, qk_pos_emb_head_dim=m.rope_dim, v_head_dim=m.v_dim, rope_type="rope",
             rotary_base=m.rope_theta, qk_layernorm=True,  # (megatron-core's switch for the latents' RMSNorms)
         )
+        if m.rope_type == "yarn":  # megatron-core's MLA has YaRN itself (its ramp, temperature and softmax scale)
+            kw.update(
+                rope_type="yarn", rotary_scaling_factor=m.rope_factor, original_max_position_embeddings=m.yarn_original_max,
+                beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow, mscale_all_dim=m.mscale_all_dim,
+                mscale=_concentration_mscale(m, m.mscale_all_dim),
+            )
         return MLATransformerConfig(**_moe_options(m, kw, routing_replay))
-    return TransformerConfig(**_moe_options(m, kw, routing_replay))
+    config = TransformerConfig(**_moe_options(m, kw, routing_replay))
+    if m.rope_type == "yarn":
+        # The attention multiplies cos and sin by the concentration factor these give (megatron-core
+        # reads them off the config); the frequencies are set on the model (:func:`rope_inv_freq`).
+        config.yarn_rotary_scaling_factor = m.rope_factor
+        config.yarn_mscale, config.yarn_mscale_all_dim = _concentration_mscale(m, 0.0), 0.0
+    return config
+
+
+def _concentration_mscale(m: Architecture, mscale_all_dim: float) -> float:
+    """The ``mscale`` for which megatron-core's concentration factor, mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), is the model's attention factor (transformers' value)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_mscale
+
+    if m.rope_factor <= 1:
+        return 1.0
+    return (m.attention_factor * _yarn_get_mscale(m.rope_factor, mscale_all_dim) - 1.0) / (0.1 * math.log(m.rope_factor))
+
+
+def rope_inv_freq(m: Architecture, dim: int) -> torch.Tensor:
+    """The rotary frequencies of ``dim`` rotated dimensions, scaled as the model's config says
+    (transformers' formulas: linear divides them by the factor; yarn blends the scaled and the
+    original ones along megatron-core's ramp between beta_fast and beta_slow rotations)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_find_correction_range,
+        _yarn_linear_ramp_mask,
+    )
+
+    periods = m.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if m.rope_type == "default":
+        return 1.0 / periods
+    if m.rope_type == "linear":
+        return 1.0 / periods / m.rope_factor
+    low, high = _yarn_find_correction_range(m.yarn_beta_fast, m.yarn_beta_slow, dim, m.rope_theta, m.yarn_original_max,
+                                            m.yarn_truncate)
+    extrapolate = 1.0 - _yarn_linear_ramp_mask(low, high, dim // 2, device=torch.device("cpu"))
+    return 1.0 / (m.rope_factor * periods) * (1 - extrapolate) + 1.0 / periods * extrapolate
 
 
 def _moe_options(m: Architecture, kw: dict[str, Any], routing_replay: bool) -> dict[str, Any]:
@@ -257,6 +300,8 @@ def build(m: Architecture, device: torch.device, *, routing_replay: bool, recomp
         rotary_base=m.rope_theta, parallel_output=True,
     )
     RouterReplay.clear_global_router_replay_instances()
+    if not m.mla and m.rope_type != "default":  # (MegatronLM rotates by these; MLA's rotary has its own)
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(m, model.rotary_pos_emb.inv_freq.numel() * 2)
     return model.to(device)
 
 

@@ -204,6 +204,65 @@ def test_multi_latent_attention_equals_the_torch_backend(skyrl_host, interleave:
         assert float((weights["megatron"][k] - v).abs().max()) <= 2e-5, k
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
+
+def scaled_rope_model(kind: str, rope: dict, seed: int = 0):
+    """A tiny transformers model of ``kind`` (qwen3; glm4_moe: partial RoPE, MoE; deepseek_v3:
+    multi-latent attention) whose RoPE is scaled as ``rope`` says."""
+    import transformers
+
+    from skyrl_host.interfaces import LoadedModel
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=32, max_position_embeddings=128,
+                  rope_parameters=dict(rope))
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, intermediate_size=128, **common)
+        model = transformers.Qwen3ForCausalLM
+    elif kind == "glm4_moe":
+        cfg = transformers.Glm4MoeConfig(
+            num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True, **common,
+        )
+        cfg.rope_parameters["partial_rotary_factor"] = 0.5
+        model = transformers.Glm4MoeForCausalLM
+    else:
+        cfg = transformers.DeepseekV3Config(
+            num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, **common,
+        )
+        model = transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    return LoadedModel(model=model(cfg), tokenizer=None, stop_token_ids=[1], family="test")
+
+
+@pytest.mark.parametrize("kind, rope", [
+    ("qwen3", YARN),
+    ("qwen3", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    ("glm4_moe", YARN),  # (yarn over the rotated half of each head)
+    # DeepSeek-V3's and Kimi K2's published kind: mscale = mscale_all_dim (the softmax sharpened too)
+    ("deepseek_v3", dict(YARN, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)),
+    ("deepseek_v3", dict(YARN, mscale=0.707, mscale_all_dim=1.0)),
+])
+def test_scaled_rope_equals_the_torch_backend(skyrl_host, kind: str, rope: dict) -> None:
+    """Long-context RoPE (yarn: the blended frequencies, the attention factor on cos and sin,
+    DeepSeek-V3's softmax scale; linear): logprobs and 3 steps equal the torch backend's, and
+    the scaling matters (the same weights under plain RoPE score the batch differently)."""
+    algo = algorithm(skyrl_host)
+    bes = {name: backend(skyrl_host, name, scaled_rope_model(kind, rope), steps=3) for name in ("torch", "megatron")}
+    plain = backend(skyrl_host, "megatron", scaled_rope_model(kind, {"rope_type": "default", "rope_theta": 10000.0}), steps=3)
+    batch = random_batch(32, seed=0)
+    assert np.abs(logprobs(plain, batch) - logprobs(bes["torch"], batch)).max() > 1e-3
+    for step in range(3):
+        batch = random_batch(32, seed=step)
+        before = {name: logprobs(be, batch) for name, be in bes.items()}
+        np.testing.assert_allclose(before["megatron"], before["torch"], atol=1e-5, rtol=0, err_msg=f"step {step}")
+        metrics = {name: train(skyrl_host, be, batch, algo) for name, be in bes.items()}
+        for key in ("loss", "grad_norm"):
+            assert metrics["megatron"][key] == pytest.approx(metrics["torch"][key], rel=1e-5, abs=1e-6), (step, key)
+
+
 def test_the_padding_row_learns_only_through_the_head(skyrl_host) -> None:
     """transformers' embedding has padding_idx (that row gets no gradient from its lookups;
     its zero initial row would otherwise meet RMSNorm's 1/sqrt(eps) gradient). The

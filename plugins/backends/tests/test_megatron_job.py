@@ -126,7 +126,8 @@ def test_validate_refuses_what_the_backend_cannot_run(skyrl_cli, override: str, 
 
 
 def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
-    """A Hugging Face folder whose config.json asks for RoPE scaling is refused at validate time."""
+    """A Hugging Face folder whose config.json asks for a RoPE scaling the backend does not map
+    (llama3's) is refused at validate time."""
     import json
 
     import transformers
@@ -134,7 +135,8 @@ def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
     folder = tmp_path / "model"
     cfg = transformers.Qwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                    head_dim=16, intermediate_size=64, vocab_size=40,
-                                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                   rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 128})
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
@@ -143,7 +145,7 @@ def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
     (tmp_path / "job.toml").write_text(job)
     result = skyrl_cli("validate", str(tmp_path / "job.toml"), "--set", "backend.name=\"megatron\"")
     assert result.exit_code == 2
-    assert "rope_type 'yarn'" in result.stderr, result.stderr
+    assert "rope_type 'llama3' (mapped: default, linear, yarn)" in result.stderr, result.stderr
 
 
 # -- tensor and expert parallelism in jobs: the Ray launcher's backend actors ----------------------

@@ -58,6 +58,15 @@ def has(obj: Any, protocol: type) -> bool:
     return obj is not None and not missing(obj, protocol)
 
 
+def shares_trainer_tensors(engine: Any, backend: Any) -> bool:
+    """Whether ``engine`` serves the very tensors ``backend`` trains (one process, the
+    engine sharing the loaded model, a backend that trains it in place)."""
+    from skyrl_host.interfaces import OwnWeights, SharedWeights
+
+    return (has(engine, SharedWeights) and bool(engine.shares_weights)
+            and not (has(backend, OwnWeights) and backend.owns_weights))
+
+
 def require(obj: Any, protocol: type, *, who: str, needed_by: str) -> Any:
     """``obj``, once checked to offer ``protocol``; else a UserError such as
     ``engine 'x' (plugin 'p' (dist 1.0)) lacks the AdapterServing capability

@@ -515,6 +515,18 @@ class QuantizedServing(Protocol):
 
 
 @runtime_checkable
+class ActivationQuantizing(Protocol):
+    """A precision a backend can apply to layers of its own making (megatron-core's fused
+    linears rather than the transformers model's modules): the weights through ``pack`` /
+    ``unpack``, the activations through this."""
+
+    def fake_activation(self, x: Any) -> Any:
+        """``x`` as a chosen layer's input computes with it (fake-quantized, no gradient),
+        or None where this precision keeps activations in high precision."""
+        ...
+
+
+@runtime_checkable
 class AdapterTraining(Protocol):
     """A backend that trains LoRA adapters on a frozen base."""
 
@@ -561,6 +573,15 @@ class SharedWeights(Protocol):
     weights in another dtype."""
 
     shares_weights: bool
+
+
+@runtime_checkable
+class OwnWeights(Protocol):
+    """A backend that trains tensors of its own making (megatron-core's, converted from the
+    loaded model), never the loaded model's: an engine sharing the loaded model's tensors
+    (:class:`SharedWeights`) does not share the trainer's, and is handed copies."""
+
+    owns_weights: bool
 
 
 @runtime_checkable

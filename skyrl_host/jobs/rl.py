@@ -23,7 +23,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
-from skyrl_host.contracts import has
+from skyrl_host.contracts import has, shares_trainer_tensors
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
     AbortingUpdates,
@@ -32,7 +32,6 @@ from skyrl_host.interfaces import (
     PlacementRequest,
     RewardKL,
     RewardMetrics,
-    SharedWeights,
     SideChannels,
     StagedPlacement,
     TokenizerLoading,
@@ -246,7 +245,7 @@ class RLDriver:
     def _start_async(self) -> None:
         from skyrl_host.asyncrl import RolloutPipeline
 
-        if has(self.engine, SharedWeights) and self.engine.shares_weights and not (
+        if shares_trainer_tensors(self.engine, self.backend) and not (
                 has(self.backend, AdapterTraining) and self.backend.adapter_config() is not None):
             raise UserError(
                 "[job] mode = \"async\": the engine serves the trainer's own weight tensors, which training changes "

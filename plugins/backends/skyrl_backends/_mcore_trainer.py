@@ -28,6 +28,7 @@ import torch
 from skyrl_backends import _parallel
 from skyrl_backends._mcore_arch import NotExpressible, describe
 from skyrl_backends._mcore_model import MegatronLM, build, ensure_parallel_state, hf_to_mcore, load_into, mcore_to_hf, weights_of
+from skyrl_backends._mcore_precision import MegatronPrecision, quantized_names
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._trainer import TorchBackend
 from skyrl_host.contracts import has
@@ -164,15 +165,34 @@ class MegatronBackend(TorchBackend):
     """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or one model
     over ``tensor_parallel`` or ``expert_parallel`` processes."""
 
+    owns_weights = True  # (OwnWeights: megatron-core's tensors, never the loaded model's)
+
     def __init__(self, config: Any):
         super().__init__(config)
         self.arch: Any = None
         self._r3: MegatronRoutingReplay | None = None
         self._router_replays: list[Any] = []  # every MoE router's EngineRoutes
+        self._mp: Any = None  # MegatronPrecision with a quantizing precision
+        self._fq: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, quantized weights)
+        self._loads = 0  # load_state_dict calls (a part of the weights' version)
 
-    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = ()) -> None:
+    def _fake_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's quantized megatron-core weights as the engine serves them, made again
+        after every optimizer step and checkpoint load (a collective under model parallelism:
+        every rank's first forward after a change)."""
+        version = (self.steps, self._loads)
+        if self._fq is None or self._fq[0] != version:
+            with torch.no_grad():
+                fake = self._mp.fake(dict(self.named_weights()))
+            self._fq = (version, {k: v.to(self.device) for k, v in fake.items()})
+        return self._fq[1]
+
+    def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = (),
+              precision: Any = None) -> None:
         """Build the ``GPTModel`` of ``loaded``'s model, with its weights; ``replay``: the
-        job's strategies (``r3`` natively, scoring strategies through the output head)."""
+        job's strategies (``r3`` natively, scoring strategies through the output head);
+        ``precision``: fake-quantized as the engine serves it (``_mcore_precision``), the
+        reference policy's forward too."""
         cfg = self.config
         try:
             self.arch = describe(loaded.model.config)
@@ -228,6 +248,14 @@ class MegatronBackend(TorchBackend):
             self._ref_lm = MegatronLM(ref, padding_idx)
         self._lm = MegatronLM(gpt, padding_idx)
         self.module = gpt
+        self.precision = precision
+        if precision is not None and precision.quantizes:
+            names = quantized_names(precision, loaded.model, tuple(loaded.precision_keep))
+            self._mp = MegatronPrecision(precision, self.arch, names, hf)
+            self._mp.install(gpt, self._fake_weights)
+            if reference:
+                frozen = self._mp.fake(hf)  # the reference policy's weights never change
+                self._mp.install(self.reference, lambda: frozen)
         self.replay = []
         for strategy in replay:
             if strategy.name == "r3":
@@ -414,6 +442,7 @@ class MegatronBackend(TorchBackend):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`; under tensor or expert parallelism every rank calls
         it and rank 0's state (the others may pass ``{}``) gives each rank its own part."""
+        self._loads += 1
         if self.config.tensor_parallel * self.config.expert_parallel == 1:
             if "ranks" in state:
                 raise ValueError(f"the checkpoint was written by {len(state['ranks'])} megatron ranks "

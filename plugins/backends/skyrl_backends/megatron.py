@@ -114,11 +114,6 @@ def check(spec: Any) -> list[tuple[str, str]]:
         problem = cuda_problem(cfg.device)
         if problem is not None:
             problems.append(("backend.device", problem))
-    precision = spec.plugins.get("precision")
-    if precision is not None and not isinstance(precision, tuple) and precision.name != "bf16":
-        problems.append(("precision.name", f"precision {precision.name!r} fake-quantizes linear layers, which the megatron "
-                         "backend does not do yet (its fused QKV and gate/up weights would quantize in other blocks "
-                         "than the engine's separate ones); use precision \"bf16\" or [backend] name = \"torch\""))
     model = spec.plugins.get("model")
     if model is not None and not isinstance(model, tuple):
         data = _model_config(model)

@@ -5,7 +5,7 @@
 tensor_parallel = 2`` (mode "tp": dense Qwen3, every rank the whole batch) or
 ``expert_parallel = 2`` (mode "ep": Qwen3-MoE, each rank its half of every batch) and
 returns the metrics, the logprobs before each step and the full weights by their Hugging
-Face names. :func:`train` with world 1 is the same training in one process.
+Face names; "tp:fp8" and the like add a precision. :func:`train` with world 1 is the same training in one process.
 """
 
 from __future__ import annotations
@@ -47,12 +47,19 @@ def logprobs(be, batch) -> np.ndarray:
 
 
 def train(rank: int, world: int, mode: str) -> dict:
+    """``mode``: "tp" or "ep", or "tp:PRECISION" / "ep:PRECISION" (a precision by its name)."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
+    mode, _, precision = mode.partition(":")
+    if precision:
+        from skyrl_host.plugins import build_host
+
+        reg = build_host().registry.get("precisions", precision)
+        precision = reg.create(reg.config())
     parallel = {"tp": "tensor_parallel", "ep": "expert_parallel"}[mode]
     be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
-             reference=False)
+             reference=False, precision=precision or None)
     algo = tiny.TokenMean()
     metrics, lps = [], []
     for step in range(3):

@@ -263,6 +263,97 @@ def test_scaled_rope_equals_the_torch_backend(skyrl_host, kind: str, rope: dict)
             assert metrics["megatron"][key] == pytest.approx(metrics["torch"][key], rel=1e-5, abs=1e-6), (step, key)
 
 
+def precision(skyrl_host, name: str, **options):
+    reg = skyrl_host.registry.get("precisions", name)
+    return reg.create(reg.config(**options))
+
+
+def quantized_pair(skyrl_host, preset: str, name: str, options: dict):
+    """The torch and the megatron backend on the same initial weights with precision
+    ``name``, reference policies included; and the megatron backend without it."""
+    bes = {}
+    for be_name in ("torch", "megatron"):
+        reg = skyrl_host.registry.get("backends", be_name)
+        bes[be_name] = reg.create(reg.config(lr=1e-3))
+        bes[be_name].start(load(skyrl_host, preset), seed=0, total_steps=3, reference=True, replay=[],
+                           precision=precision(skyrl_host, name, **options))
+    return bes, backend(skyrl_host, "megatron", load(skyrl_host, preset), steps=3)
+
+
+@pytest.mark.parametrize("preset, name, options", [
+    ("tiny", "fp8", {"activations": False}),  # weights in 128x128 blocks
+    ("tiny-moe", "fp8", {"activations": False}),
+    ("tiny-moe", "fp8", {"activations": False, "keep": ["o_proj"]}),
+    ("tiny-moe", "mxfp8", {"activations": False}),
+    ("tiny", "int4", {}),
+    ("glm:tiny-glm4-moe", "mxfp8", {"activations": False}),  # (a shared expert; the q/k/v biases stay)
+    ("kimi:tiny-kimi", "fp8", {"activations": False}),  # (multi-latent attention's projections)
+])
+def test_quantized_weights_equal_the_torch_backend(skyrl_host, preset: str, name: str, options: dict) -> None:
+    """A weight-quantizing precision on megatron-core's fused layers computes the numbers
+    the torch backend computes on the transformers model's separate ones (quantized in
+    their layout), from the same weights: logprobs of 3 batches and the reference policy's
+    within 1e-5, a step's loss and grad norm; and the precision changes them (against the
+    same weights in float32). (Not step after step: one float32 ulp between the two
+    backends' updated masters can move a weight across a quantization boundary; after a
+    step the engine test below holds the trainer to the engine's numbers.)"""
+    bes, plain = quantized_pair(skyrl_host, preset, name, options)
+    vocab = int(bes["megatron"].arch.vocab)
+    batch = random_batch(vocab, seed=0)
+    assert np.abs(logprobs(plain, batch) - logprobs(bes["megatron"], batch)).max() > 1e-3
+    for seed in range(3):
+        batch = random_batch(vocab, seed=seed)
+        before = {n: logprobs(be, batch) for n, be in bes.items()}
+        np.testing.assert_allclose(before["megatron"], before["torch"], atol=1e-5, rtol=0, err_msg=f"batch {seed}")
+        ref = {n: be.reference_logprobs(batch, temperature=1.0) for n, be in bes.items()}
+        np.testing.assert_allclose(ref["megatron"], ref["torch"], atol=1e-5, rtol=0, err_msg=f"batch {seed}")
+    metrics = {n: train(skyrl_host, be, batch, algorithm(skyrl_host)) for n, be in bes.items()}
+    for key in ("loss", "grad_norm"):
+        assert metrics["megatron"][key] == pytest.approx(metrics["torch"][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("preset, name", [("tiny-moe", "fp8"), ("tiny-moe", "mxfp8"), ("kimi:tiny-kimi", "fp8")])
+def test_quantized_activations_match_the_torch_backend_but_for_rounding_flips(skyrl_host, preset: str, name: str) -> None:
+    """With activations quantized too, the two backends' inputs to a layer differ by float32
+    round-off (fused vs separate matmuls, other attention kernels), and now and then that
+    moves an element across an e4m3 rounding boundary: most tokens' logprobs are equal
+    (<= 1e-5), the mean gap stays under 2% of what the quantization itself changes."""
+    bes, plain = quantized_pair(skyrl_host, preset, name, {})
+    vocab = int(bes["megatron"].arch.vocab)
+    gaps, effects = [], []
+    for seed in range(3):
+        batch = random_batch(vocab, seed=seed)
+        lp = {n: logprobs(be, batch)[batch.loss_mask != 0] for n, be in bes.items()}
+        gaps.append(np.abs(lp["megatron"] - lp["torch"]))
+        effects.append(np.abs(logprobs(plain, batch)[batch.loss_mask != 0] - lp["megatron"]))
+    gap, effect = np.concatenate(gaps), np.concatenate(effects)
+    assert np.mean(gap <= 1e-5) >= 0.9, np.sort(gap)[-10:]
+    assert gap.mean() < 0.02 * effect.mean(), (gap.mean(), effect.mean())
+
+
+@pytest.mark.parametrize("name, options", [("fp8", {"activations": False}), ("int4", {})])
+def test_a_float32_engine_computes_the_quantized_megatron_trainers_numbers(skyrl_host, name: str, options: dict) -> None:
+    """serving_weights gives an engine (a float32 model of its own) the quantized weights
+    the megatron trainer computed with: the gap is round-off, while the same engine handed
+    the float32 masters is off by orders of magnitude."""
+    prec = precision(skyrl_host, name, **options)
+    reg = skyrl_host.registry.get("backends", "megatron")
+    be = reg.create(reg.config(lr=1e-3))
+    be.start(load(skyrl_host, "tiny-moe", seed=5), seed=0, total_steps=3, reference=False, precision=prec)
+    algo = algorithm(skyrl_host)
+    train(skyrl_host, be, random_batch(13, seed=1), algo)  # (weights the engine has not seen)
+    gaps = {}
+    for served in ("quantized", "masters"):
+        eng = Embedded(EmbeddedConfig(dtype="float32", share_weights=False))
+        eng.start(load(skyrl_host, "tiny-moe", seed=5), precision=prec if served == "quantized" else None)
+        eng.update_weights(be.serving_weights() if served == "quantized" else be.named_weights(), 1)
+        batch = eng.generate(PROMPTS, n=3, sampler=TruncatedSampler(temperature=1.0), max_new_tokens=6, seed=0)
+        batch.rewards = np.zeros(batch.n_sequences, np.float32)
+        gaps[served] = train(skyrl_host, be, batch, algo)["logprob_diff_max"]
+    assert gaps["quantized"] < 1e-5, gaps
+    assert gaps["masters"] > 100 * max(gaps["quantized"], 1e-6), gaps
+
+
 def test_the_padding_row_learns_only_through_the_head(skyrl_host) -> None:
     """transformers' embedding has padding_idx (that row gets no gradient from its lookups;
     its zero initial row would otherwise meet RMSNorm's 1/sqrt(eps) gradient). The
@@ -405,13 +496,15 @@ def test_an_unmapped_model_is_refused_with_what_is_missing(skyrl_host) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "ep"])
+@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8"])
 def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     """tensor_parallel = 2 (dense, each rank the whole batch, a vocabulary-parallel head
     whose log-softmax reduces across the ranks) and expert_parallel = 2 (MoE, each rank
     half of every batch and half of the experts) train as one process does: loss, entropy,
     grad norm within 1e-5 for 3 clipped steps, logprobs (tp) and the gathered weights by
-    their Hugging Face names."""
+    their Hugging Face names. With a precision (weights and activations quantized): each
+    rank's quantized weights cut from the whole transformers weights' blocks, a row-parallel
+    layer's input quantized in whole rows."""
     import pathlib
 
     from skyrl_host.testing import run_gloo_ranks
@@ -424,7 +517,7 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
             # the model-parallel ranks' in float64)
             for key, rel in (("loss", 1e-5), ("entropy", 1e-5), ("grad_norm", 1e-4), ("loss_tokens", 0)):
                 assert r["metrics"][step][key] == pytest.approx(want[key], rel=rel, abs=1e-6), (mode, step, key)
-        if mode == "tp":
+        if mode.startswith("tp"):
             for r in ranks:
                 np.testing.assert_allclose(r["logprobs"][step], one["logprobs"][step], atol=1e-5, rtol=0)
     assert ranks[0]["metrics"][0]["grad_norm"] > 0.5  # clipping was active (max_grad_norm 0.5)

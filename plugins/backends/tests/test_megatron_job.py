@@ -37,15 +37,16 @@ def write_job(make_job, tmp_path, name: str, steps: int, every: int):
     job = make_job(tmp_path, name,
                    job={"steps": steps, "batch_size": 4, "checkpoint_every": every, "save_final": None,
                         "output_dir": tmp_path / f"{name}_out"},
-                   dataset={"prefix": None}, engine=None, algorithm={"name": "grpo"},
+                   dataset={"prefix": None}, engine=None, algorithm={"name": "grpo"}, precision={"name": "int4"},
                    backend={"name": "megatron", "lr": 1e-3, "micro_batch_tokens": 128})
     return job.path, job.out
 
 
 def test_resume_equals_the_uninterrupted_run_and_the_final_folder_loads(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
-    """A 6-step run with checkpoints every 2 steps; a copy of its folder cut back to the
-    step-4 checkpoint (as a kill -9 after it leaves it) and resumed repeats steps 5 and 6
-    metric for metric (the host's checkpoint machinery is the torch backend's, kill -9 and
+    """A 6-step run (int4 weights: the engine computes with the quantized weights the
+    megatron trainer used) with checkpoints every 2 steps; a copy of its folder cut back to
+    the step-4 checkpoint (as a kill -9 after it leaves it) and resumed repeats steps 5 and
+    6 metric for metric (the host's checkpoint machinery is the torch backend's, kill -9 and
     torn writes tested there: tests/test_rl_job.py)."""
     import shutil
 
@@ -57,7 +58,8 @@ def test_resume_equals_the_uninterrupted_run_and_the_final_folder_loads(skyrl_cl
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Warning" not in proc.stderr  # megatron-core's import-time warnings stay quiet
     expected = [learning_metrics(r, transport=True) for r in step_rows(full_out)]
-    assert expected[0]["logprob_diff_max"] < 1e-4  # the engine serves what the megatron trainer computes
+    # the engine serves what the megatron trainer computes (the float32 masters would be 1e-2 off)
+    assert max(r["logprob_diff_max"] for r in expected) < 1e-4
 
     path, out = write_job(skyrl_tiny_rl_job, tmp_path, "cut", steps, 2)
     shutil.copytree(full_out, out)
@@ -114,7 +116,6 @@ def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
      "expert_parallel = 2 trainer ranks, and [cluster] trainer_ranks = 1"),
     ("backend.expert_parallel=2", "backend.expert_parallel: the megatron backend runs one model over"),
     ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism is not built"),
-    ('precision.name="fp8"', "precision.name: precision 'fp8' fake-quantizes linear layers"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),
 ])

@@ -142,6 +142,15 @@ class Precision:
                 target.copy_(self.format.fake_weight(master.detach().float()).to(target.dtype))
         return names
 
+    def fake_activation(self, x: Any) -> Any:
+        """A chosen layer's input as it computes with it (the format's tiles along the
+        last dimension), or None: weights-only formats and ``activations = false``, and
+        an input the format does not tile (:class:`skyrl_host.interfaces.ActivationQuantizing`)."""
+        if self.format is None or not getattr(self.config, "activations", False):
+            return None
+        with torch.no_grad():
+            return self.format.fake_activation(x.detach())
+
     def invalidate(self) -> None:
         """The weights changed (an optimizer step, a loaded checkpoint): quantize them anew."""
         for hooks in self._hooks:

@@ -21,8 +21,8 @@ import time
 from typing import Any, Mapping
 
 from skyrl_host import hookimpl
-from skyrl_host.contracts import has
-from skyrl_host.interfaces import AdapterServing, AdapterTraining, SharedWeights, UpdateStats
+from skyrl_host.contracts import has, shares_trainer_tensors
+from skyrl_host.interfaces import AdapterServing, AdapterTraining, UpdateStats
 from skyrl_weightsync import weights_to_serve
 
 
@@ -37,7 +37,7 @@ class Inproc:
             # A LoRA backend: the engine serves the frozen base (possibly the very same tensors)
             # plus a copy of the adapters; merged weights must never be written into a shared base.
             engine.update_adapter(backend.named_adapters(), adapter, version)
-        elif has(engine, SharedWeights) and engine.shares_weights:
+        elif shares_trainer_tensors(engine, backend):
             engine.update_weights(backend.named_weights(), version)  # the same tensors: nothing moves
         else:  # with a quantized precision: the payloads and scales the trainer's forward used
             engine.update_weights(weights_to_serve(backend), version)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from skyrl_host.contracts import has
-from skyrl_host.interfaces import SharedWeights, WorkerReceiving
+from skyrl_host.contracts import has, shares_trainer_tensors
+from skyrl_host.interfaces import WorkerReceiving
 from skyrl_weightsync import weights_to_serve
 
 from .receiver import DeltaReceiver
@@ -44,7 +44,7 @@ class Delta:
     def stage(self, backend: Any, engine: Any, version: int, prefetch: bool = True) -> dict[str, float]:
         """StagedTransport: publish ``version``, and start fetching and verifying it in a
         background thread while the engine keeps generating (``commit`` applies it)."""
-        if has(engine, SharedWeights) and engine.shares_weights and self.config.dtype != _param_dtype(backend):
+        if shares_trainer_tensors(engine, backend) and self.config.dtype != _param_dtype(backend):
             raise ValueError(
                 f"the delta transport ships weights as {self.config.dtype}, but the engine shares the trainer's "
                 f"tensors ({_param_dtype(backend)}), so applying them would overwrite the trainer's weights: "

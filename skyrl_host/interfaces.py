@@ -649,7 +649,24 @@ class ScoringReplay(Protocol):
     """A replay strategy that changes how token logprobs follow from hidden states."""
 
     def score(self, hidden: Any, head: Any, targets: Any, view: ReplayView, temperature: float) -> tuple[Any, Any]:
-        """(logprobs [K], entropy [K]) of the ``targets`` at the scored positions."""
+        """(logprobs [K], entropy [K]) of the ``targets`` at the scored positions. ``head``:
+        the output head (``weight`` [V, H], ``bias``), or under tensor parallelism a
+        :class:`VocabShard` (this rank's rows of the vocabulary)."""
+        ...
+
+
+@runtime_checkable
+class VocabShard(Protocol):
+    """An output head that holds one tensor-parallel rank's rows of the vocabulary: its
+    ``weight`` is rows ``vocab_start .. vocab_start + len(weight)`` of ``vocab_size``. A
+    scorer reduces its maxima and sums over the ranks with ``all_reduce`` instead of
+    gathering logits."""
+
+    vocab_start: int
+    vocab_size: int
+
+    def all_reduce(self, tensor: Any, op: str) -> None:
+        """In place over the ranks holding the other shards; ``op``: "max" or "sum"."""
         ...
 
 

@@ -541,13 +541,29 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None
 
 
 class OutputHead:
-    """What a scoring replay strategy reads of the output head: its ``weight`` (this rank's
-    vocabulary rows) and ``bias`` (none)."""
+    """What a scoring replay strategy reads of the output head: its ``weight`` and ``bias``
+    (none)."""
 
     bias = None
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
+
+
+class ShardedHead(OutputHead):
+    """The output head under tensor parallelism (a :class:`skyrl_host.interfaces.VocabShard`):
+    this rank's vocabulary rows, where they start, and the reduction over the ranks."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, size: int):
+        super().__init__(weight)
+        self.vocab_start, self.vocab_size = rank * weight.shape[0], size * weight.shape[0]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.all_reduce(tensor, op={"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op],
+                        group=parallel_state.get_tensor_model_parallel_group())
 
 
 def segment_mask(pos: torch.Tensor) -> torch.Tensor:
@@ -580,7 +596,8 @@ class MegatronLM(torch.nn.Module):
         return self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights else self.gpt.output_layer.weight
 
     def get_output_embeddings(self) -> OutputHead:
-        return OutputHead(self.head_weight())
+        rank, size = _tp()
+        return ShardedHead(self.head_weight(), rank, size) if size > 1 else OutputHead(self.head_weight())
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None, **kwargs: Any) -> Any:
         if kwargs:
@@ -604,7 +621,7 @@ class MegatronLM(torch.nn.Module):
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
             hidden = copy_to_tensor_model_parallel_region(hidden)
-        head = OutputHead(self.head_weight())
+        head = self.get_output_embeddings()
         if scorer is not None:
             return scorer(hidden=hidden, head=head)
         return F.linear(hidden, head.weight)

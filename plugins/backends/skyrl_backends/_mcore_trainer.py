@@ -267,10 +267,8 @@ class MegatronBackend(TorchBackend):
             else:
                 raise ValueError(f"replay strategy {strategy.name!r} is not supported by the megatron backend "
                                  "(it replays 'r3' and scoring strategies such as 'support')")
+        # (under tensor parallelism the strategy scores over this rank's vocabulary rows: MegatronLM's ShardedHead)
         self._scorer_strategy = next((s for s in self.replay if has(s, ScoringReplay)), None)
-        if self._scorer_strategy is not None and tp > 1:
-            raise UserError(f"replay strategy {self._scorer_strategy.name!r} with [backend] tensor_parallel = {tp}: kept-set "
-                            "scoring over a vocabulary-parallel head is not built yet")
         self.optimizer, self.scheduler = make_optimizer(gpt, cfg, total_steps)
 
     # -- model parallelism --------------------------------------------------------------
@@ -351,7 +349,8 @@ class MegatronBackend(TorchBackend):
         """Under tensor parallelism each rank holds a vocabulary shard of the logits: the
         log-softmax reduces its max and sums over the ranks (never gathering the logits)."""
         self._same_shape(mb)
-        if self.config.tensor_parallel == 1:
+        scored = self._scorer_strategy is not None and mb.n_loss and mb.batch is not None
+        if self.config.tensor_parallel == 1 or scored:  # (a scorer reduces over the shards itself)
             return super()._logprobs(module, mb, temperature, entropy)
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum

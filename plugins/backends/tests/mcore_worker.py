@@ -46,24 +46,42 @@ def logprobs(be, batch) -> np.ndarray:
     return out
 
 
+def kept_sets(batch, seed: int, size: int = 9):
+    """A sampler's kept sets for every generated token: ``size`` ids of the 32, its own among them."""
+    from skyrl_host.rollout import CSR
+
+    rng = np.random.default_rng(seed)
+    targets = np.asarray(batch.tokens)[np.asarray(batch.loss_mask) != 0]
+    return CSR.from_rows([np.union1d([t], rng.choice(32, size - 1, replace=False)) for t in targets])
+
+
 def train(rank: int, world: int, mode: str) -> dict:
-    """``mode``: "tp" or "ep", or "tp:PRECISION" / "ep:PRECISION" (a precision by its name)."""
+    """``mode``: "tp" or "ep", with "+support" (the support strategy over random kept sets)
+    and / or ":PRECISION" (a precision by its name), e.g. "tp+support:fp8"."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
     mode, _, precision = mode.partition(":")
-    if precision:
-        from skyrl_host.plugins import build_host
+    mode, support = mode.removesuffix("+support"), mode.endswith("+support")
+    from skyrl_host.plugins import build_host
 
-        reg = build_host().registry.get("precisions", precision)
+    host = build_host()
+    if precision:
+        reg = host.registry.get("precisions", precision)
         precision = reg.create(reg.config())
+    replay = []
+    if support:
+        reg = host.registry.get("replay_strategies", "support")
+        replay = [reg.create(reg.config(chunk=20))]  # (chunks smaller than a batch's pairs)
     parallel = {"tp": "tensor_parallel", "ep": "expert_parallel"}[mode]
     be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
-             reference=False, precision=precision or None)
+             reference=False, precision=precision or None, replay=replay)
     algo = tiny.TokenMean()
     metrics, lps = [], []
     for step in range(3):
         batch = tiny.tiny_batch(10 + step, n=8)
+        if support:
+            batch.side_channels["sample_support"] = kept_sets(batch, seed=step)
         adv = tiny.tiny_advantages(batch, seed=step)
         if mode == "ep" and world > 1:  # each rank its half of the sequences
             seqs = list(range(rank, batch.n_sequences, world))

@@ -8,7 +8,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from skyrl_host.interfaces import LoadedModel, ReplayView
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import LoadedModel, ReplayView, VocabShard
 from skyrl_host.rollout import CSR
 from skyrl_host.routing import INDEXER_CHANNEL, IndexerHooks, RouterHooks, indexer_paths
 
@@ -166,5 +167,5 @@ class SupportReplay:
             return masked_logprobs(logits, targets, offsets, ids, temperature=temperature)
         return support_logprobs(
             hidden, head.weight, getattr(head, "bias", None), targets, offsets, ids,
-            temperature=temperature, chunk=self.chunk,
+            temperature=temperature, chunk=self.chunk, shard=head if has(head, VocabShard) else None,
         )

@@ -16,6 +16,8 @@ keeps no gathered rows either.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 DEFAULT_CHUNK = 1 << 14  # (id, position) pairs per chunk: 2 x 16384 x H floats of gathered rows
@@ -34,17 +36,27 @@ def _pair_logits(hidden, weight, bias, rows, ids, temperature, chunk) -> torch.T
 
 class _SupportLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, ids, is_target, n, temperature, chunk):  # noqa: D401
+    def forward(ctx, hidden, weight, bias, rows, ids, is_target, n, temperature, chunk, reduce=None):  # noqa: D401
+        # reduce: a vocabulary shard's all-reduce (in place, "max" / "sum") over the ranks
+        # holding the other shards, which each hold their own (row, id) pairs
         with torch.no_grad():
             z = _pair_logits(hidden, weight, bias, rows, ids, temperature, chunk)
             top = torch.full((n,), float("-inf"), dtype=torch.float32, device=z.device)
             top.scatter_reduce_(0, rows, z, reduce="amax", include_self=True)
+            if reduce is not None:
+                reduce(top, "max")
             e = torch.exp(z - top[rows])
             total = torch.zeros(n, dtype=torch.float32, device=z.device).index_add_(0, rows, e)
+            target_z = torch.zeros(n, dtype=torch.float32, device=z.device).index_add_(0, rows, z * is_target)
+            if reduce is not None:
+                reduce(total, "sum")
+                reduce(target_z, "sum")
             lse = top + torch.log(total)
             p = e / total[rows]
-            target_z = torch.zeros(n, dtype=torch.float32, device=z.device).index_add_(0, rows, z * is_target)
-            entropy = lse - torch.zeros(n, dtype=torch.float32, device=z.device).index_add_(0, rows, p * z)
+            mean_z = torch.zeros(n, dtype=torch.float32, device=z.device).index_add_(0, rows, p * z)
+            if reduce is not None:
+                reduce(mean_z, "sum")
+            entropy = lse - mean_z
         ctx.save_for_backward(hidden, weight, rows, ids, is_target, p)
         ctx.has_bias = bias is not None
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -73,7 +85,7 @@ class _SupportLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(weight.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def support_logprobs(
@@ -86,10 +98,18 @@ def support_logprobs(
     *,
     temperature: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
+    shard: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [K] with grad, entropy [K] without) of ``targets`` [K] over the kept sets
     given in CSR form (``offsets`` [K + 1], ``ids`` [M]), from ``hidden`` [K, H] and the
     output head ``weight`` [V, H] (+ ``bias`` [V]). Computed in float32.
+
+    ``shard`` (a :class:`skyrl_host.interfaces.VocabShard`): ``weight`` holds only the rows
+    ``vocab_start ..`` of a vocabulary of ``vocab_size`` (tensor parallelism). Each rank
+    scores the kept ids in its rows; the maxima and sums of the log-softmax are all-reduced
+    over the ranks (no logits and no head rows are gathered). The gradient of ``hidden``
+    is this rank's part: the caller sums it over the ranks (megatron-core's
+    ``copy_to_tensor_model_parallel_region`` before the head does).
 
     Raises ValueError when a target is not in its kept set: the side channel does not
     belong to these tokens (stale or misaligned)."""
@@ -102,8 +122,9 @@ def support_logprobs(
     dev = hidden.device
     rows = torch.repeat_interleave(torch.arange(K, device=dev), lens.to(dev))
     ids = ids.to(device=dev, dtype=torch.long)
-    if ids.numel() and (int(ids.max()) >= weight.shape[0] or int(ids.min()) < 0):
-        raise ValueError(f"sample support: candidate ids outside the vocabulary (0..{weight.shape[0] - 1})")
+    vocab = int(shard.vocab_size) if shard is not None else weight.shape[0]
+    if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        raise ValueError(f"sample support: candidate ids outside the vocabulary (0..{vocab - 1})")
     is_target = (ids == targets.to(dev)[rows]).float()
     hits = torch.zeros(K, device=dev).index_add_(0, rows, is_target)
     if K and bool((hits != 1).any()):
@@ -112,8 +133,13 @@ def support_logprobs(
             f"sample support: scored token {k} (id {int(targets[k])}) is not in its kept set: "
             "the side channel does not match these tokens (stale or misaligned)"
         )
+    reduce = None
+    if shard is not None:  # this rank's pairs only, ids relative to its rows
+        local = ids - int(shard.vocab_start)
+        here = (local >= 0) & (local < weight.shape[0])
+        rows, ids, is_target, reduce = rows[here], local[here], is_target[here], shard.all_reduce
     with torch.autocast(device_type=dev.type, enabled=False):
-        return _SupportLogprob.apply(hidden, weight, bias, rows, ids, is_target, K, float(temperature), int(chunk))
+        return _SupportLogprob.apply(hidden, weight, bias, rows, ids, is_target, K, float(temperature), int(chunk), reduce)
 
 
 def masked_logprobs(

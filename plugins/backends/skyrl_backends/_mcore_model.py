@@ -170,6 +170,9 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
     from megatron.core import parallel_state
 
     kw["tensor_model_parallel_size"] = parallel_state.get_tensor_model_parallel_world_size()
+    # Under tensor parallelism the sequence is split too between the tensor-parallel regions
+    # (norms, routers: megatron-core's MoE layers require it); MegatronLM gathers it for the head.
+    kw["sequence_parallel"] = kw["tensor_model_parallel_size"] > 1
     kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
     if m.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -274,23 +277,63 @@ def _sdpa_attention_class() -> type:
     return SDPAttention
 
 
+class RMSNorm:
+    """megatron-core's torch RMSNorm (what its local specs build without Apex: a plain
+    ``torch.nn.RMSNorm``) without the refusal of sequence parallelism, which is only a
+    bookkeeping guard there: the backend sums those weights' gradients over the
+    tensor-parallel ranks itself (``_clip_gradients``)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> torch.nn.Module:
+        return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
+def _own_norms(spec: Any) -> None:
+    """Every torch norm in a layer spec (recursively) replaced by :class:`RMSNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    sub = getattr(spec, "submodules", None)
+    if sub is None or not dataclasses.is_dataclass(sub):
+        return
+    for field in dataclasses.fields(sub):
+        value = getattr(sub, field.name)
+        if value is WrappedTorchNorm:
+            setattr(sub, field.name, RMSNorm)
+        elif hasattr(value, "submodules"):
+            _own_norms(value)
+
+
 def build(m: Architecture, device: torch.device, *, routing_replay: bool, recompute: bool = False) -> Any:
     """The ``GPTModel`` of ``m`` on ``device`` (uninitialised weights: load them with :func:`hf_to_mcore`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     config = transformer_config(m, routing_replay=routing_replay, recompute=recompute)
     if m.dense_layers:  # dense and MoE layers: one spec per layer (moe_layer_freq)
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        layers = spec.layer_specs
+        layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm").layer_specs
     else:
-        spec = get_gpt_layer_local_spec(
+        layers = [get_gpt_layer_local_spec(
             num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=m.qk_norm or m.mla,
             multi_latent_attention=m.mla, normalization="RMSNorm",
-        )
-        layers = [spec]
-    for layer in layers:
+        )] * m.num_layers
+    spec = TransformerBlockSubmodules(layer_specs=list(layers), layer_norm=RMSNorm)
+    for layer in {id(x): x for x in layers}.values():  # (a spec object may serve several layers)
+        _own_norms(layer)
+        if m.mla:
+            # The latents' down projections whole on every rank (megatron-core's Linear), as its
+            # TransformerEngine specs have them ("duplicated"): each rank projects its slice of the
+            # sequence, and the rotary key part is gathered along the sequence, which sums its
+            # gradient over the ranks' heads. (Split by rows, as the local specs have them, that
+            # gradient would keep one rank's heads only.)
+            from megatron.core.post_training.modelopt.layers import Linear
+
+            attn = layer.submodules.self_attention.submodules
+            if m.q_lora:
+                attn.linear_q_down_proj = Linear
+            attn.linear_kv_down_proj = Linear
         layer.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     # RouterReplay keeps a process-wide list of its instances: this model's routers are its own.
     RouterReplay.clear_global_router_replay_instances()
@@ -350,8 +393,8 @@ def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, to
     out["embedding.word_embeddings.weight"] = _shard(vocab_rows, 0, tr, ts)
     for i in range(m.num_layers):
         a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-        if m.mla:
-            out.update(_mla_to_mcore(m, hf, a, o))
+        if m.mla:  # (the up projections column-parallel: split by heads; the down projections and norms whole)
+            out.update({k: _shard(v, 0, tr, ts) if _mla_split(k) else v for k, v in _mla_to_mcore(m, hf, a, o).items()})
         else:
             # the fused QKV is split by query group across tensor-parallel ranks
             qkv = _fuse_qkv(m, hf[a + "self_attn.q_proj.weight"], hf[a + "self_attn.k_proj.weight"], hf[a + "self_attn.v_proj.weight"])
@@ -409,6 +452,11 @@ def _rope_rows(m: Architecture, w: torch.Tensor, heads: int, to_mcore: bool) -> 
         order = torch.argsort(order)
     rot = w[:, per - r:].index_select(1, order)
     return torch.cat([w[:, : per - r], rot], dim=1).reshape(heads * per, *w.shape[2:])
+
+
+def _mla_split(name: str) -> bool:
+    """Whether tensor parallelism splits this multi-latent attention weight (by output rows)."""
+    return name.endswith(("linear_q_up_proj.weight", "linear_kv_up_proj.weight", "linear_q_proj.weight"))
 
 
 def _mla_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor], a: str, o: str) -> dict[str, torch.Tensor]:
@@ -473,7 +521,8 @@ def mcore_to_hf(m: Architecture, shards: list[Mapping[str, torch.Tensor]], exper
     for i in range(m.num_layers):
         a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
         if m.mla:
-            out.update(_mla_to_hf(m, s0, a, o))
+            mla = {k: (cat(k, 0) if _mla_split(k) else v) for k, v in s0.items() if k.startswith(o + "self_attention.")}
+            out.update(_mla_to_hf(m, mla, a, o))
         else:
             qs, ks, vs = zip(*[_split_qkv(m, s[o + "self_attention.linear_qkv.weight"], m.groups // ts) for s in shards])
             out[a + "self_attn.q_proj.weight"] = torch.cat(qs, 0)
@@ -603,9 +652,13 @@ class MegatronLM(torch.nn.Module):
         if kwargs:
             raise ValueError(f"the megatron backend takes packed rows only, not {sorted(kwargs)}")
         gpt = self.gpt
-        emb = gpt.embedding(input_ids=ids, position_ids=pos)  # [R, rows, H]
+        rank, size = _tp()
+        emb = gpt.embedding(input_ids=ids, position_ids=pos)  # [R, rows, H] (sequence parallel: this rank's R / size)
         if self.padding_idx is not None and emb.requires_grad:
-            emb = torch.where((ids == self.padding_idx).t()[..., None], emb.detach(), emb)
+            pad = (ids == self.padding_idx).t()
+            if size > 1:
+                pad = pad.chunk(size, dim=0)[rank]
+            emb = torch.where(pad[..., None], emb.detach(), emb)
         if getattr(gpt.config, "multi_latent_attention", False):
             # megatron-core's MLA rotates by 0..R-1 itself: the backend gives it one sequence per row
             rot = None
@@ -616,11 +669,14 @@ class MegatronLM(torch.nn.Module):
             angles = pos.t().to(inv_freq.dtype)[..., None] * inv_freq  # [R, rows, d/2]
             rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
         hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
-        hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[keep]
-        if _tp()[1] > 1:  # the head's rows are this rank's vocabulary shard: its input gradient sums over ranks
-            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        if size > 1:
+            # The whole sequence for the head, whose rows are this rank's vocabulary shard: the
+            # backward reduce-scatters the ranks' partial input gradients (as megatron-core's
+            # sequence-parallel output layer does).
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            hidden = copy_to_tensor_model_parallel_region(hidden)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[keep]
         head = self.get_output_embeddings()
         if scorer is not None:
             return scorer(hidden=hidden, head=head)

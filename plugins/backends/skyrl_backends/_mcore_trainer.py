@@ -109,6 +109,7 @@ class MegatronRoutingReplay:
         self.replays = replays  # the routers' EngineRoutes, in layer order
         self._last_of: tuple[Any, np.ndarray] | None = None
         self.rows = 1  # the forward's row count, set by the backend before each replaying()
+        self.sequence_parallel = 1  # the tensor-parallel size, whose ranks each route a slice of the sequence
 
     def _is_last(self, batch: Any) -> np.ndarray:
         if self._last_of is None or self._last_of[0] is not batch:
@@ -137,6 +138,11 @@ class MegatronRoutingReplay:
         R = len(slots) // n_rows
         ids = torch.as_tensor(ids.reshape(n_rows, R, L, k).transpose(1, 0, 2, 3).reshape(R * n_rows, L, k), device=view.device)
         mask = torch.as_tensor(mask.reshape(n_rows, R).T.reshape(-1), device=view.device)
+        if self.sequence_parallel > 1:  # each tensor-parallel rank routes its own slice of the sequence
+            from megatron.core import parallel_state
+
+            rank, part = parallel_state.get_tensor_model_parallel_rank(), R * n_rows // self.sequence_parallel
+            ids, mask = ids[rank * part:(rank + 1) * part], mask[rank * part:(rank + 1) * part]
         try:
             for layer, replay in enumerate(self.replays):
                 replay.forced = (ids[:, layer], mask)
@@ -157,7 +163,8 @@ def _cpu(obj: Any) -> Any:
     return obj
 
 
-_TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+_TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+             "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
 """The weights tensor parallelism splits across ranks (by name); norms and routers are whole on every rank."""
 
 
@@ -208,9 +215,8 @@ class MegatronBackend(TorchBackend):
         if tp > 1 and (self.arch.vocab % tp or self.arch.groups % tp):
             raise UserError(f"[backend] tensor_parallel = {tp} must divide the vocabulary ({self.arch.vocab}) and the "
                             f"key/value heads ({self.arch.groups})")
-        if tp > 1 and self.arch.mla:
-            raise UserError(f"[backend] tensor_parallel = {tp} with multi-latent attention ({self.arch.model_type}) "
-                            "is not built yet")
+        if tp > 1 and self.arch.mla and self.arch.heads % tp:
+            raise UserError(f"[backend] tensor_parallel = {tp} must divide the attention heads ({self.arch.heads})")
         # megatron-core's multi-latent attention rotates by 0..R-1 along each row: one sequence a row
         self._one_sequence_per_row = self.arch.mla
         if ep > 1 and self.arch.experts % ep:
@@ -260,6 +266,7 @@ class MegatronBackend(TorchBackend):
         for strategy in replay:
             if strategy.name == "r3":
                 self._r3 = MegatronRoutingReplay(self._router_replays, self.arch.top_k)
+                self._r3.sequence_parallel = tp
                 self.replay.append(self._r3)
             elif has(strategy, ScoringReplay):
                 strategy.bind(self._lm, loaded)  # reads the output head through MegatronLM.get_output_embeddings
@@ -291,11 +298,13 @@ class MegatronBackend(TorchBackend):
             return super()._clip_gradients(max_norm)
         named = [(k, p) for k, p in self.module.named_parameters() if p.grad is not None]
         if tp > 1:
-            # the q/k norms act on each rank's own heads: their gradients are partial sums
-            # (megatron-core's finalize_model_grads sums them the same way)
+            # Sequence parallel: every weight tensor parallelism does not split (norms, routers, the
+            # q/k norms acting on each rank's own heads) saw only this rank's slice of the sequence
+            # or its own heads: its gradient is a partial sum (megatron-core's finalize_model_grads
+            # sums them the same way).
             group = parallel_state.get_tensor_model_parallel_group()
             for name, p in named:
-                if "q_layernorm" in name or "k_layernorm" in name:
+                if not any(part in name for part in _TP_SPLIT):
                     dist.all_reduce(p.grad, group=group)
         if ep > 1:
             group = parallel_state.get_data_parallel_group()
@@ -322,17 +331,23 @@ class MegatronBackend(TorchBackend):
     def _same_shape(self, mb: Any) -> None:
         """Under expert parallelism pad ``mb``'s rows (in place, once) to the largest
         ``[rows, R]`` of the ranks' micro-batches at this forward: megatron-core's allgather
-        dispatcher gathers equal-sized token blocks. Padding slots (id 0, position 0: each
-        its own sequence) are neither scored nor replayed; ``keep`` and ``slot_tokens`` follow
-        the new row length. A collective: every rank calls it at the same forwards."""
-        if self.config.expert_parallel == 1 or getattr(mb, "_same_shape", False):
+        dispatcher gathers equal-sized token blocks (a collective: every rank calls it at the
+        same forwards). Under tensor parallelism pad ``R`` to a multiple of the ranks, which
+        each hold ``R / tensor_parallel`` slots of the sequence between the tensor-parallel
+        regions. Padding slots (id 0, position 0: each its own sequence) are neither scored
+        nor replayed; ``keep`` and ``slot_tokens`` follow the new row length."""
+        tp = self.config.tensor_parallel
+        if (self.config.expert_parallel == 1 and tp == 1) or getattr(mb, "_same_shape", False) or mb.ids is None:
             return
         import torch.distributed as dist
 
         rows, R = mb.ids.shape
-        shape = torch.tensor([rows, R], dtype=torch.int64)
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX)
-        rows2, R2 = int(shape[0]), int(shape[1])
+        if tp > 1:  # sequence parallel: the ranks (all with this micro-batch) take R / tp slots each
+            rows2, R2 = rows, -(-R // tp) * tp
+        else:
+            shape = torch.tensor([rows, R], dtype=torch.int64)
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+            rows2, R2 = int(shape[0]), int(shape[1])
         if (rows2, R2) != (rows, R):
             ids = torch.zeros((rows2, R2), dtype=mb.ids.dtype, device=mb.ids.device)
             pos = torch.zeros((rows2, R2), dtype=mb.pos.dtype, device=mb.pos.device)

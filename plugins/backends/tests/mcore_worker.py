@@ -27,6 +27,17 @@ OPTIONS = dict(lr=1e-3, micro_batch_tokens=32, pack_length=12, max_grad_norm=0.5
 def model(mode: str):
     if mode == "tp":
         return tiny.tiny_model(0)
+    if mode == "tp-mla":  # DeepSeek-V3 / Kimi K2: multi-latent attention, a dense layer, then MoE layers
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        cfg = DeepseekV3Config(
+            hidden_size=32, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=4,
+            num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, first_k_dense_replace=1, vocab_size=32, max_position_embeddings=64,
+        )
+        torch.manual_seed(0)
+        return DeepseekV3ForCausalLM(cfg)
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -55,13 +66,24 @@ def kept_sets(batch, seed: int, size: int = 9):
     return CSR.from_rows([np.union1d([t], rng.choice(32, size - 1, replace=False)) for t in targets])
 
 
+def random_routes(batch, be, seed: int):
+    """Random expert choices for every token and MoE layer (each token's top-k distinct):
+    routes the routers would not choose, so replaying them changes every MoE layer's output."""
+    rng = np.random.default_rng(100 + seed)
+    arch = be.arch
+    moe_layers = arch.num_layers - arch.dense_layers
+    return np.stack([[rng.permutation(arch.experts)[:arch.top_k] for _ in range(moe_layers)]
+                     for _ in range(batch.n_tokens)]).astype(np.int32)
+
+
 def train(rank: int, world: int, mode: str) -> dict:
-    """``mode``: "tp" or "ep", with "+support" (the support strategy over random kept sets)
+    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention) or "ep", with "+support" (the support strategy over random kept sets)
     and / or ":PRECISION" (a precision by its name), e.g. "tp+support:fp8"."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
     mode, _, precision = mode.partition(":")
     mode, support = mode.removesuffix("+support"), mode.endswith("+support")
+    mode, r3 = mode.removesuffix("+r3"), mode.endswith("+r3")
     from skyrl_host.plugins import build_host
 
     host = build_host()
@@ -72,7 +94,9 @@ def train(rank: int, world: int, mode: str) -> dict:
     if support:
         reg = host.registry.get("replay_strategies", "support")
         replay = [reg.create(reg.config(chunk=20))]  # (chunks smaller than a batch's pairs)
-    parallel = {"tp": "tensor_parallel", "ep": "expert_parallel"}[mode]
+    if r3:
+        replay = [host.registry.get("replay_strategies", "r3").create(None)]
+    parallel = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
     be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
              reference=False, precision=precision or None, replay=replay)
@@ -82,12 +106,14 @@ def train(rank: int, world: int, mode: str) -> dict:
         batch = tiny.tiny_batch(10 + step, n=8)
         if support:
             batch.side_channels["sample_support"] = kept_sets(batch, seed=step)
+        if r3:
+            batch.side_channels["routed_experts"] = random_routes(batch, be, seed=step)
         adv = tiny.tiny_advantages(batch, seed=step)
         if mode == "ep" and world > 1:  # each rank its half of the sequences
             seqs = list(range(rank, batch.n_sequences, world))
             idx = np.concatenate([np.arange(batch.cu_seqlens[s], batch.cu_seqlens[s + 1]) for s in seqs])
             batch, adv = batch.select(seqs), adv[idx]
-        if mode == "tp" or world == 1:  # (a forward of its own per rank: the ranks' counts differ under ep)
+        if mode.startswith("tp") or world == 1:  # (a forward of its own per rank: the ranks' counts differ under ep)
             lps.append(logprobs(be, batch))
         metrics.append(be.train_step(batch, adv, algo, temperature=1.0, max_new_tokens=8))
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}

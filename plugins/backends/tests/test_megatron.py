@@ -496,7 +496,7 @@ def test_an_unmapped_model_is_refused_with_what_is_missing(skyrl_host) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8", "tp+support"])
+@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8", "tp+support", "tp-mla", "tp-mla+r3"])
 def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     """tensor_parallel = 2 (dense, each rank the whole batch, a vocabulary-parallel head
     whose log-softmax reduces across the ranks) and expert_parallel = 2 (MoE, each rank
@@ -506,7 +506,9 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     rank's quantized weights cut from the whole transformers weights' blocks, a row-parallel
     layer's input quantized in whole rows. With support replay under tensor parallelism:
     each rank scores the kept ids in its vocabulary rows, the log-softmax's max and sums
-    reduced over the ranks."""
+    reduced over the ranks. DeepSeek-V3's attention and MoE layers under tensor (and
+    sequence) parallelism, also replaying random routes with r3 (each rank its slice of
+    the sequence's)."""
     import pathlib
 
     from skyrl_host.testing import run_gloo_ranks

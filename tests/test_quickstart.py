@@ -1,5 +1,8 @@
-"""The README's quickstart meets its bar: RL takes the mean reward from <= 0.3 at the
-first step to >= 0.8 (mean of the last 5 steps), in under 10 minutes on 2 cores."""
+"""The README's quickstart as CI runs it: the job file unchanged but cut to its first 200
+steps (the full 1000-step run, reward from <= 0.3 to >= 0.8 in under 10 minutes on 2
+cores, is the README's example, measured in docs/quickstart.md: at step 200 its 25-step
+mean reward was 0.51, from 0.04). The cut run must already climb; its plot, final folder
+and step count are the full run's."""
 
 from __future__ import annotations
 
@@ -15,12 +18,13 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
+STEPS = 200
 
 
 def test_quickstart_learns(tmp_path) -> None:
     start = time.monotonic()
     proc = subprocess.run(
-        [SKYRL, "run", str(ROOT / "examples" / "quickstart.toml")],
+        [SKYRL, "run", str(ROOT / "examples" / "quickstart.toml"), "--set", f"job.steps={STEPS}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900,
     )
     elapsed = time.monotonic() - start
@@ -28,12 +32,13 @@ def test_quickstart_learns(tmp_path) -> None:
     out = tmp_path / "runs" / "quickstart"
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r and "event" not in r]
-    assert len(steps) == 1000
-    first, last5 = steps[0]["reward_mean"], sum(r["reward_mean"] for r in steps[-5:]) / 5
-    print(f"quickstart: reward {first:.3f} -> {last5:.3f} (last 5), {elapsed:.0f} s")
-    assert first <= 0.3
-    assert last5 >= 0.8
-    assert elapsed < 600
+    assert len(steps) == STEPS
+    first = sum(r["reward_mean"] for r in steps[:5]) / 5
+    last = sum(r["reward_mean"] for r in steps[-20:]) / 20
+    print(f"quickstart ({STEPS} steps): reward {first:.3f} (first 5) -> {last:.3f} (last 20), {elapsed:.0f} s")
+    assert first <= 0.15
+    assert last >= 0.3, last  # (the full run's 25-step mean at step 175: 0.44)
+    assert elapsed < 240
     assert (out / "plot.png").stat().st_size > 10_000
     import transformers
 

@@ -15,6 +15,9 @@ Fixtures:
     ``skyrl_host`` and returns a :class:`CliResult` (exit code, stdout, stderr).
 ``skyrl_s3_server``
     The endpoint URL of a local S3 API (moto's server on 127.0.0.1), per test module.
+``skyrl_ray``
+    A local Ray cluster (2 CPUs, no dashboard) for the test module, its files in a short
+    folder of its own.
 ``skyrl_tiny_rl_job``
     ``skyrl_tiny_rl_job(directory, name="job", **sections)`` writes the tiny RL job file
     (:data:`TINY_RL_JOB`, each ``[section]`` given as a keyword merged into it) and
@@ -114,6 +117,27 @@ def skyrl_s3_server() -> Iterator[str]:
         pytest.fail("skyrl_s3_server needs moto's server: pip install 'moto[server]' (in the test requirements)")
     with local_s3_server() as (url, _pid):
         yield url
+
+
+@pytest.fixture(scope="module")
+def skyrl_ray() -> Iterator[None]:
+    """A local Ray cluster for the test module (2 CPUs, no dashboard, no auth token), shut
+    down after it. Its files go to a folder of its own directly under the system's
+    temporary folder, removed after: Ray's socket paths under it must fit AF_UNIX's 107
+    bytes, and pytest's temporary folders are deep (deeper still under pytest-xdist)."""
+    import shutil
+    import tempfile
+
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    folder = tempfile.mkdtemp(prefix="ray")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=folder, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

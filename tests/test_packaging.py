@@ -56,7 +56,7 @@ def test_readme_commands_and_ci_agree() -> None:
     assert main.startswith("python3 -m venv .venv && .venv/bin/pip install -r requirements.txt && ")
     job = main.rsplit(" ", 1)[1]
     assert (ROOT / job).exists(), job
-    assert tests.endswith(".venv/bin/python -m pytest")
+    assert tests.endswith(".venv/bin/python -m pytest -n 2 --dist loadfile")
     extracted = subprocess.run(
         ["bash", "-c", "sed -n '/<!-- test-command -->/,/<!-- \\/test-command -->/p' README.md | grep -v -e '^<!--' -e '^```'"],
         cwd=ROOT, capture_output=True, text=True, check=True,

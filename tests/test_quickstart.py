@@ -38,7 +38,7 @@ def test_quickstart_learns(tmp_path) -> None:
     print(f"quickstart ({STEPS} steps): reward {first:.3f} (first 5) -> {last:.3f} (last 20), {elapsed:.0f} s")
     assert first <= 0.15
     assert last >= 0.3, last  # (the full run's 25-step mean at step 175: 0.44)
-    assert elapsed < 240
+    assert elapsed < 600  # (the time bar is the full run's, measured alone: docs/quickstart.md)
     assert (out / "plot.png").stat().st_size > 10_000
     import transformers
 

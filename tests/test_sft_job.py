@@ -348,14 +348,16 @@ def test_sft_with_a_quantized_precision_trains_through_the_fake_quantized_forwar
 
 
 @pytest.mark.slow
-def test_sft_on_two_ddp_ranks_in_ray_actors_trains_like_one_process(corpora, tmp_path, tmp_path_factory) -> None:
+def test_sft_on_two_ddp_ranks_in_ray_actors_trains_like_one_process(corpora, tmp_path) -> None:
     """``[cluster] launcher = "ray"`` with two backend ranks (DDP across two actors): the
     driver reads and packs the documents, each rank trains on its share of the step's
     sequences, and the step is the one-process step (float32 reduction order); the final
     model is gathered and saved; the actors are gone afterwards."""
     import os
+    import shutil
     import subprocess
     import sys
+    import tempfile
 
     import ray
     rows = {}
@@ -365,9 +367,15 @@ def test_sft_on_two_ddp_ranks_in_ray_actors_trains_like_one_process(corpora, tmp
         if name == "ray":
             text = text.replace("[model]", '[cluster]\nlauncher = "ray"\ntrainer_ranks = 2\ncpus_per_actor = 0.5\n\n[model]')
         path.write_text(text)
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=str(tmp_path_factory.mktemp("ray")))
-        result = subprocess.run([str(pathlib.Path(sys.executable).parent / "skyrl"), "run", str(path)],
-                                capture_output=True, text=True, env=env, timeout=600)
+        # (a short folder: Ray's socket paths under it must stay within AF_UNIX's 107 bytes,
+        # and pytest's own temporary folders are deep, deeper still under pytest-xdist)
+        ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp)
+        try:
+            result = subprocess.run([str(pathlib.Path(sys.executable).parent / "skyrl"), "run", str(path)],
+                                    capture_output=True, text=True, env=env, timeout=600)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
         assert result.returncode == 0, result.stderr[-3000:]
         rows[name] = [comparable(r) for r in step_rows(out)]
     assert len(rows["ray"]) == 5

@@ -43,7 +43,10 @@ def test_fixtures_in_a_plugin_authors_test_suite(pytester) -> None:
             assert "sampler always_top: always the top token" in result.stdout
         """
     )
-    result = pytester.runpytest("-p", "no:cacheprovider")
+    # (in a process of its own: an in-process run takes back the modules it imported, numpy's
+    # among them, which cannot be imported twice in one process: later tests in this worker
+    # would fail to import it)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=4)
 
 

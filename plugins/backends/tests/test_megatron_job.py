@@ -6,7 +6,6 @@ trained megatron model's logits in transformers; the quickstart learns with
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -152,16 +151,6 @@ def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
 # -- tensor and expert parallelism in jobs: the Ray launcher's backend actors ----------------------
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 def megatron_job(make_job, tmp_path, name: str, *, parallel: dict | None = None, preset: str = "tiny", steps: int = 3,
                  every: int = 0):
     """The tiny rl job on the megatron backend: one process, or ``parallel`` ([backend]
@@ -175,7 +164,7 @@ def megatron_job(make_job, tmp_path, name: str, *, parallel: dict | None = None,
                     weight_sync=sync, backend={"name": "megatron", "lr": 1e-3, **(parallel or {})})
 
 
-def test_tensor_parallel_ranks_in_ray_actors_train_like_one_process(ray_session, skyrl_cli, skyrl_tiny_rl_job,
+def test_tensor_parallel_ranks_in_ray_actors_train_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
                                                                     tmp_path) -> None:
     """[backend] tensor_parallel = 2 over two Ray backend actors (the launcher gives both
     the whole batch): the one-process run's metrics up to float32 reduction order."""
@@ -191,7 +180,7 @@ def test_tensor_parallel_ranks_in_ray_actors_train_like_one_process(ray_session,
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
-def test_expert_parallel_ranks_in_ray_actors_resume_exactly(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_expert_parallel_ranks_in_ray_actors_resume_exactly(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """[backend] expert_parallel = 2 over two Ray backend actors on tiny-moe (each its share
     of the sequences and half of the experts): the checkpoint holds both ranks' parts, and a
     run resumed from step 2 repeats the uninterrupted run's steps 3 and 4 number for number."""

@@ -7,7 +7,6 @@ writes each version while the engine still generates (only fetch and apply pause
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -16,16 +15,6 @@ from skyrl_host.testing import learning_metrics
 pytestmark = pytest.mark.slow
 
 ASYNC_ONLY = ("staleness_mean", "staleness_max")
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def run(skyrl_cli, make_job, tmp_path, name: str, weight_sync: dict, steps: int = 4, **job) -> list[dict]:
@@ -40,7 +29,7 @@ def delta(tmp_path, name: str) -> dict:
     return {"transport": "delta", "uri": f"file://{tmp_path}/{name}_weights", "dtype": "float32"}
 
 
-def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(ray_session, skyrl_cli, skyrl_tiny_rl_job,
+def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
                                                                  tmp_path) -> None:
     rows = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "async1", delta(tmp_path, "async1"), steps=5, mode="async",
                max_staleness=1)
@@ -71,7 +60,7 @@ def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(ray_session, sk
     assert ray.available_resources().get("CPU") == 2  # every actor and placement group released
 
 
-def test_async_ray_with_broadcast_hands_each_version_over_when_the_engine_is_idle(ray_session, skyrl_cli,
+def test_async_ray_with_broadcast_hands_each_version_over_when_the_engine_is_idle(skyrl_ray, skyrl_cli,
                                                                                    skyrl_tiny_rl_job, tmp_path) -> None:
     """A collective transport stages nothing: backend rank 0 and the engine actor meet in
     the broadcast once the engine has generated what the older weights must."""
@@ -82,7 +71,7 @@ def test_async_ray_with_broadcast_hands_each_version_over_when_the_engine_is_idl
     assert [r["sync_collectives"] for r in rows] == [1.0] * 4 and all(r["sync_pause_s"] > 0 for r in rows)
 
 
-def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generates(ray_session, skyrl_cli,
+def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generates(skyrl_ray, skyrl_cli,
                                                                                  skyrl_tiny_rl_job, tmp_path) -> None:
     """A rendezvous transport: right after its train step the backend actor writes version
     v into its registered buffers (the sender's half, while the engine actor generates);
@@ -106,7 +95,7 @@ def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generate
 
 
 @pytest.mark.parametrize("updates", ["in_flight", "abort"])
-def test_async_ray_updates_land_inside_the_engine_actors_generation(ray_session, skyrl_cli, skyrl_tiny_rl_job,
+def test_async_ray_updates_land_inside_the_engine_actors_generation(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
                                                                     tmp_path, updates) -> None:
     """weight_updates = "in_flight" / "abort": the engine actor is threaded, so the sync the
     driver sends right after a train step runs beside the generate call in progress, and
@@ -133,7 +122,7 @@ def test_async_ray_updates_land_inside_the_engine_actors_generation(ray_session,
         assert all("resubmitted_requests" not in r for r in rows)
 
 
-def test_async_ray_drops_stale_rollouts_and_trains_every_position_once(ray_session, skyrl_cli, skyrl_tiny_rl_job,
+def test_async_ray_drops_stale_rollouts_and_trains_every_position_once(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
                                                                        tmp_path) -> None:
     """stale_samples = "drop": the rollout thread asks the engine actor for the coming
     dataset positions with the newest weights it has, never waiting for a version. The

@@ -6,21 +6,10 @@ groups are gone afterwards."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from skyrl_host.testing import learning_metrics
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")), configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def write(make_job, tmp_path, name: str, *, launcher: str, engine_dtype: str, weight_sync: dict, cluster=None,
@@ -42,7 +31,7 @@ def learning(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_ray_launcher_learns_exactly_like_one_process(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_ray_launcher_learns_exactly_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
                 weight_sync={"transport": "inproc"})
     delta = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "delta", launcher="ray", engine_dtype="float32",
@@ -73,7 +62,7 @@ def test_one_process_transports_are_refused_with_ray(skyrl_cli, skyrl_tiny_rl_jo
     assert "weight_sync.uri: a memory:// URL lives in one process, but the engine runs in another" in result.stderr
 
 
-def test_rollout_batches_cross_the_object_store_without_copies(ray_session) -> None:
+def test_rollout_batches_cross_the_object_store_without_copies(skyrl_ray) -> None:
     import numpy as np
     import ray
 
@@ -105,7 +94,7 @@ def ranks(replicas: int) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_train_like_one_process(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_two_ddp_ranks_train_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """Two backend ranks (DDP across two actors), each on its share of the batch's
     sequences, take the one-process step: the same metrics up to float32 reduction order."""
     local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
@@ -119,7 +108,7 @@ def test_two_ddp_ranks_train_like_one_process(ray_session, skyrl_cli, skyrl_tiny
 
 
 @pytest.mark.slow
-def test_fsdp2_over_one_rank_trains_like_one_process(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_fsdp2_over_one_rank_trains_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """FSDP2 over a single backend actor (one GPU's set-up: the actor joins a group of
     one) takes the one-process step."""
     local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
@@ -131,7 +120,7 @@ def test_fsdp2_over_one_rank_trains_like_one_process(ray_session, skyrl_cli, sky
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_broadcast_to_two_engine_replicas(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_fsdp2_ranks_broadcast_to_two_engine_replicas(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """FSDP2 over two backend actors; rank 0 broadcasts to two engine replicas that split
     each step's prompts. Every engine serves the trainer's weights: the trainer's
     logprobs of the replicas' tokens equal theirs (float32 both sides)."""
@@ -182,7 +171,7 @@ def test_sequences_split_between_ranks_by_tokens() -> None:
     ("mxfp8", "nixl", {"data_parallel": "ddp"}, 2),
     ("int4", "nixl", {"data_parallel": "fsdp2"}, 2),
 ], ids=["fp8-broadcast", "int4-lora", "mxfp8-nixl-ddp", "int4-nixl-fsdp2"])
-def test_quantized_jobs_in_actors_learn_like_one_process(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path, precision,
+def test_quantized_jobs_in_actors_learn_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path, precision,
                                                           sync, backend_extra, n_ranks) -> None:
     """The engine actor builds its own model and serves the quantized weights the backend
     actors ship (fp8 payloads + scales through broadcast; for LoRA on a frozen int4 base,
@@ -214,7 +203,7 @@ def test_quantized_jobs_in_actors_learn_like_one_process(ray_session, skyrl_cli,
 
 
 @pytest.mark.slow
-def test_nixl_engines_read_every_fsdp2_ranks_shards(ray_session, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+def test_nixl_engines_read_every_fsdp2_ranks_shards(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """nixl under Ray: each of two FSDP2 backend actors serves its own shards; each of two
     engine replicas reads its part from both and serves exactly the trainer's weights."""
     import nixl_cu12  # noqa: F401  (NIXL comes with the test requirements: skyrl-weightsync[test])
@@ -226,7 +215,7 @@ def test_nixl_engines_read_every_fsdp2_ranks_shards(ray_session, skyrl_cli, skyr
     assert all(r["kept_groups"] == 8 and r["sequences"] == 32 for r in rows)
 
 
-def test_the_ray_placement_hands_the_driver_the_same_protocols(ray_session, skyrl_host, skyrl_tiny_rl_job,
+def test_the_ray_placement_hands_the_driver_the_same_protocols(skyrl_ray, skyrl_host, skyrl_tiny_rl_job,
                                                                tmp_path) -> None:
     """What the driver gets from the ray launcher satisfies the Protocols it gets from the
     local one, and close() releases every actor and placement group."""

@@ -110,6 +110,24 @@ def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
     assert max(r["logprob_diff_max"] for r in rows) < 1e-4
 
 
+def test_async_mode_runs_with_the_default_shared_engine(skyrl_tiny_rl_job, skyrl_cli, tmp_path) -> None:
+    """``mode = "async"`` with the embedded engine as a job gets it (sharing the loaded
+    model's tensors): the megatron backend trains its own copy (OwnWeights), so the job runs
+    (the torch backend needs share_weights = false here); every sample after the first step
+    is one version old, and the first step's engine/trainer gap is round-off (int4: the
+    engine got the quantized weights, not the masters)."""
+    job = skyrl_tiny_rl_job(tmp_path, "async", job={"steps": 4, "batch_size": 4, "checkpoint_every": 0, "save_final": None,
+                                                    "mode": "async", "max_staleness": 1, "output_dir": tmp_path / "out"},
+                            dataset={"prefix": None}, engine={"return_token_versions": True}, algorithm={"name": "grpo"},
+                            precision={"name": "int4"}, backend={"name": "megatron", "lr": 1e-3, "micro_batch_tokens": 128})
+    result = skyrl_cli("run", str(job.path))
+    assert result.exit_code == 0, result.stderr[-3000:]
+    rows = step_rows(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["logprob_diff_max"] < 1e-5
+    assert all(r["staleness_mean"] == 1.0 for r in rows[1:])
+
+
 @pytest.mark.parametrize("override, message", [
     ("backend.tensor_parallel=2", "backend.tensor_parallel: the megatron backend runs one model over tensor_parallel x "
      "expert_parallel = 2 trainer ranks, and [cluster] trainer_ranks = 1"),

@@ -8,7 +8,9 @@
   the inference RNG tracker, no TransformerEngine GEMM in the router; activation
   recompute without a CUDA generator to save; multi-latent attention told that
   TransformerEngine is absent);
-- :func:`build`: the ``GPTModel`` (local, TransformerEngine-free layer specs);
+- :func:`build`: the ``GPTModel`` (local, TransformerEngine-free layer specs, with the
+  backend's own :class:`RMSNorm`, whole-weight MLA down projections and, for scaled
+  RoPE, :func:`rope_inv_freq`);
 - :func:`hf_to_mcore` / :func:`mcore_to_hf`: a state dict in the other scheme (fused QKV
   in query-group order, fused gate/up, per-expert MLPs, tied heads), for this rank's
   tensor-parallel shard or from the gathered shards;

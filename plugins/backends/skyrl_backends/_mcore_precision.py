@@ -64,8 +64,8 @@ def mcore_quantized(arch: Architecture, hf_shapes: Mapping[str, torch.Tensor], n
     """Which of this rank's megatron-core weights hold quantized transformers weights:
     name -> True (all of it) / False (a fused weight mixing quantized and kept parts);
     weights with no quantized part are absent. (The transformers state is mapped with
-    ones where quantized, zeros elsewhere.)"""
-    marks = {k: torch.full(tuple(v.shape), float(k in names), dtype=torch.float32) for k, v in hf_shapes.items()}
+    ones where quantized, zeros elsewhere, one byte an element.)"""
+    marks = {k: torch.full(tuple(v.shape), int(k in names), dtype=torch.uint8) for k, v in hf_shapes.items()}
     out = {}
     for k, v in hf_to_mcore(arch, marks).items():
         if float(v.max()) > 0:

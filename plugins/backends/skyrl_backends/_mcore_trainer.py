@@ -12,7 +12,12 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
 - ``r3`` is replayed through megatron-core's own routing replay: each router's
   ``RouterReplay`` returns the engine's expert ids for the tokens the engine routed
   (:class:`EngineRoutes`); ``support`` scores through the same kept-set math as the
-  torch backend, from the output head's rows;
+  torch backend, from the output head's rows (under tensor parallelism this rank's rows,
+  a ``VocabShard``);
+- a quantizing precision computes with the weights the engine is served
+  (``skyrl_backends._mcore_precision``);
+- tensor parallelism runs with megatron-core's sequence parallelism (its MoE layers need
+  it): :meth:`MegatronBackend._clip_gradients` sums the unsplit weights' gradients;
 - weights leave with Hugging Face names (``named_weights``: ``mcore_to_hf``), so every
   transport, engine and the final Hugging Face folder work unchanged.
 """

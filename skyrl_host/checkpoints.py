@@ -25,6 +25,7 @@ from skyrl_host.errors import UserError
 CHECKPOINTS = "checkpoints"
 JOB_RECORD = "job.json"  # in the output folder (the run's job) and in each checkpoint (the job that wrote it)
 BACKEND_STATE = "backend.pt"
+BACKEND_SHARDS = "backend"  # the folder a ShardedCheckpoints backend's ranks write into
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -154,11 +155,44 @@ def _first_lines(text: str, limit: int = 300) -> str:
     return one if len(one) <= limit else one[: limit - 3].rstrip() + "..."
 
 
+def _sharded(backend: Any) -> bool:
+    from skyrl_host.contracts import has
+    from skyrl_host.interfaces import ShardedCheckpoints
+
+    return has(backend, ShardedCheckpoints)
+
+
+def save_backend_state(folder: pathlib.Path, backend: Any) -> None:
+    """The backend's training state into the checkpoint being written in ``folder``: a
+    :class:`~skyrl_host.interfaces.ShardedCheckpoints` backend's ranks each write their
+    own shards into ``folder/backend/``, any other backend's ``state_dict`` goes to
+    ``folder/backend.pt``."""
+    if _sharded(backend):
+        (folder / BACKEND_SHARDS).mkdir(exist_ok=True)
+        backend.save_checkpoint(str(folder / BACKEND_SHARDS))
+        return
+    import torch
+
+    torch.save(backend.state_dict(), folder / BACKEND_STATE)
+
+
 def load_backend_state(folder: pathlib.Path, backend: Any, state: Any = None) -> None:
-    """``backend.load_state_dict`` of the checkpoint in ``folder`` (its ``backend.pt``
-    unless ``state`` is given, already read from it). A state the backend refuses
-    (missing or unexpected keys, shape mismatches, another format) is a user error
-    naming the checkpoint folder."""
+    """Restore the backend's state from the checkpoint in ``folder``: its ``backend/``
+    shards (a :class:`~skyrl_host.interfaces.ShardedCheckpoints` backend), else
+    ``backend.load_state_dict`` of its ``backend.pt`` (or of ``state``, already read
+    from it). A state the backend refuses (missing or unexpected keys, shape mismatches,
+    another format) is a user error naming the checkpoint folder."""
+    shards = folder / BACKEND_SHARDS
+    if state is None and shards.is_dir():
+        if not _sharded(backend):
+            raise UserError(f"--resume: checkpoint {folder} holds a sharded backend state ({shards}/), which this "
+                            f"job's backend cannot read (was it written by another backend?)")
+        try:
+            backend.load_checkpoint(str(shards))
+        except (KeyError, ValueError, RuntimeError, OSError) as exc:
+            what = _first_lines(str(exc) if not isinstance(exc, KeyError) else f"missing key {exc}")
+            raise UserError(f"--resume: checkpoint {folder} does not fit this job's backend: {what}") from None
+        return
     if state is None:
         import pickle
 

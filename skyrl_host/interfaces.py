@@ -323,7 +323,7 @@ class Backend(Protocol):
         ...
 
     # Capabilities backends may offer: QuantizedServing, AdapterTraining,
-    # ShardedWeights, ReferenceScoring (below).
+    # ShardedWeights, ReferenceScoring, OwnWeights, ShardedCheckpoints (below).
 
     def state_dict(self) -> Mapping[str, Any]: ...
 
@@ -582,6 +582,20 @@ class OwnWeights(Protocol):
     (:class:`SharedWeights`) does not share the trainer's, and is handed copies."""
 
     owns_weights: bool
+
+
+@runtime_checkable
+class ShardedCheckpoints(Protocol):
+    """A backend whose ranks write and read their own parts of the training state in a
+    checkpoint's folder (megatron-core's distributed checkpointing): no rank gathers the
+    whole state, and a checkpoint resumes under another parallel layout. Both are
+    collectives (every rank calls them with the same folder, which the ranks share); the
+    drivers call them instead of ``state_dict`` / ``load_state_dict``
+    (``skyrl_host.checkpoints.save_backend_state`` / ``load_backend_state``)."""
+
+    def save_checkpoint(self, folder: str) -> None: ...
+
+    def load_checkpoint(self, folder: str) -> None: ...
 
 
 @runtime_checkable

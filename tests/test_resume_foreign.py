@@ -170,3 +170,45 @@ def test_backend_state_files_that_are_not_ours(tmp_path) -> None:
         load_backend_state(tmp_path, Refuses(RuntimeError("unreached")))
     assert info.value.render().startswith(f"error: --resume: cannot read checkpoint {tmp_path}: ")
     assert "\n" not in info.value.render()
+
+
+class Shards:
+    """A ShardedCheckpoints backend that records what it was asked (or refuses)."""
+
+    def __init__(self, exc: Exception | None = None):
+        self.exc, self.calls = exc, []
+
+    def state_dict(self):
+        raise AssertionError("a sharded backend's state goes through save_checkpoint")
+
+    def load_state_dict(self, state):
+        raise AssertionError("a sharded backend's state comes through load_checkpoint")
+
+    def save_checkpoint(self, folder: str) -> None:
+        self.calls.append(("save", folder))
+
+    def load_checkpoint(self, folder: str) -> None:
+        self.calls.append(("load", folder))
+        if self.exc is not None:
+            raise self.exc
+
+
+def test_a_sharded_backend_writes_and_reads_its_own_folder(tmp_path) -> None:
+    from skyrl_host.checkpoints import save_backend_state
+
+    be = Shards()
+    save_backend_state(tmp_path, be)
+    assert be.calls == [("save", str(tmp_path / "backend"))] and (tmp_path / "backend").is_dir()
+    assert not (tmp_path / "backend.pt").exists()
+    load_backend_state(tmp_path, be)
+    assert be.calls[-1] == ("load", str(tmp_path / "backend"))
+    # A backend without the capability cannot read it; a refused folder names the checkpoint.
+    with pytest.raises(UserError) as info:
+        load_backend_state(tmp_path, Refuses(RuntimeError("unreached")))
+    assert info.value.render() == (f"error: --resume: checkpoint {tmp_path} holds a sharded backend state "
+                                   f"({tmp_path / 'backend'}/), which this job's backend cannot read (was it "
+                                   "written by another backend?)")
+    with pytest.raises(UserError) as info:
+        load_backend_state(tmp_path, Shards(ValueError("the checkpoint's tensors do not fit this model: shape")))
+    assert info.value.render() == (f"error: --resume: checkpoint {tmp_path} does not fit this job's backend: the "
+                                   "checkpoint's tensors do not fit this model: shape")

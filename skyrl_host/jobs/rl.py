@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
+from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, save_backend_state
 from skyrl_host.contracts import has, shares_trainer_tensors
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
@@ -544,7 +544,7 @@ class RLDriver:
         import torch
 
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
-            torch.save(self.backend.state_dict(), folder / "backend.pt")
+            save_backend_state(folder, self.backend)
             save_rng(folder / "rng.pt")
             (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
             if self.pipeline is not None and self.cfg.stale_samples == "drop":
@@ -563,11 +563,10 @@ class RLDriver:
         import torch
 
         try:
-            state = torch.load(folder / "backend.pt", weights_only=False)
             rng = torch.load(folder / "rng.pt", weights_only=False)
         except (OSError, RuntimeError) as exc:
             raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
-        load_backend_state(folder, self.backend, state)
+        load_backend_state(folder, self.backend)
         restore_rng(rng)
         if self.cfg.mode == "async" and (folder / "rollouts.pt").is_file():
             try:

@@ -32,7 +32,7 @@ from typing import Any, Literal, Mapping, Sequence
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.checkpoints import CheckpointWriter, load_backend_state
+from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, save_backend_state
 from skyrl_host.config import locate_keys
 from skyrl_host.contracts import has
 from skyrl_host.errors import Problem, UserError
@@ -467,10 +467,8 @@ class SFTDriver:
         return {"step": step, **self.data.state_dict(), "data_paths": list(self.cfg.data_paths)}
 
     def _save_checkpoint(self, step: int) -> None:
-        import torch
-
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
-            torch.save(self.backend.state_dict(), folder / "backend.pt")
+            save_backend_state(folder, self.backend)
             save_rng(folder / "rng.pt")
             (folder / "driver.json").write_text(json.dumps(self._driver_state(step)))
 
@@ -478,7 +476,6 @@ class SFTDriver:
         import torch
 
         try:
-            state = torch.load(folder / "backend.pt", weights_only=False)
             rng = torch.load(folder / "rng.pt", weights_only=False)
             driver = json.loads((folder / "driver.json").read_text())
         except (OSError, RuntimeError, ValueError) as exc:
@@ -487,7 +484,7 @@ class SFTDriver:
             raise self._problem(
                 "job.data_paths", f"--resume: the checkpoint was trained on {driver.get('data_paths')!r}, not these paths"
             )
-        load_backend_state(folder, self.backend, state)
+        load_backend_state(folder, self.backend)
         self.data.load_state_dict(driver)
         restore_rng(rng)
 

@@ -19,7 +19,10 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
 - tensor parallelism runs with megatron-core's sequence parallelism (its MoE layers need
   it): :meth:`MegatronBackend._clip_gradients` sums the unsplit weights' gradients;
 - weights leave with Hugging Face names (``named_weights``: ``mcore_to_hf``), so every
-  transport, engine and the final Hugging Face folder work unchanged.
+  transport, engine and the final Hugging Face folder work unchanged;
+- checkpoints are megatron-core distributed checkpoints (``save_checkpoint`` /
+  ``load_checkpoint``, ``_mcore_checkpoint``): each rank writes its own shards, and any
+  tensor / expert-parallel layout reads them.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from skyrl_backends import _parallel
+from skyrl_backends import _mcore_checkpoint, _parallel
 from skyrl_backends._mcore_arch import NotExpressible, describe
 from skyrl_backends._mcore_model import MegatronLM, build, ensure_parallel_state, hf_to_mcore, load_into, mcore_to_hf, weights_of
 from skyrl_backends._mcore_precision import MegatronPrecision, quantized_names
@@ -481,6 +484,18 @@ class MegatronBackend(TorchBackend):
         self.optimizer.load_state_dict(own["optimizer"])
         self.scheduler.load_state_dict(own["scheduler"])
         self.steps = int(own["steps"])
+
+    def save_checkpoint(self, folder: str) -> None:
+        """(ShardedCheckpoints) Write the training state into ``folder`` with megatron-core's
+        distributed checkpointing: each rank its own shards, resumable under any tensor /
+        expert-parallel layout (``_mcore_checkpoint``). A collective."""
+        _mcore_checkpoint.save(self, folder)
+
+    def load_checkpoint(self, folder: str) -> None:
+        """(ShardedCheckpoints) Restore what :meth:`save_checkpoint` wrote, written under any
+        layout. A collective."""
+        self._loads += 1
+        _mcore_checkpoint.load(self, folder)
 
     def _layout(self) -> dict[str, int]:
         return {"tensor_parallel": self.config.tensor_parallel, "expert_parallel": self.config.expert_parallel}

@@ -5,7 +5,7 @@
 tensor_parallel = 2`` (mode "tp": dense Qwen3, every rank the whole batch) or
 ``expert_parallel = 2`` (mode "ep": Qwen3-MoE, each rank its half of every batch) and
 returns the metrics, the logprobs before each step and the full weights by their Hugging
-Face names; "tp:fp8" and the like add a precision. :func:`train` with world 1 is the same training in one process.
+Face names; "tp:fp8" and the like add a precision (and train with lr 1e-9: see train). :func:`train` with world 1 is the same training in one process.
 """
 
 from __future__ import annotations
@@ -97,7 +97,12 @@ def train(rank: int, world: int, mode: str) -> dict:
     if r3:
         replay = [host.registry.get("replay_strategies", "r3").create(None)]
     parallel = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
-    be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
+    # With a precision the weights stay put (lr 1e-9): the layouts' float32 round-off now and then
+    # moves an activation across an e4m3 rounding boundary, Adam turns that into weight gaps and
+    # the weights' own quantization magnifies them, step after step; with fixed weights every
+    # step compares the two layouts' quantized forward and backward afresh.
+    options = dict(OPTIONS, lr=1e-9) if precision else OPTIONS
+    be = create(MegatronBackendConfig(**options, **{parallel: world}))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
              reference=False, precision=precision or None, replay=replay)
     algo = tiny.TokenMean()
@@ -118,3 +123,35 @@ def train(rank: int, world: int, mode: str) -> dict:
         metrics.append(be.train_step(batch, adv, algo, temperature=1.0, max_new_tokens=8))
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None}
+
+
+def _step(be, mode: str, rank: int, world: int, step: int) -> dict:
+    batch = tiny.tiny_batch(10 + step, n=8)
+    adv = tiny.tiny_advantages(batch, seed=step)
+    if mode == "ep" and world > 1:  # each rank its half of the sequences
+        seqs = list(range(rank, batch.n_sequences, world))
+        idx = np.concatenate([np.arange(batch.cu_seqlens[s], batch.cu_seqlens[s + 1]) for s in seqs])
+        batch, adv = batch.select(seqs), adv[idx]
+    return be.train_step(batch, adv, tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
+
+
+def resharded(rank: int, world: int, mode: str, folder: str, action: str) -> dict:
+    """``action`` "save": train 2 steps, write a distributed checkpoint into ``folder``
+    (``save_checkpoint``), then train steps 3 and 4; "load": a fresh backend reads the
+    checkpoint (``load_checkpoint``, under this run's layout) and trains steps 3 and 4.
+    Returns the two steps' metrics and (rank 0) the full weights after them."""
+    from skyrl_backends.megatron import MegatronBackendConfig, create
+
+    parallel = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
+    be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
+    be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=4,
+             reference=False, precision=None, replay=[])
+    if action == "save":
+        for step in range(2):
+            _step(be, mode, rank, world, step)
+        be.save_checkpoint(folder)
+    else:
+        be.load_checkpoint(folder)
+    metrics = [_step(be, mode, rank, world, step) for step in (2, 3)]
+    weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
+    return {"metrics": metrics, "weights": weights if rank == 0 else None, "steps": be.steps}

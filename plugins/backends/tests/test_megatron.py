@@ -454,8 +454,9 @@ def test_replay_refusals_name_the_problem(skyrl_host) -> None:
 
 def test_weights_leave_with_the_transformers_names_and_a_checkpoint_resumes_exactly(skyrl_host, tmp_path) -> None:
     """named_weights is the transformers model's state dict (names, shapes, values at
-    start); state_dict/load_state_dict restore the model, AdamW and the schedule: the
-    resumed backend's next steps equal the uninterrupted one's bit for bit."""
+    start); state_dict/load_state_dict and the distributed checkpoint (save_checkpoint /
+    load_checkpoint) restore the model, AdamW and the schedule: the resumed backends' next
+    steps equal the uninterrupted one's bit for bit."""
     loaded = load(skyrl_host, "tiny-moe")
     start = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     algo = algorithm(skyrl_host)
@@ -467,16 +468,31 @@ def test_weights_leave_with_the_transformers_names_and_a_checkpoint_resumes_exac
     for step in range(2):
         train(skyrl_host, be, random_batch(13, seed=step), algo)
     path = tmp_path / "state.pt"
-    torch.save(be.state_dict(), path)
+    torch.save(be.state_dict(), path)  # (the in-memory state: what checkpoints of an earlier version hold)
+    be.save_checkpoint(str(tmp_path / "dist"))  # (megatron-core's distributed checkpoint: what jobs write)
     resumed = backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe"), reference=True)
     resumed.load_state_dict(torch.load(path, weights_only=False))
-    assert resumed.steps == 2
+    from_dist = backend(skyrl_host, "megatron", load(skyrl_host, "tiny-moe"), reference=True)
+    from_dist.load_checkpoint(str(tmp_path / "dist"))
+    assert resumed.steps == from_dist.steps == 2
     for step in (2, 3):
         batch = random_batch(13, seed=step)
-        a, b = train(skyrl_host, be, batch, algo), train(skyrl_host, resumed, batch, algo)
-        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
-    for (k, v), (k2, v2) in zip(be.named_weights(), resumed.named_weights()):
-        assert k == k2 and torch.equal(v, v2), k
+        a, b, c = (train(skyrl_host, x, batch, algo) for x in (be, resumed, from_dist))
+        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]) \
+            == (c["loss"], c["grad_norm"], c["lr"])
+    for (k, v), (k2, v2), (k3, v3) in zip(be.named_weights(), resumed.named_weights(), from_dist.named_weights()):
+        assert k == k2 == k3 and torch.equal(v, v2) and torch.equal(v, v3), k
+    # A torn or foreign folder is refused with what is wrong, before anything is applied.
+    before = {k: v.clone() for k, v in from_dist.named_weights()}
+    moments = [s["exp_avg"].clone() for s in from_dist.optimizer.state.values()]
+    shard = next((tmp_path / "dist").glob("*.distcp"))
+    shard.unlink()
+    with pytest.raises(ValueError, match=r"cannot be read: rank 0: FileNotFoundError: .*No such file.*\.distcp"):
+        from_dist.load_checkpoint(str(tmp_path / "dist"))
+    assert all(torch.equal(v, before[k]) for k, v in from_dist.named_weights())
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(from_dist.optimizer.state.values(), moments))
+    with pytest.raises(ValueError, match="not a megatron-core distributed checkpoint"):
+        from_dist.load_checkpoint(str(tmp_path))
     # The reference policy is the initial model, apart from the trained one.
     ref = backend(skyrl_host, "torch", load(skyrl_host, "tiny-moe"), reference=True)
     batch = random_batch(13, seed=9)
@@ -504,7 +520,8 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     grad norm within 1e-5 for 3 clipped steps, logprobs (tp) and the gathered weights by
     their Hugging Face names. With a precision (weights and activations quantized): each
     rank's quantized weights cut from the whole transformers weights' blocks, a row-parallel
-    layer's input quantized in whole rows. With support replay under tensor parallelism:
+    layer's input quantized in whole rows (lr 1e-9, and most tokens within 1e-5: see
+    mcore_worker.train). With support replay under tensor parallelism:
     each rank scores the kept ids in its vocabulary rows, the log-softmax's max and sums
     reduced over the ranks. DeepSeek-V3's attention and MoE layers under tensor (and
     sequence) parallelism, also replaying random routes with r3 (each rank its slice of
@@ -521,9 +538,13 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
             # the model-parallel ranks' in float64)
             for key, rel in (("loss", 1e-5), ("entropy", 1e-5), ("grad_norm", 1e-4), ("loss_tokens", 0)):
                 assert r["metrics"][step][key] == pytest.approx(want[key], rel=rel, abs=1e-6), (mode, step, key)
-        if mode.startswith("tp"):
+        if mode.startswith("tp") and ":" not in mode:
             for r in ranks:
                 np.testing.assert_allclose(r["logprobs"][step], one["logprobs"][step], atol=1e-5, rtol=0)
+        elif mode.startswith("tp"):  # activations quantized: the layouts' round-off may flip an e4m3 rounding
+            for r in ranks:
+                gap = np.abs(r["logprobs"][step] - one["logprobs"][step])
+                assert np.mean(gap <= 1e-5) >= 0.9 and gap.mean() < 1e-4, (step, np.sort(gap)[-5:])
     assert ranks[0]["metrics"][0]["grad_norm"] > 0.5  # clipping was active (max_grad_norm 0.5)
     # The weights after 3 AdamW steps (lr 1e-3): nearly every element to 1e-6; the few whose
     # gradient is near zero may differ by a few % of lr (Adam's m / sqrt(v) turns their
@@ -532,3 +553,33 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     assert sorted(got) == sorted(want)
     gaps = torch.cat([(got[k] - v).abs().reshape(-1) for k, v in want.items()])
     assert float((gaps > 1e-6).float().mean()) < 1e-3 and float(gaps.max()) <= 1e-4, (float((gaps > 1e-6).float().mean()), float(gaps.max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, written, read", [("tp", 2, 1), ("ep", 1, 2)])
+def test_a_distributed_checkpoint_resumes_under_another_layout(mode: str, written: int, read: int, tmp_path) -> None:
+    """megatron-core's distributed checkpointing: a checkpoint written by ``written``
+    processes (tensor_parallel = 2, or one process) is read by ``read`` processes (one, or
+    expert_parallel = 2), each rank its own part of every whole tensor; steps 3 and 4
+    after it equal the uninterrupted run's (to the float32 round-off between layouts, which
+    the parity test bounds): the weights, AdamW's moments and steps, and the schedule."""
+    import pathlib
+
+    from skyrl_host.testing import run_gloo_ranks
+
+    worker = pathlib.Path(__file__).with_name("mcore_worker.py")
+    folder = tmp_path / "backend"
+    folder.mkdir()
+    full = run_gloo_ranks(worker, "resharded", written, mode, str(folder), "save", timeout=240)[0]
+    files = sorted(p.name for p in folder.iterdir())
+    assert "metadata.json" in files and "common.pt" in files
+    assert sum(name.endswith(".distcp") for name in files) >= written  # each writer its own shard files
+    resumed = run_gloo_ranks(worker, "resharded", read, mode, str(folder), "load", timeout=240)
+    assert all(r["steps"] == 4 for r in resumed)
+    for step, want in enumerate(full["metrics"]):
+        for r in resumed:
+            for key, rel in (("loss", 1e-5), ("entropy", 1e-5), ("grad_norm", 1e-4), ("lr", 0)):
+                assert r["metrics"][step][key] == pytest.approx(want[key], rel=rel, abs=1e-7), (step, key)
+    got, want = resumed[0]["weights"], full["weights"]
+    assert sorted(got) == sorted(want)
+    assert max(float((got[k] - v).abs().max()) for k, v in want.items()) <= 1e-6

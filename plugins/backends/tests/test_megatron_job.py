@@ -75,14 +75,15 @@ def test_resume_equals_the_uninterrupted_run_and_the_final_folder_loads(skyrl_cl
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
     final = transformers.AutoModelForCausalLM.from_pretrained(full_out / "final").float().eval()
-    ckpt = torch.load(sorted((full_out / "checkpoints").iterdir())[-1] / "backend.pt", weights_only=False)
+    last = sorted((full_out / "checkpoints").iterdir())[-1]
+    assert not (last / "backend.pt").exists()  # the backend state is megatron-core's distributed checkpoint
     from skyrl_host.interfaces import LoadedModel
 
     be = create(MegatronBackendConfig(lr=1e-3))
     start = transformers.AutoModelForCausalLM.from_pretrained(full_out / "final").float()
     be.start(LoadedModel(model=start, tokenizer=None, stop_token_ids=[], family="qwen"), seed=0, total_steps=1,
              reference=False)
-    be.load_state_dict(ckpt)
+    be.load_checkpoint(str(last / "backend"))
     vocab = final.config.vocab_size
     ids = torch.as_tensor(np.random.default_rng(0).integers(0, vocab, (2, 9)))
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 0, 1, 2, 3, 4]])
@@ -200,8 +201,11 @@ def test_tensor_parallel_ranks_in_ray_actors_train_like_one_process(skyrl_ray, s
 
 def test_expert_parallel_ranks_in_ray_actors_resume_exactly(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """[backend] expert_parallel = 2 over two Ray backend actors on tiny-moe (each its share
-    of the sequences and half of the experts): the checkpoint holds both ranks' parts, and a
-    run resumed from step 2 repeats the uninterrupted run's steps 3 and 4 number for number."""
+    of the sequences and half of the experts): each rank writes its part of the checkpoint
+    (megatron-core's distributed checkpointing), and a run resumed from step 2 repeats the
+    uninterrupted run's steps 3 and 4 number for number. The same checkpoint resumed in
+    one process (expert_parallel = 1, the local launcher) repeats them too, up to the
+    float32 round-off between the layouts."""
     import shutil
 
     job = megatron_job(skyrl_tiny_rl_job, tmp_path, "ep", parallel={"expert_parallel": 2}, preset="tiny-moe", steps=4,
@@ -210,8 +214,11 @@ def test_expert_parallel_ranks_in_ray_actors_resume_exactly(skyrl_ray, skyrl_cli
     assert result.exit_code == 0, result.stderr[-3000:]
     full = [learning_metrics(r) for r in job.rows()]  # (the transport's sync_* differ: a resumed delta sends a keyframe)
     assert full[0]["logprob_diff_max"] < 1e-4 and full[-1]["logprob_diff_max"] < 1e-4  # the engine got the gathered experts
-    state = torch.load(job.out / "checkpoints" / "step_000002" / "backend.pt", weights_only=False)
-    assert len(state["ranks"]) == 2 and state["layout"] == {"tensor_parallel": 1, "expert_parallel": 2}
+    shards = job.out / "checkpoints" / "step_000002" / "backend"
+    assert {p.name.split("_")[2] for p in shards.glob("__*_*.distcp")} == {"0", "1"}  # (__{rank}_{file}.distcp)
+    assert (shards / "metadata.json").is_file() and not (shards.parent / "backend.pt").exists()
+    kept = tmp_path / "step_000002"
+    shutil.copytree(shards.parent, kept)
     shutil.rmtree(job.out / "checkpoints" / "step_000004")
     shutil.rmtree(job.out / "final", ignore_errors=True)
     result = skyrl_cli("run", str(job.path), "--resume")
@@ -220,3 +227,16 @@ def test_expert_parallel_ranks_in_ray_actors_resume_exactly(skyrl_ray, skyrl_cli
     resumed = [learning_metrics(r) for r in job.rows()]
     diffs = {k: (a[k], b.get(k)) for a, b in zip(resumed, full) for k in a if a[k] != b.get(k)}
     assert resumed == full, diffs
+
+    # Another layout: the same job in one process reads the two ranks' checkpoint.
+    alone = megatron_job(skyrl_tiny_rl_job, tmp_path, "alone", preset="tiny-moe", steps=4, every=2)
+    shutil.copytree(job.out, alone.out, ignore=shutil.ignore_patterns("checkpoints", "final"))
+    shutil.copytree(kept, alone.out / "checkpoints" / "step_000002")
+    result = skyrl_cli("run", str(alone.path), "--resume")
+    assert result.exit_code == 0, result.stderr[-3000:]
+    assert "(resumed after step 2)" in result.stderr
+    one = [learning_metrics(r) for r in alone.rows()]
+    assert [r["step"] for r in one] == [1, 2, 3, 4]
+    for a, b in zip(one[2:], full[2:]):
+        for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)

@@ -47,6 +47,7 @@ from skyrl_host.interfaces import (
     LoadedModel,
     PlacementRequest,
     QuantizedServing,
+    ShardedCheckpoints,
     ShardedWeights,
     SplitTransport,
     TokenizerLoading,
@@ -322,6 +323,15 @@ class BackendWorker:
     def load_state_dict(self, state: Any) -> None:
         self.backend.load_state_dict(state if self.rank == 0 else {})
 
+    def sharded_checkpoints(self) -> bool:
+        return has(self.backend, ShardedCheckpoints)
+
+    def save_checkpoint(self, folder: str) -> None:
+        self.backend.save_checkpoint(folder)  # a collective: each rank writes its shards
+
+    def load_checkpoint(self, folder: str) -> None:
+        self.backend.load_checkpoint(folder)
+
     def save_final(self, path: str) -> None:
         trained = dict(self.backend.named_weights())  # a collective with several ranks
         if self.rank != 0:
@@ -404,6 +414,18 @@ class RemoteBackend:
 
     def save_final(self, path: str) -> None:
         ray_get([a.save_final.remote(path) for a in self.actors])
+
+
+class RemoteShardedBackend(RemoteBackend):
+    """:class:`RemoteBackend` of a backend with ``ShardedCheckpoints``: every rank writes
+    and reads its own shards in the checkpoint's folder (the actors and the driver share
+    the filesystem the run's output folder is on)."""
+
+    def save_checkpoint(self, folder: str) -> None:
+        ray_get([a.save_checkpoint.remote(folder) for a in self.actors])
+
+    def load_checkpoint(self, folder: str) -> None:
+        ray_get([a.load_checkpoint.remote(folder) for a in self.actors])
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -665,7 +687,8 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
         data_parallel = str(getattr(request.backend.config, "data_parallel", "none")) != "none"
         dp_address = ray_get(backends[0].address.remote()) if ranks > 1 or data_parallel else None
         ray_get([b.start.remote(dp_address) for b in backends])
-        placement.backend = RemoteBackend(backends)
+        sharded = ray_get(backends[0].sharded_checkpoints.remote())
+        placement.backend = (RemoteShardedBackend if sharded else RemoteBackend)(backends)
         if request.engine is not None:
             # In-flight updates: a sync runs in a second thread of the actor beside the generate
             # call in progress; the engine applies it between two forwards.

@@ -27,23 +27,33 @@ VERSION = 1
 _EXTRA = "._extra_state"  # the local layers' (empty) extra state: not saved, not expected
 
 
-def _cpu_writes() -> None:
-    """megatron-core's writer copies each tensor to the CPU with ``non_blocking=True`` and
-    then calls ``torch.cuda.synchronize()``, which raises without CUDA. On such a machine
-    the copies are made blocking (nothing to wait for); a machine with CUDA is left alone."""
-    if torch.cuda.is_available():
-        return
+def _writer_shims() -> None:
+    """Two changes to megatron-core's file writer, for the synchronous saves this backend
+    makes (installed once per process):
+
+    - its write results go through an in-process queue. megatron-core makes that queue
+      with a multiprocessing Manager, a server process per training process that outlives
+      it whenever the process does not exit through Python's exit handlers (a Ray actor
+      killed at the end of a job, a rank that ends with ``os._exit``): each run would leave
+      one behind. A synchronous save writes and reads the results in the calling process.
+    - on a machine without CUDA, it copies each tensor to the CPU with
+      ``non_blocking=True`` and then calls ``torch.cuda.synchronize()``, which raises there:
+      the copies are made blocking instead (nothing to wait for)."""
+    import queue
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    preload = fa.FileSystemWriterAsync.preload_tensors
-    if getattr(preload, "_skyrl_cpu", False):
+    if getattr(fa, "_skyrl_shims", False):
         return
+    fa._get_write_results_queue = queue.Queue
+    if not torch.cuda.is_available():
+        preload = fa.FileSystemWriterAsync.preload_tensors
 
-    def blocking(write_buckets: Any, non_blocking: bool = True) -> Any:
-        return preload(write_buckets, False)
+        def blocking(write_buckets: Any, non_blocking: bool = True) -> Any:
+            return preload(write_buckets, False)
 
-    blocking._skyrl_cpu = True  # type: ignore[attr-defined]
-    fa.FileSystemWriterAsync.preload_tensors = staticmethod(blocking)
+        fa.FileSystemWriterAsync.preload_tensors = staticmethod(blocking)
+    fa._skyrl_shims = True
 
 
 def _every_state(optimizer: torch.optim.Optimizer) -> None:
@@ -110,7 +120,7 @@ def save(backend: Any, folder: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    _cpu_writes()
+    _writer_shims()
     state, keys = _sharded(backend)
     steps = {keys[i]: float(s["step"]) for i, s in backend.optimizer.state_dict()["state"].items()}
     everyone: list[Any] = [None] * dist.get_world_size()

@@ -150,6 +150,10 @@ def resharded(rank: int, world: int, mode: str, folder: str, action: str) -> dic
         for step in range(2):
             _step(be, mode, rank, world, step)
         be.save_checkpoint(folder)
+        import multiprocessing
+
+        left = [p.name for p in multiprocessing.active_children()]  # (the writer's processes are done)
+        assert not left, left
     else:
         be.load_checkpoint(folder)
     metrics = [_step(be, mode, rank, world, step) for step in (2, 3)]

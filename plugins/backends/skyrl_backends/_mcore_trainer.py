@@ -17,7 +17,9 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
 - a quantizing precision computes with the weights the engine is served
   (``skyrl_backends._mcore_precision``);
 - tensor parallelism runs with megatron-core's sequence parallelism (its MoE layers need
-  it): :meth:`MegatronBackend._clip_gradients` sums the unsplit weights' gradients;
+  it): :meth:`MegatronBackend._clip_gradients` sums the unsplit weights' gradients; the
+  ranks form ``world / tensor_parallel`` data-parallel replicas (the train step reduces
+  over megatron-core's data-parallel group, the gradients are summed over it);
 - weights leave with Hugging Face names (``named_weights``: ``mcore_to_hf``), so every
   transport, engine and the final Hugging Face folder work unchanged;
 - checkpoints are megatron-core distributed checkpoints (``save_checkpoint`` /
@@ -177,8 +179,9 @@ _TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "li
 
 
 class MegatronBackend(TorchBackend):
-    """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or one model
-    over ``tensor_parallel`` or ``expert_parallel`` processes."""
+    """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or a model
+    over ``tensor_parallel`` or ``expert_parallel`` processes, in ``world / tensor_parallel``
+    data-parallel replicas."""
 
     owns_weights = True  # (OwnWeights: megatron-core's tensors, never the loaded model's)
 
@@ -190,6 +193,7 @@ class MegatronBackend(TorchBackend):
         self._mp: Any = None  # MegatronPrecision with a quantizing precision
         self._fq: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, quantized weights)
         self._loads = 0  # load_state_dict calls (a part of the weights' version)
+        self._dp_rank = 0  # this rank's model replica (data-parallel index)
 
     def _fake_weights(self) -> dict[str, torch.Tensor]:
         """This rank's quantized megatron-core weights as the engine serves them, made again
@@ -230,14 +234,20 @@ class MegatronBackend(TorchBackend):
         if ep > 1 and self.arch.experts % ep:
             raise UserError(f"[backend] expert_parallel = {ep} must divide the experts ({self.arch.experts})")
         self.rank, world = ensure_parallel_state(tp, ep, self.device, seed)
-        if world != tp * ep:
-            raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} needs exactly that many trainer "
+        if world % (tp * ep):
+            raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} must divide the trainer "
                             f"processes, found {world}")
-        # Expert parallelism spreads the experts over data-parallel ranks: each trains on its own
-        # share of the batch, as the torch backend's data parallel does (the normalisers and
-        # metrics reduce over the ranks; the dense weights' gradients are summed by _clip_gradients).
-        # Tensor-parallel ranks all see the whole batch.
-        self._dp, self.world = ep > 1, ep
+        # The ranks form world / tp data-parallel replicas of the model, each training on its own
+        # share of the batch, as the torch backend's data parallel does (the normalisers and metrics
+        # reduce over the data-parallel group; _clip_gradients sums the gradients over it).
+        # Tensor-parallel ranks of one replica all see its whole share. Expert parallelism carves
+        # its groups out of the data-parallel ranks: each of those holds experts / ep experts.
+        from megatron.core import parallel_state
+
+        dp = world // tp
+        self._dp, self.world = dp > 1, dp
+        self._dp_group = parallel_state.get_data_parallel_group() if dp > 1 else None
+        self._dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
         torch.manual_seed(seed)
         hf = {k: v.detach().to(self.device, torch.float32) for k, v in loaded.model.state_dict().items()}
         weights = hf_to_mcore(self.arch, hf)
@@ -301,8 +311,8 @@ class MegatronBackend(TorchBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        tp, ep = self.config.tensor_parallel, self.config.expert_parallel
-        if tp * ep == 1:
+        tp, ep, dp = self.config.tensor_parallel, self.config.expert_parallel, self.world
+        if tp * ep * dp == 1:
             return super()._clip_gradients(max_norm)
         named = [(k, p) for k, p in self.module.named_parameters() if p.grad is not None]
         if tp > 1:
@@ -314,11 +324,16 @@ class MegatronBackend(TorchBackend):
             for name, p in named:
                 if not any(part in name for part in _TP_SPLIT):
                     dist.all_reduce(p.grad, group=group)
-        if ep > 1:
+        if dp > 1:
+            # The replicas' gradients summed (the loss is normalised by the global counts); an
+            # expert's only over the ranks holding that expert (the expert-data-parallel group).
             group = parallel_state.get_data_parallel_group()
+            expert_group = parallel_state.get_expert_data_parallel_group() if dp > ep else None
             for name, p in named:
                 if ".experts." not in name:
                     dist.all_reduce(p.grad, group=group)
+                elif expert_group is not None:
+                    dist.all_reduce(p.grad, group=expert_group)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         split, replicated = zero.clone(), zero.clone()
         for name, p in named:
@@ -327,8 +342,12 @@ class MegatronBackend(TorchBackend):
                 split += sq
             else:
                 replicated += sq
-        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else parallel_state.get_data_parallel_group()
-        dist.all_reduce(split, group=group)
+        # (the split weights' squares over the ranks that split them: tensor-parallel shards, or the
+        # expert-parallel group's experts; every replica holds the same summed gradients)
+        if tp > 1:
+            dist.all_reduce(split, group=parallel_state.get_tensor_model_parallel_group())
+        elif ep > 1:
+            dist.all_reduce(split, group=parallel_state.get_expert_model_parallel_group())
         norm = (split + replicated).sqrt()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
@@ -423,28 +442,32 @@ class MegatronBackend(TorchBackend):
             raise RuntimeError("named_weights before start()")
         own = weights_of(self.module)
         tp, ep = self.config.tensor_parallel, self.config.expert_parallel
-        if tp * ep == 1:
+        if tp * ep * self.world == 1:
             return iter(list(mcore_to_hf(self.arch, [own]).items()))
         import torch.distributed as dist
 
-        gathered: list[Any] = [None] * (tp * ep)
-        dist.all_gather_object(gathered, {k: v.cpu() for k, v in own.items()})
+        # The first replica's ranks (the first tp x ep: megatron-core's rank order puts the
+        # tensor- and expert-parallel ranks innermost) send their shards, the others nothing.
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {k: v.cpu() for k, v in own.items()} if self.rank < tp * ep else {})
+        gathered = gathered[: tp * ep]
+        if tp * ep == 1:
+            return iter(list(mcore_to_hf(self.arch, gathered).items()))
         if tp > 1:
             return iter(list(mcore_to_hf(self.arch, gathered).items()))
         return iter(list(mcore_to_hf(self.arch, [gathered[0]], experts=[[g] for g in gathered]).items()))
 
     def data_parallel(self) -> tuple[int, int]:
-        """(this rank's data-parallel index, the data-parallel size): tensor-parallel ranks
-        train on the same data (size 1), expert-parallel ranks each on its share."""
-        if self.config.expert_parallel > 1:
-            return self.rank, self.config.expert_parallel
-        return 0, 1
+        """(this rank's data-parallel index, the data-parallel size): the tensor-parallel
+        ranks of one model replica train on the same data, each replica (and each
+        expert-parallel rank) on its own share."""
+        return (self._dp_rank, self.world) if self.world > 1 else (0, 1)
 
     def state_dict(self) -> Mapping[str, Any]:
         """One process: the torch backend's state (model by megatron-core names, AdamW,
         schedule, steps). Under tensor or expert parallelism a collective: rank 0 gets every
         rank's own state (``"ranks"``, in rank order), the others an empty dict."""
-        if self.config.tensor_parallel * self.config.expert_parallel == 1:
+        if self.config.tensor_parallel * self.config.expert_parallel * self.world == 1:
             return super().state_dict()
         import torch.distributed as dist
 
@@ -465,7 +488,7 @@ class MegatronBackend(TorchBackend):
         """Restore a :meth:`state_dict`; under tensor or expert parallelism every rank calls
         it and rank 0's state (the others may pass ``{}``) gives each rank its own part."""
         self._loads += 1
-        if self.config.tensor_parallel * self.config.expert_parallel == 1:
+        if self.config.tensor_parallel * self.config.expert_parallel * self.world == 1:
             if "ranks" in state:
                 raise ValueError(f"the checkpoint was written by {len(state['ranks'])} megatron ranks "
                                  f"({state.get('layout')}); this backend runs on one process")
@@ -475,7 +498,7 @@ class MegatronBackend(TorchBackend):
         box = [state if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         full = box[0] or {}
-        if "ranks" not in full or full.get("layout") != self._layout():
+        if "ranks" not in full or full.get("layout") != self._layout() or len(full["ranks"]) != dist.get_world_size():
             raise ValueError(f"the checkpoint was written with megatron layout {full.get('layout', 'one process')}, "
                              f"this backend runs {self._layout()}: [backend] tensor_parallel and expert_parallel must "
                              "match the run being resumed")
@@ -498,7 +521,9 @@ class MegatronBackend(TorchBackend):
         _mcore_checkpoint.load(self, folder)
 
     def _layout(self) -> dict[str, int]:
-        return {"tensor_parallel": self.config.tensor_parallel, "expert_parallel": self.config.expert_parallel}
+        layout = {"tensor_parallel": self.config.tensor_parallel, "expert_parallel": self.config.expert_parallel}
+        replicas = self.world // self.config.expert_parallel if self.config.expert_parallel > 1 else self.world
+        return {**layout, "data_parallel": replicas} if replicas > 1 else layout
 
     def local_weights(self) -> Iterator[tuple[str, Any]]:
         """Every rank's full weights (:meth:`named_weights`; shards by name are not served yet)."""

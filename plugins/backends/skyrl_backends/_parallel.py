@@ -111,9 +111,9 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device) -> Any:
     )
 
 
-def all_reduce(t: torch.Tensor, op: Any, *, device: torch.device) -> torch.Tensor:
-    """``t`` reduced over the ranks with ``op`` (default: sum), on ``t``'s device
-    (communicated from ``device`` under NCCL, from the CPU under gloo)."""
-    comm = t.to(device) if dist.get_backend() == "nccl" else t.cpu()
-    dist.all_reduce(comm, op=op or dist.ReduceOp.SUM)
+def all_reduce(t: torch.Tensor, op: Any, *, device: torch.device, group: Any = None) -> torch.Tensor:
+    """``t`` reduced over the ranks of ``group`` (default: all) with ``op`` (default: sum),
+    on ``t``'s device (communicated from ``device`` under NCCL, from the CPU under gloo)."""
+    comm = t.to(device) if dist.get_backend(group) == "nccl" else t.cpu()
+    dist.all_reduce(comm, op=op or dist.ReduceOp.SUM, group=group)
     return comm.to(t.device)

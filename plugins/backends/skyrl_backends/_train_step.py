@@ -46,11 +46,11 @@ def _to_float(v: Any) -> float:
 
 def _reduce_metrics(
     sums: Mapping[str, torch.Tensor], algo_sums: Mapping[str, torch.Tensor], maxes: Mapping[str, torch.Tensor],
-    world: int,
+    world: int, group: Any = None,
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """The step's metrics over the ``world`` ranks (a collective when ``world > 1``):
-    the sums and the algorithm's sums added, the maxima maxed. (The key sets may
-    differ between ranks: they are gathered, not all-reduced.)"""
+    """The step's metrics over the ``world`` ranks of ``group`` (default: every rank; a
+    collective when ``world > 1``): the sums and the algorithm's sums added, the maxima
+    maxed. (The key sets may differ between ranks: they are gathered, not all-reduced.)"""
     local_metrics = {
         "sums": {k: float(v) for k, v in sums.items()},
         "algo": {k: float(v) for k, v in algo_sums.items()},
@@ -59,7 +59,7 @@ def _reduce_metrics(
     gathered = [local_metrics]
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, local_metrics)
+        dist.all_gather_object(gathered, local_metrics, group=group)
     tot: dict[str, float] = {}
     algo: dict[str, float] = {}
     mx: dict[str, float] = {}
@@ -242,7 +242,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)  # free the gradients until the next step
         self.steps += 1
 
-        tot, algo, mx = _reduce_metrics(sums, algo_sums, maxes, self.world if self._dp else 1)
+        tot, algo, mx = _reduce_metrics(sums, algo_sums, maxes, self.world if self._dp else 1, self._dp_group)
         n_loss = float(totals[active, 0].sum()) if active else 0.0
         per_tok = max(n_loss, 1.0)
         elapsed = time.perf_counter() - t0

@@ -56,6 +56,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self._mesh: Any = None
         self._dp = False
         self.rank, self.world = 0, 1
+        self._dp_group: Any = None  # the data-parallel ranks' process group (None: every rank)
         self.device = torch.device("cpu")
         self.lora: Any = None  # LoraAdapters when lora_rank > 0
         self.precision: Any = None  # a Precision (start(precision=...)), fake-quantizing the forward
@@ -178,7 +179,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
         if self._dp and self.world > 1:
-            return _parallel.all_reduce(t, op, device=self.device)
+            return _parallel.all_reduce(t, op, device=self.device, group=self._dp_group)
         return t
 
     # -- packing -------------------------------------------------------------------

@@ -98,17 +98,17 @@ def check(spec: Any) -> list[tuple[str, str]]:
     if tp > 1 and ep > 1:
         problems.append(("backend.expert_parallel", f"tensor_parallel = {tp} with expert_parallel = {ep}: the two "
                          "together are not built yet; set one of them to 1"))
-    elif tp * ep != ranks:
-        key = "backend.tensor_parallel" if tp > 1 else "backend.expert_parallel" if ep > 1 else "cluster.trainer_ranks"
-        problems.append((key, f"the megatron backend runs one model over tensor_parallel x expert_parallel = {tp * ep} "
-                         f"trainer ranks, and [cluster] trainer_ranks = {ranks} (data parallelism over several model "
-                         "replicas is not built): make them equal"))
+    elif ranks % (tp * ep):
+        key = "backend.tensor_parallel" if tp > 1 else "backend.expert_parallel"
+        problems.append((key, f"the megatron backend runs [cluster] trainer_ranks / tensor_parallel data-parallel "
+                         f"replicas of the model, with expert_parallel ranks sharing the experts: tensor_parallel x "
+                         f"expert_parallel = {tp * ep} must divide trainer_ranks = {ranks}"))
     elif ep > 1 and (model := spec.plugins.get("model")) is not None and not isinstance(model, tuple) \
             and model_is_moe(model) is False:
         problems.append(("backend.expert_parallel", f"expert_parallel = {ep} spreads experts over ranks, and this "
                          "model has no MoE layers"))
     elif ranks > 1 and launcher != "ray":
-        problems.append(("cluster.launcher", f"tensor_parallel x expert_parallel = {ranks} ranks run as processes of "
+        problems.append(("cluster.launcher", f"trainer_ranks = {ranks} megatron ranks run as processes of "
                          "their own: set [cluster] launcher = \"ray\""))
     if getattr(spec.cluster, "launcher", "local") != "ray":
         problem = cuda_problem(cfg.device)

@@ -77,13 +77,15 @@ def random_routes(batch, be, seed: int):
 
 
 def train(rank: int, world: int, mode: str) -> dict:
-    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention) or "ep", with "+support" (the support strategy over random kept sets)
+    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention) or "ep", with "+support" (the support strategy over random kept sets),
+    "+r3" (random routes replayed), "+dp" (two data-parallel replicas, each over world / 2 ranks)
     and / or ":PRECISION" (a precision by its name), e.g. "tp+support:fp8"."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
     mode, _, precision = mode.partition(":")
     mode, support = mode.removesuffix("+support"), mode.endswith("+support")
     mode, r3 = mode.removesuffix("+r3"), mode.endswith("+r3")
+    mode, replicas = mode.removesuffix("+dp"), mode.endswith("+dp")
     from skyrl_host.plugins import build_host
 
     host = build_host()
@@ -102,7 +104,8 @@ def train(rank: int, world: int, mode: str) -> dict:
     # the weights' own quantization magnifies them, step after step; with fixed weights every
     # step compares the two layouts' quantized forward and backward afresh.
     options = dict(OPTIONS, lr=1e-9) if precision else OPTIONS
-    be = create(MegatronBackendConfig(**options, **{parallel: world}))
+    size = world // 2 if replicas and world > 1 else world  # "+dp": two data-parallel replicas, each over world / 2 ranks
+    be = create(MegatronBackendConfig(**options, **{parallel: size}))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
              reference=False, precision=precision or None, replay=replay)
     algo = tiny.TokenMean()
@@ -114,25 +117,29 @@ def train(rank: int, world: int, mode: str) -> dict:
         if r3:
             batch.side_channels["routed_experts"] = random_routes(batch, be, seed=step)
         adv = tiny.tiny_advantages(batch, seed=step)
-        if mode == "ep" and world > 1:  # each rank its half of the sequences
-            seqs = list(range(rank, batch.n_sequences, world))
-            idx = np.concatenate([np.arange(batch.cu_seqlens[s], batch.cu_seqlens[s + 1]) for s in seqs])
-            batch, adv = batch.select(seqs), adv[idx]
-        if mode.startswith("tp") or world == 1:  # (a forward of its own per rank: the ranks' counts differ under ep)
+        if mode.startswith("tp") or world == 1:  # (the whole batch; under ep each rank forwards its own share)
             lps.append(logprobs(be, batch))
-        metrics.append(be.train_step(batch, adv, algo, temperature=1.0, max_new_tokens=8))
+        metrics.append(be.train_step(*share(be, batch, adv), algo, temperature=1.0, max_new_tokens=8))
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None}
+
+
+def share(be, batch, adv):
+    """This rank's share of ``batch`` and its advantages, as the Ray launcher hands it out:
+    every ``data_parallel()`` index (a model replica, an expert-parallel rank) its own
+    sequences, the tensor-parallel ranks of one replica the same ones."""
+    index, size = be.data_parallel()
+    if size == 1:
+        return batch, adv
+    seqs = list(range(index, batch.n_sequences, size))
+    idx = np.concatenate([np.arange(batch.cu_seqlens[s], batch.cu_seqlens[s + 1]) for s in seqs])
+    return batch.select(seqs), adv[idx]
 
 
 def _step(be, mode: str, rank: int, world: int, step: int) -> dict:
     batch = tiny.tiny_batch(10 + step, n=8)
     adv = tiny.tiny_advantages(batch, seed=step)
-    if mode == "ep" and world > 1:  # each rank its half of the sequences
-        seqs = list(range(rank, batch.n_sequences, world))
-        idx = np.concatenate([np.arange(batch.cu_seqlens[s], batch.cu_seqlens[s + 1]) for s in seqs])
-        batch, adv = batch.select(seqs), adv[idx]
-    return be.train_step(batch, adv, tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
+    return be.train_step(*share(be, batch, adv), tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
 
 
 def resharded(rank: int, world: int, mode: str, folder: str, action: str) -> dict:

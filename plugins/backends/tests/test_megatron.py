@@ -508,11 +508,11 @@ def test_an_unmapped_model_is_refused_with_what_is_missing(skyrl_host) -> None:
 
 
 
-# -- tensor and expert parallelism across two gloo processes ------------------------------------
+# -- tensor, expert and data parallelism across gloo processes ------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8", "tp+support", "tp-mla", "tp-mla+r3"])
+@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8", "tp+support", "tp-mla", "tp-mla+r3", "tp+dp", "ep+dp"])
 def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     """tensor_parallel = 2 (dense, each rank the whole batch, a vocabulary-parallel head
     whose log-softmax reduces across the ranks) and expert_parallel = 2 (MoE, each rank
@@ -525,12 +525,15 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     each rank scores the kept ids in its vocabulary rows, the log-softmax's max and sums
     reduced over the ranks. DeepSeek-V3's attention and MoE layers under tensor (and
     sequence) parallelism, also replaying random routes with r3 (each rank its slice of
-    the sequence's)."""
+    the sequence's). Two data-parallel replicas of a TP = 2 model (4 ranks, each replica
+    half of the sequences) and of an EP = 2 model (4 ranks: the dense weights in four
+    replicas, each expert in two), their gradients summed over the replicas."""
     import pathlib
 
     from skyrl_host.testing import run_gloo_ranks
 
-    ranks = run_gloo_ranks(pathlib.Path(__file__).with_name("mcore_worker.py"), "train", 2, mode, timeout=240)
+    world = 4 if "+dp" in mode else 2
+    ranks = run_gloo_ranks(pathlib.Path(__file__).with_name("mcore_worker.py"), "train", world, mode, timeout=300)
     one = mcore_worker.train(0, 1, mode)
     for step, want in enumerate(one["metrics"]):
         for r in ranks:

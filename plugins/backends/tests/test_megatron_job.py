@@ -130,9 +130,10 @@ def test_async_mode_runs_with_the_default_shared_engine(skyrl_tiny_rl_job, skyrl
 
 
 @pytest.mark.parametrize("override, message", [
-    ("backend.tensor_parallel=2", "backend.tensor_parallel: the megatron backend runs one model over tensor_parallel x "
-     "expert_parallel = 2 trainer ranks, and [cluster] trainer_ranks = 1"),
-    ("backend.expert_parallel=2", "backend.expert_parallel: the megatron backend runs one model over"),
+    ("backend.tensor_parallel=2", "backend.tensor_parallel: the megatron backend runs [cluster] trainer_ranks / "
+     "tensor_parallel data-parallel replicas of the model, with expert_parallel ranks sharing the experts: "
+     "tensor_parallel x expert_parallel = 2 must divide trainer_ranks = 1"),
+    ("backend.expert_parallel=2", "backend.expert_parallel: the megatron backend runs [cluster] trainer_ranks / "),
     ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism is not built"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),
@@ -171,10 +172,11 @@ def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
 
 
 def megatron_job(make_job, tmp_path, name: str, *, parallel: dict | None = None, preset: str = "tiny", steps: int = 3,
-                 every: int = 0):
+                 every: int = 0, ranks: int | None = None):
     """The tiny rl job on the megatron backend: one process, or ``parallel`` ([backend]
-    tensor_parallel / expert_parallel) over as many Ray backend actors, delta in float32."""
-    ranks = max((parallel or {}).values(), default=1)
+    tensor_parallel / expert_parallel) over as many Ray backend actors (or ``ranks``: data-
+    parallel replicas), delta in float32."""
+    ranks = ranks or max((parallel or {}).values(), default=1)
     cluster = {"launcher": "ray", "trainer_ranks": ranks, "cpus_per_actor": 0.5} if parallel else {"launcher": "local"}
     sync = {"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights", "dtype": "float32"} if parallel else {
         "transport": "inproc"}
@@ -183,20 +185,28 @@ def megatron_job(make_job, tmp_path, name: str, *, parallel: dict | None = None,
                     weight_sync=sync, backend={"name": "megatron", "lr": 1e-3, **(parallel or {})})
 
 
-def test_tensor_parallel_ranks_in_ray_actors_train_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
+def test_tensor_and_data_parallel_ranks_in_ray_actors_train_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
                                                                     tmp_path) -> None:
     """[backend] tensor_parallel = 2 over two Ray backend actors (the launcher gives both
-    the whole batch): the one-process run's metrics up to float32 reduction order."""
+    the whole batch), and two data-parallel replicas of the model (trainer_ranks = 2,
+    tensor_parallel = 1: the launcher gives each half of the sequences, the gradients are
+    summed over them): the one-process run's metrics up to float32 reduction order; the
+    replicas' checkpoint is one model's (megatron-core writes each tensor once)."""
     runs = {}
-    for name, parallel in (("one", None), ("tp", {"tensor_parallel": 2})):
-        job = megatron_job(skyrl_tiny_rl_job, tmp_path, name, parallel=parallel)
+    for name, parallel, ranks in (("one", None, None), ("tp", {"tensor_parallel": 2}, None),
+                                  ("dp", {"tensor_parallel": 1}, 2)):
+        job = megatron_job(skyrl_tiny_rl_job, tmp_path, name, parallel=parallel, ranks=ranks, every=3)
         result = skyrl_cli("run", str(job.path))
         assert result.exit_code == 0, result.stderr[-3000:]
         runs[name] = [learning_metrics(r) for r in job.rows()]
-    assert len(runs["tp"]) == len(runs["one"]) == 3
-    for a, b in zip(runs["tp"], runs["one"]):
-        for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean", "sequences"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        shards = job.out / "checkpoints" / "step_000003" / "backend"
+        runs[name + " files"] = sorted(p.name.split("_")[2] for p in shards.glob("__*_*.distcp"))
+    assert len(runs["tp"]) == len(runs["one"]) == len(runs["dp"]) == 3
+    for name in ("tp", "dp"):
+        for a, b in zip(runs[name], runs["one"]):
+            for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean", "sequences"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+    assert set(runs["tp files"]) == {"0", "1"} and set(runs["dp files"]) == {"0"}, runs
 
 
 def test_expert_parallel_ranks_in_ray_actors_resume_exactly(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:

@@ -220,8 +220,6 @@ class MegatronBackend(TorchBackend):
         self.device = _parallel.pick_device(False, cfg.device)
         self.seed = seed
         tp, ep = cfg.tensor_parallel, cfg.expert_parallel
-        if tp > 1 and ep > 1:
-            raise UserError("[backend] tensor_parallel and expert_parallel > 1 together are not built yet; set one to 1")
         if ep > 1 and not self.arch.is_moe:
             raise UserError(f"[backend] expert_parallel = {ep} needs a mixture-of-experts model; this one is dense")
         if tp > 1 and (self.arch.vocab % tp or self.arch.groups % tp):
@@ -335,20 +333,23 @@ class MegatronBackend(TorchBackend):
                 elif expert_group is not None:
                     dist.all_reduce(p.grad, group=expert_group)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        split, replicated = zero.clone(), zero.clone()
+        split, experts, replicated = zero.clone(), zero.clone(), zero.clone()
         for name, p in named:
             sq = p.grad.detach().double().pow(2).sum()
-            if (tp > 1 and any(part in name for part in _TP_SPLIT)) or (ep > 1 and ".experts." in name):
+            if ".experts." in name and tp * ep > 1:
+                experts += sq
+            elif tp > 1 and any(part in name for part in _TP_SPLIT):
                 split += sq
             else:
                 replicated += sq
-        # (the split weights' squares over the ranks that split them: tensor-parallel shards, or the
-        # expert-parallel group's experts; every replica holds the same summed gradients)
+        # (the split weights' squares over the ranks that split them: the tensor-parallel shards over
+        # the tensor-parallel group, the experts over the ranks that split them by expert and by
+        # tensor parallelism; every replica holds the same summed gradients)
         if tp > 1:
             dist.all_reduce(split, group=parallel_state.get_tensor_model_parallel_group())
-        elif ep > 1:
-            dist.all_reduce(split, group=parallel_state.get_expert_model_parallel_group())
-        norm = (split + replicated).sqrt()
+        if tp * ep > 1:
+            dist.all_reduce(experts, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        norm = (split + experts + replicated).sqrt()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for _, p in named:
@@ -368,13 +369,13 @@ class MegatronBackend(TorchBackend):
             return
         import torch.distributed as dist
 
-        rows, R = mb.ids.shape
-        if tp > 1:  # sequence parallel: the ranks (all with this micro-batch) take R / tp slots each
-            rows2, R2 = rows, -(-R // tp) * tp
-        else:
+        rows2, R2 = rows, R = mb.ids.shape
+        if self.config.expert_parallel > 1:
             shape = torch.tensor([rows, R], dtype=torch.int64)
             dist.all_reduce(shape, op=dist.ReduceOp.MAX)
             rows2, R2 = int(shape[0]), int(shape[1])
+        if tp > 1:  # sequence parallel: the ranks (all with this micro-batch) take R / tp slots each
+            R2 = -(-R2 // tp) * tp
         if (rows2, R2) != (rows, R):
             ids = torch.zeros((rows2, R2), dtype=mb.ids.dtype, device=mb.ids.device)
             pos = torch.zeros((rows2, R2), dtype=mb.pos.dtype, device=mb.pos.device)
@@ -446,16 +447,18 @@ class MegatronBackend(TorchBackend):
             return iter(list(mcore_to_hf(self.arch, [own]).items()))
         import torch.distributed as dist
 
-        # The first replica's ranks (the first tp x ep: megatron-core's rank order puts the
-        # tensor- and expert-parallel ranks innermost) send their shards, the others nothing.
+        from megatron.core import parallel_state
+
+        # One copy of each (tensor-parallel rank, expert-parallel rank)'s shards: the ranks of the
+        # first expert-data-parallel replica send theirs, tagged with their coordinates.
+        coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank())
+        first = parallel_state.get_expert_data_parallel_rank() == 0
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {k: v.cpu() for k, v in own.items()} if self.rank < tp * ep else {})
-        gathered = gathered[: tp * ep]
-        if tp * ep == 1:
-            return iter(list(mcore_to_hf(self.arch, gathered).items()))
-        if tp > 1:
-            return iter(list(mcore_to_hf(self.arch, gathered).items()))
-        return iter(list(mcore_to_hf(self.arch, [gathered[0]], experts=[[g] for g in gathered]).items()))
+        dist.all_gather_object(gathered, (coords, {k: v.cpu() for k, v in own.items()}) if first else None)
+        by = {c: sd for c, sd in (g for g in gathered if g is not None)}
+        shards = [by[(t, 0)] for t in range(tp)]
+        experts = [[by[(t, e)] for t in range(tp)] for e in range(ep)] if ep > 1 else None
+        return iter(list(mcore_to_hf(self.arch, shards, experts=experts).items()))
 
     def data_parallel(self) -> tuple[int, int]:
         """(this rank's data-parallel index, the data-parallel size): the tensor-parallel

@@ -95,10 +95,7 @@ def check(spec: Any) -> list[tuple[str, str]]:
     tp, ep = cfg.tensor_parallel, cfg.expert_parallel
     ranks = spec.cluster.trainer_ranks
     launcher = getattr(spec.cluster, "launcher", "local")
-    if tp > 1 and ep > 1:
-        problems.append(("backend.expert_parallel", f"tensor_parallel = {tp} with expert_parallel = {ep}: the two "
-                         "together are not built yet; set one of them to 1"))
-    elif ranks % (tp * ep):
+    if ranks % (tp * ep):
         key = "backend.tensor_parallel" if tp > 1 else "backend.expert_parallel"
         problems.append((key, f"the megatron backend runs [cluster] trainer_ranks / tensor_parallel data-parallel "
                          f"replicas of the model, with expert_parallel ranks sharing the experts: tensor_parallel x "

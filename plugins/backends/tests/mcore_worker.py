@@ -47,6 +47,15 @@ def model(mode: str):
     return Qwen3MoeForCausalLM(cfg)
 
 
+def sizes(mode: str, world: int, replicas: bool = False) -> dict:
+    """[backend] parallel sizes of ``mode`` over ``world`` ranks (``replicas``: two data-parallel
+    replicas, each over world / 2 ranks); "tp-ep": tensor_parallel = 2, expert_parallel = world / 2."""
+    if mode == "tp-ep":
+        return {"tensor_parallel": 2, "expert_parallel": world // 2} if world > 1 else {}
+    key = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
+    return {key: world // 2 if replicas and world > 1 else world}
+
+
 def logprobs(be, batch) -> np.ndarray:
     out = np.zeros(batch.n_tokens, dtype=np.float32)
     with torch.no_grad():
@@ -77,7 +86,7 @@ def random_routes(batch, be, seed: int):
 
 
 def train(rank: int, world: int, mode: str) -> dict:
-    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention) or "ep", with "+support" (the support strategy over random kept sets),
+    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention), "ep" or "tp-ep" (both, 4 ranks), with "+support" (the support strategy over random kept sets),
     "+r3" (random routes replayed), "+dp" (two data-parallel replicas, each over world / 2 ranks)
     and / or ":PRECISION" (a precision by its name), e.g. "tp+support:fp8"."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
@@ -98,14 +107,12 @@ def train(rank: int, world: int, mode: str) -> dict:
         replay = [reg.create(reg.config(chunk=20))]  # (chunks smaller than a batch's pairs)
     if r3:
         replay = [host.registry.get("replay_strategies", "r3").create(None)]
-    parallel = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
     # With a precision the weights stay put (lr 1e-9): the layouts' float32 round-off now and then
     # moves an activation across an e4m3 rounding boundary, Adam turns that into weight gaps and
     # the weights' own quantization magnifies them, step after step; with fixed weights every
     # step compares the two layouts' quantized forward and backward afresh.
     options = dict(OPTIONS, lr=1e-9) if precision else OPTIONS
-    size = world // 2 if replicas and world > 1 else world  # "+dp": two data-parallel replicas, each over world / 2 ranks
-    be = create(MegatronBackendConfig(**options, **{parallel: size}))
+    be = create(MegatronBackendConfig(**options, **sizes(mode, world, replicas)))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
              reference=False, precision=precision or None, replay=replay)
     algo = tiny.TokenMean()
@@ -121,7 +128,8 @@ def train(rank: int, world: int, mode: str) -> dict:
             lps.append(logprobs(be, batch))
         metrics.append(be.train_step(*share(be, batch, adv), algo, temperature=1.0, max_new_tokens=8))
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
-    return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None}
+    return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None, "layout": be._layout(),
+            "data_parallel": be.data_parallel()}
 
 
 def share(be, batch, adv):
@@ -149,8 +157,7 @@ def resharded(rank: int, world: int, mode: str, folder: str, action: str) -> dic
     Returns the two steps' metrics and (rank 0) the full weights after them."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
-    parallel = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
-    be = create(MegatronBackendConfig(**OPTIONS, **{parallel: world}))
+    be = create(MegatronBackendConfig(**OPTIONS, **sizes(mode, world)))
     be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=4,
              reference=False, precision=None, replay=[])
     if action == "save":

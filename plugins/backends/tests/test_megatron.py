@@ -512,7 +512,7 @@ def test_an_unmapped_model_is_refused_with_what_is_missing(skyrl_host) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8", "tp+support", "tp-mla", "tp-mla+r3", "tp+dp", "ep+dp"])
+@pytest.mark.parametrize("mode", ["tp", "ep", "tp:fp8", "ep:mxfp8", "tp+support", "tp-mla", "tp-mla+r3", "tp+dp", "ep+dp", "tp-ep"])
 def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     """tensor_parallel = 2 (dense, each rank the whole batch, a vocabulary-parallel head
     whose log-softmax reduces across the ranks) and expert_parallel = 2 (MoE, each rank
@@ -527,14 +527,22 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     sequence) parallelism, also replaying random routes with r3 (each rank its slice of
     the sequence's). Two data-parallel replicas of a TP = 2 model (4 ranks, each replica
     half of the sequences) and of an EP = 2 model (4 ranks: the dense weights in four
-    replicas, each expert in two), their gradients summed over the replicas."""
+    replicas, each expert in two), their gradients summed over the replicas. TP = 2 and
+    EP = 2 together (4 ranks: each expert-parallel rank half of the sequences and of the
+    experts, each expert split over the tensor-parallel pair)."""
     import pathlib
 
     from skyrl_host.testing import run_gloo_ranks
 
-    world = 4 if "+dp" in mode else 2
+    world = 4 if "+dp" in mode or mode == "tp-ep" else 2
     ranks = run_gloo_ranks(pathlib.Path(__file__).with_name("mcore_worker.py"), "train", world, mode, timeout=300)
     one = mcore_worker.train(0, 1, mode)
+    layouts = {"tp+dp": ({"tensor_parallel": 2, "expert_parallel": 1, "data_parallel": 2}, [(0, 2), (0, 2), (1, 2), (1, 2)]),
+               "ep+dp": ({"tensor_parallel": 1, "expert_parallel": 2, "data_parallel": 2}, [(0, 4), (1, 4), (2, 4), (3, 4)]),
+               "tp-ep": ({"tensor_parallel": 2, "expert_parallel": 2}, [(0, 2), (0, 2), (1, 2), (1, 2)])}
+    if mode in layouts:  # (the layout each rank runs, and its data-parallel share)
+        assert [r["layout"] for r in ranks] == [layouts[mode][0]] * 4
+        assert [tuple(r["data_parallel"]) for r in ranks] == layouts[mode][1]
     for step, want in enumerate(one["metrics"]):
         for r in ranks:
             # (grad_norm to 1e-4: the one process's clip_grad_norm_ sums squares in float32,
@@ -559,11 +567,12 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, written, read", [("tp", 2, 1), ("ep", 1, 2)])
+@pytest.mark.parametrize("mode, written, read", [("tp", 2, 1), ("ep", 1, 2), ("tp-ep", 4, 2)])
 def test_a_distributed_checkpoint_resumes_under_another_layout(mode: str, written: int, read: int, tmp_path) -> None:
     """megatron-core's distributed checkpointing: a checkpoint written by ``written``
-    processes (tensor_parallel = 2, or one process) is read by ``read`` processes (one, or
-    expert_parallel = 2), each rank its own part of every whole tensor; steps 3 and 4
+    processes (tensor_parallel = 2, one process, or TP = 2 with EP = 2) is read by ``read``
+    processes (one, expert_parallel = 2, or TP = 2 alone), each rank its own part of every
+    whole tensor; steps 3 and 4
     after it equal the uninterrupted run's (to the float32 round-off between layouts, which
     the parity test bounds): the weights, AdamW's moments and steps, and the schedule."""
     import pathlib

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -38,6 +38,10 @@ NOT_BUILT = {
 @attrs.frozen
 class MegatronBackendConfig(TrainerOptions):
     """Options of ``[backend]`` when ``name = "megatron"``."""
+
+    # (read at validate time: the backend trains megatron-core tensors of its own, never the
+    # loaded model's, so a one-process engine sharing the loaded model may take any wire dtype)
+    owns_weights: ClassVar[bool] = True
 
     tensor_parallel: int = option(1, help="tensor-parallel size (megatron-core's TP)", validator=ge(1))
     pipeline_parallel: int = option(1, help="pipeline-parallel size (megatron-core's PP)", validator=ge(1))

@@ -145,6 +145,28 @@ def test_validate_refuses_what_the_backend_cannot_run(skyrl_cli, override: str, 
     assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
 
 
+def test_a_one_process_engine_may_take_any_wire_dtype(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """The engine sharing the loaded model's tensors does not share the megatron trainer's
+    (OwnWeights): delta and nixl may ship bfloat16 into it, where the torch backend's job
+    is refused (the torch backend trains the shared tensors)."""
+    for transport in ("delta", "nixl"):
+        sync = {"transport": transport, "dtype": "bfloat16"}
+        if transport == "delta":
+            sync["uri"] = f"file://{tmp_path}/weights"
+        job = skyrl_tiny_rl_job(tmp_path, transport, engine={"dtype": "auto"}, weight_sync=sync,
+                                backend={"name": "megatron"}, job={"steps": 2})
+        result = skyrl_cli("validate", str(job.path))
+        assert result.exit_code == 0, result.stderr
+        if transport == "delta":  # and the job runs: the engine computes with the bfloat16-rounded weights
+            result = skyrl_cli("run", str(job.path))
+            assert result.exit_code == 0, result.stderr[-3000:]
+            rows = job.rows()
+            assert [r["step"] for r in rows] == [1, 2] and 1e-6 < rows[-1]["logprob_diff_max"] < 0.5, rows
+        torch_path = skyrl_tiny_rl_job(tmp_path, transport + "-torch", engine={"dtype": "auto"}, weight_sync=sync).path
+        result = skyrl_cli("validate", str(torch_path))
+        assert result.exit_code == 2 and f"the {transport} transport ships bfloat16 weights" in result.stderr
+
+
 def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
     """A Hugging Face folder whose config.json asks for a RoPE scaling the backend does not map
     (llama3's) is refused at validate time."""

@@ -23,9 +23,14 @@ def weights_to_serve(backend: Any) -> Iterable[tuple[str, Any]]:
 def wire_dtype_problem(spec: Any, transport_name: str, hint: str = "") -> list[tuple[str, str]]:
     """A one-process job whose engine serves the trainer's own tensors (the model's dtype)
     must not be handed weights in another wire dtype: they would overwrite the trainer's.
-    The (key, message) pair naming it, or nothing."""
+    A backend whose config class says ``owns_weights = True`` (it trains tensors of its own
+    making, never the loaded model's: ``OwnWeights``) leaves the engine the loaded model's
+    tensors, which any dtype may overwrite. The (key, message) pair naming it, or nothing."""
     transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
     if transport is None or engine is None or model is None or spec.cluster.launcher != "local":
+        return []
+    backend = spec.plugins.get("backend")
+    if backend is not None and not isinstance(backend, tuple) and getattr(backend.config, "owns_weights", False):
         return []
     model_dtype = getattr(model.config, "dtype", None)
     engine_dtype = getattr(engine.config, "dtype", None)

@@ -6,10 +6,12 @@ JSON object; exits 2 at once without a CUDA device.
 
 1. ``pytest plugins/backends/tests/test_megatron.py``: with ``device = "auto"`` both backends
    and the engine run on the GPU there (torch vs megatron, fp32: 10 steps within 1e-5, MoE,
-   recompute, r3 through megatron-core's RouterReplay, support, resume);
+   recompute, r3 through megatron-core's RouterReplay, support, resume, the distributed
+   checkpoint);
 2. ``benchmarks/megatron_step.py --models tiny-moe,qwen3-2l``: step time megatron / torch;
 3. ``skyrl run examples/quickstart.toml`` with ``backend.name = "megatron"`` and both
-   devices ``cuda``, 200 steps: reward, engine/trainer gap, step time.
+   devices ``cuda``, 200 steps: reward, engine/trainer gap, step time, a distributed
+   checkpoint every 100 steps.
 
 TransformerEngine: reported (``transformer_engine`` importable or not). The backend builds
 megatron-core's local (TransformerEngine-free) layers either way; TE layer specs are not
@@ -75,7 +77,7 @@ def main() -> int:
         out_dir = pathlib.Path(tmp) / "quickstart"
         skyrl = str(pathlib.Path(py).with_name("skyrl"))
         cmd = [skyrl, "run", "examples/quickstart.toml", "--set", "backend.name=\"megatron\"", "--set", "job.steps=200",
-               "--set", "backend.device=\"cuda\"", "--set", "engine.device=\"cuda\"", "--set", "job.checkpoint_every=0",
+               "--set", "backend.device=\"cuda\"", "--set", "engine.device=\"cuda\"", "--set", "job.checkpoint_every=100",
                "--set", f"job.output_dir=\"{out_dir}\""]
         rc, out, err, wall = run(cmd, max(20.0, left()))
         entry = {"ok": rc == 0, "wall_s": wall}
@@ -86,6 +88,10 @@ def main() -> int:
                          reward_last10=statistics.mean(r["reward_mean"] for r in rows[-10:]),
                          logprob_diff_max=max(r["logprob_diff_max"] for r in rows),
                          median_step_s=statistics.median(r["step_time"] for r in rows))
+            # the megatron-core distributed checkpoints written on CUDA (steps 100 and 200)
+            shards = sorted((out_dir / "checkpoints").glob("step_*/backend/*.distcp"))
+            entry["checkpoint_files"] = len(shards)
+            entry["ok"] = bool(shards)
         else:
             entry["error"] = err[-1500:]
         report["checks"]["quickstart_megatron_cuda"] = entry

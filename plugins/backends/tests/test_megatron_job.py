@@ -199,7 +199,9 @@ def megatron_job(make_job, tmp_path, name: str, *, parallel: dict | None = None,
     tensor_parallel / expert_parallel) over as many Ray backend actors (or ``ranks``: data-
     parallel replicas), delta in float32."""
     ranks = ranks or max((parallel or {}).values(), default=1)
-    cluster = {"launcher": "ray", "trainer_ranks": ranks, "cpus_per_actor": 0.5} if parallel else {"launcher": "local"}
+    # (an engine actor beside the backend actors in the Ray session's 2 CPUs)
+    cpus = 0.5 if ranks < 4 else 0.4
+    cluster = {"launcher": "ray", "trainer_ranks": ranks, "cpus_per_actor": cpus} if parallel else {"launcher": "local"}
     sync = {"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights", "dtype": "float32"} if parallel else {
         "transport": "inproc"}
     return make_job(tmp_path, name, job={"steps": steps, "checkpoint_every": every, "output_dir": tmp_path / f"{name}_out"},
@@ -229,6 +231,23 @@ def test_tensor_and_data_parallel_ranks_in_ray_actors_train_like_one_process(sky
             for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean", "sequences"):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
     assert set(runs["tp files"]) == {"0", "1"} and set(runs["dp files"]) == {"0"}, runs
+
+
+def test_tensor_and_expert_parallel_together_in_four_ray_actors_train_like_one_process(
+        skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """tensor_parallel = 2 with expert_parallel = 2 over four Ray backend actors on tiny-moe
+    (each expert-parallel rank half of the sequences and of the experts, each expert split
+    over a tensor-parallel pair): the one-process run's metrics up to float32 reduction order."""
+    runs = {}
+    for name, parallel, ranks in (("one", None, None), ("tpep", {"tensor_parallel": 2, "expert_parallel": 2}, 4)):
+        job = megatron_job(skyrl_tiny_rl_job, tmp_path, name, parallel=parallel, ranks=ranks, preset="tiny-moe")
+        result = skyrl_cli("run", str(job.path))
+        assert result.exit_code == 0, result.stderr[-3000:]
+        runs[name] = [learning_metrics(r) for r in job.rows()]
+    assert len(runs["tpep"]) == len(runs["one"]) == 3
+    for a, b in zip(runs["tpep"], runs["one"]):
+        for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean", "sequences"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
 def test_expert_parallel_ranks_in_ray_actors_resume_exactly(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:

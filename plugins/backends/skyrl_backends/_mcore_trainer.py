@@ -194,6 +194,8 @@ class MegatronBackend(TorchBackend):
         self._fq: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, quantized weights)
         self._loads = 0  # load_state_dict calls (a part of the weights' version)
         self._dp_rank = 0  # this rank's model replica (data-parallel index)
+        self._gathers = 0  # full-weight gathers across the ranks (named_weights under model parallelism)
+        self._gathered: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, the last gather)
 
     def _fake_weights(self) -> dict[str, torch.Tensor]:
         """This rank's quantized megatron-core weights as the engine serves them, made again
@@ -201,9 +203,13 @@ class MegatronBackend(TorchBackend):
         every rank's first forward after a change)."""
         version = (self.steps, self._loads)
         if self._fq is None or self._fq[0] != version:
+            # The weight sync after the step has usually gathered this version already: reuse it.
+            gathered = self._gathered[1] if self._gathered is not None and self._gathered[0] == version else None
+            self._gathered = None
             with torch.no_grad():
-                fake = self._mp.fake(dict(self.named_weights()))
+                fake = self._mp.fake(gathered if gathered is not None else dict(self.named_weights()))
             self._fq = (version, {k: v.to(self.device) for k, v in fake.items()})
+            self._gathered = None
         return self._fq[1]
 
     def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = (),
@@ -458,7 +464,11 @@ class MegatronBackend(TorchBackend):
         by = {c: sd for c, sd in (g for g in gathered if g is not None)}
         shards = [by[(t, 0)] for t in range(tp)]
         experts = [[by[(t, e)] for t in range(tp)] for e in range(ep)] if ep > 1 else None
-        return iter(list(mcore_to_hf(self.arch, shards, experts=experts).items()))
+        full = mcore_to_hf(self.arch, shards, experts=experts)
+        self._gathers += 1
+        if self._mp is not None:  # kept until the next forward quantizes this version (_fake_weights)
+            self._gathered = ((self.steps, self._loads), full)
+        return iter(list(full.items()))
 
     def data_parallel(self) -> tuple[int, int]:
         """(this rank's data-parallel index, the data-parallel size): the tensor-parallel

@@ -127,9 +127,12 @@ def train(rank: int, world: int, mode: str) -> dict:
         if mode.startswith("tp") or world == 1:  # (the whole batch; under ep each rank forwards its own share)
             lps.append(logprobs(be, batch))
         metrics.append(be.train_step(*share(be, batch, adv), algo, temperature=1.0, max_new_tokens=8))
+        if precision:
+            for _ in be.named_weights():  # a weight sync after the step (every rank takes part in the gather)
+                pass
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None, "layout": be._layout(),
-            "data_parallel": be.data_parallel()}
+            "data_parallel": be.data_parallel(), "gathers": be._gathers}
 
 
 def share(be, batch, adv):

@@ -540,6 +540,11 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
     layouts = {"tp+dp": ({"tensor_parallel": 2, "expert_parallel": 1, "data_parallel": 2}, [(0, 2), (0, 2), (1, 2), (1, 2)]),
                "ep+dp": ({"tensor_parallel": 1, "expert_parallel": 2, "data_parallel": 2}, [(0, 4), (1, 4), (2, 4), (3, 4)]),
                "tp-ep": ({"tensor_parallel": 2, "expert_parallel": 2}, [(0, 2), (0, 2), (1, 2), (1, 2)])}
+    if ":" in mode:
+        # The quantized weights of each version come from the weight sync's gather of it: the first
+        # forward's, one per step's sync and the final weights' (without the reuse each later step's first
+        # forward gathers its version again: 7).
+        assert [r["gathers"] for r in ranks] == [1 + 3 + 1] * len(ranks)
     if mode in layouts:  # (the layout each rank runs, and its data-parallel share)
         assert [r["layout"] for r in ranks] == [layouts[mode][0]] * 4
         assert [tuple(r["data_parallel"]) for r in ranks] == layouts[mode][1]

@@ -69,9 +69,9 @@ def _every_state(optimizer: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _sharded(backend: Any) -> tuple[dict[str, Any], dict[int, str]]:
+def _sharded(backend: Any) -> tuple[dict[str, Any], dict[int, str], dict[str, float]]:
     """(the sharded state dict of this rank's model and AdamW state, optimizer parameter id
-    -> the parameter's global key)."""
+    -> the parameter's global key, AdamW's step count by global key)."""
     from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 
     model = {k: v for k, v in backend.module.sharded_state_dict(prefix="model.").items() if not k.endswith(_EXTRA)}
@@ -83,8 +83,9 @@ def _sharded(backend: Any) -> tuple[dict[str, Any], dict[int, str]]:
     if missing:
         raise RuntimeError(f"megatron checkpoint: {len(missing)} optimizer parameters have no sharded model tensor")
     keys = {i: by_id[i].key for i in optim["state"]}
+    steps = {keys[i]: float(s["step"]) for i, s in optim["state"].items()}
     optim_state_to_sharding_state(optim, by_id, exclude_keys=("step",))
-    return {"model": model, "optimizer": optim}, keys
+    return {"model": model, "optimizer": optim}, keys, steps
 
 
 def _into_copies(template: dict[str, Any]) -> None:
@@ -121,8 +122,7 @@ def save(backend: Any, folder: str) -> None:
     from megatron.core import dist_checkpointing
 
     _writer_shims()
-    state, keys = _sharded(backend)
-    steps = {keys[i]: float(s["step"]) for i, s in backend.optimizer.state_dict()["state"].items()}
+    state, _, steps = _sharded(backend)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, steps)  # (expert parallelism: each rank knows only its experts' steps)
     for other in everyone:
@@ -157,7 +157,7 @@ def load(backend: Any, folder: str) -> None:
                          f"format; this backend reads version {VERSION}")
     from torch.distributed.checkpoint.api import CheckpointException
 
-    template, keys = _sharded(backend)
+    template, keys, _ = _sharded(backend)
     _into_copies(template)  # the live weights and moments change only once everything is read
     try:
         loaded = dist_checkpointing.load(template, folder, strict=StrictHandling.RAISE_ALL)

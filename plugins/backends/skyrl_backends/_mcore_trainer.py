@@ -194,6 +194,7 @@ class MegatronBackend(TorchBackend):
         self._fq: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, quantized weights)
         self._loads = 0  # load_state_dict calls (a part of the weights' version)
         self._dp_rank = 0  # this rank's model replica (data-parallel index)
+        self.ranks = 1  # the trainer processes (tensor x expert parallel x data-parallel replicas)
         self._gathers = 0  # full-weight gathers across the ranks (named_weights under model parallelism)
         self._gathered: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, the last gather)
 
@@ -204,12 +205,11 @@ class MegatronBackend(TorchBackend):
         version = (self.steps, self._loads)
         if self._fq is None or self._fq[0] != version:
             # The weight sync after the step has usually gathered this version already: reuse it.
-            gathered = self._gathered[1] if self._gathered is not None and self._gathered[0] == version else None
-            self._gathered = None
+            kept, self._gathered = self._gathered, None
             with torch.no_grad():
-                fake = self._mp.fake(gathered if gathered is not None else dict(self.named_weights()))
+                full = kept[1] if kept is not None and kept[0] == version else self._full_weights()
+                fake = self._mp.fake(full)
             self._fq = (version, {k: v.to(self.device) for k, v in fake.items()})
-            self._gathered = None
         return self._fq[1]
 
     def start(self, loaded: Any, *, seed: int, total_steps: int, reference: bool, replay: Any = (),
@@ -249,6 +249,7 @@ class MegatronBackend(TorchBackend):
         from megatron.core import parallel_state
 
         dp = world // tp
+        self.ranks = world
         self._dp, self.world = dp > 1, dp
         self._dp_group = parallel_state.get_data_parallel_group() if dp > 1 else None
         self._dp_rank = parallel_state.get_data_parallel_rank() if dp > 1 else 0
@@ -316,7 +317,7 @@ class MegatronBackend(TorchBackend):
         from megatron.core import parallel_state
 
         tp, ep, dp = self.config.tensor_parallel, self.config.expert_parallel, self.world
-        if tp * ep * dp == 1:
+        if self.ranks == 1:
             return super()._clip_gradients(max_norm)
         named = [(k, p) for k, p in self.module.named_parameters() if p.grad is not None]
         if tp > 1:
@@ -443,14 +444,22 @@ class MegatronBackend(TorchBackend):
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The model's weights with the transformers model's names and layouts (the tied
-        head's alias included), converted from megatron-core's. Under tensor or expert
-        parallelism a collective (every rank calls it; every rank gets the full weights)."""
+        head's alias included), converted from megatron-core's. With several ranks a
+        collective (every rank calls it; every rank gets the full weights)."""
         if self.module is None:
             raise RuntimeError("named_weights before start()")
+        full = self._full_weights()
+        if self.ranks > 1 and self._mp is not None:  # kept until the next forward quantizes this version
+            self._gathered = ((self.steps, self._loads), full)
+        return iter(list(full.items()))
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model by transformers names (:meth:`named_weights`; with several ranks
+        a collective gathering every rank's shards)."""
         own = weights_of(self.module)
         tp, ep = self.config.tensor_parallel, self.config.expert_parallel
-        if tp * ep * self.world == 1:
-            return iter(list(mcore_to_hf(self.arch, [own]).items()))
+        if self.ranks == 1:
+            return mcore_to_hf(self.arch, [own])
         import torch.distributed as dist
 
         from megatron.core import parallel_state
@@ -464,11 +473,8 @@ class MegatronBackend(TorchBackend):
         by = {c: sd for c, sd in (g for g in gathered if g is not None)}
         shards = [by[(t, 0)] for t in range(tp)]
         experts = [[by[(t, e)] for t in range(tp)] for e in range(ep)] if ep > 1 else None
-        full = mcore_to_hf(self.arch, shards, experts=experts)
         self._gathers += 1
-        if self._mp is not None:  # kept until the next forward quantizes this version (_fake_weights)
-            self._gathered = ((self.steps, self._loads), full)
-        return iter(list(full.items()))
+        return mcore_to_hf(self.arch, shards, experts=experts)
 
     def data_parallel(self) -> tuple[int, int]:
         """(this rank's data-parallel index, the data-parallel size): the tensor-parallel
@@ -478,9 +484,9 @@ class MegatronBackend(TorchBackend):
 
     def state_dict(self) -> Mapping[str, Any]:
         """One process: the torch backend's state (model by megatron-core names, AdamW,
-        schedule, steps). Under tensor or expert parallelism a collective: rank 0 gets every
+        schedule, steps). With several ranks a collective: rank 0 gets every
         rank's own state (``"ranks"``, in rank order), the others an empty dict."""
-        if self.config.tensor_parallel * self.config.expert_parallel * self.world == 1:
+        if self.ranks == 1:
             return super().state_dict()
         import torch.distributed as dist
 
@@ -498,10 +504,10 @@ class MegatronBackend(TorchBackend):
         return {"format": 1, "steps": own["steps"], "lora": None, "layout": self._layout(), "ranks": gathered}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; under tensor or expert parallelism every rank calls
+        """Restore a :meth:`state_dict`; with several ranks every rank calls
         it and rank 0's state (the others may pass ``{}``) gives each rank its own part."""
         self._loads += 1
-        if self.config.tensor_parallel * self.config.expert_parallel * self.world == 1:
+        if self.ranks == 1:
             if "ranks" in state:
                 raise ValueError(f"the checkpoint was written by {len(state['ranks'])} megatron ranks "
                                  f"({state.get('layout')}); this backend runs on one process")

@@ -67,6 +67,14 @@ def shares_trainer_tensors(engine: Any, backend: Any) -> bool:
             and not (has(backend, OwnWeights) and backend.owns_weights))
 
 
+def receives_in_workers(engine: Any) -> bool:
+    """Whether ``engine``'s own worker processes run a transport's receiving half (as
+    configured now: :class:`skyrl_host.interfaces.WorkerReceiving`)."""
+    from skyrl_host.interfaces import WorkerReceiving
+
+    return has(engine, WorkerReceiving) and bool(engine.receives_in_workers)
+
+
 def require(obj: Any, protocol: type, *, who: str, needed_by: str) -> Any:
     """``obj``, once checked to offer ``protocol``; else a UserError such as
     ``engine 'x' (plugin 'p' (dist 1.0)) lacks the AdapterServing capability

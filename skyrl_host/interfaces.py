@@ -222,7 +222,9 @@ class Engine(Protocol):
     def start(self, loaded: LoadedModel, *, precision: "Precision | None" = None) -> None:
         """Take the model to serve (the engine keeps its own copy or view). ``precision``:
         the job's; an engine that cannot serve quantized weights omits the parameter and
-        a job with a quantizing precision is refused."""
+        a job with a quantizing precision is refused. An engine whose ``start`` also
+        declares ``sampler`` gets the job's sampler (what it must be ready to return,
+        e.g. servers started with sampling masks on when the sampler asks for supports)."""
         ...
 
     def generate(
@@ -722,11 +724,26 @@ class WorkerReceiving(Protocol):
     ``worker_recipe()`` hands the engine that recipe instead of tensors."""
 
     receives_in_workers: bool  # false where this engine, as configured, cannot
+    device: str  # where the workers hold the weights ("cpu", "cuda"): decides a collective group's backend
+
+    def worker_ranks(self) -> int:
+        """How many worker processes run a receiver: the ranks a collective recipe's group
+        gives this engine."""
+        ...
+
+    def init_workers(self, recipe: Mapping[str, Any]) -> None:
+        """Build the receiver ``recipe`` names in every worker now. A recipe is
+        ``{"factory": "module:name", "kwargs": {...}}``; a collective one also has
+        ``"group": {"address", "world", "backend", "rank"}``: the engine's k-th worker
+        joins that weight group (:func:`skyrl_host.groups.weight_group`) as ``rank + k``,
+        and this call blocks until every member joined, so the sender joins meanwhile."""
+        ...
 
     def receive_in_workers(self, recipe: Mapping[str, Any], target: int | None) -> Mapping[str, float]:
-        """Build the receiver ``recipe`` names in every worker (once), fetch and verify
-        ``target`` there, then pause generation, apply it everywhere, resume. All or
-        nothing: a failed fetch changes no worker."""
+        """Build the receiver ``recipe`` names in every worker (once per recipe), fetch and
+        verify ``target`` there, then pause generation, apply it everywhere, resume. All or
+        nothing: a failed fetch changes no worker. With a collective recipe the fetch takes
+        part in the sender's collectives: the sender publishes meanwhile."""
         ...
 
 
@@ -755,7 +772,10 @@ class SplitTransport(Protocol):
         ...
 
     def receiver(self, **context: Any) -> WeightReceiver:
-        """The engine's half; ``context``: ``group``/``src``/``device`` (collective) or nothing."""
+        """The engine's half; ``context``: ``group``/``src``/``device`` (collective) or nothing.
+        For an engine whose workers receive weights themselves (WorkerReceiving) also
+        ``engine``, and for a collective transport ``members`` = (address, first rank,
+        world, backend) of the group its workers join, instead of ``group``."""
         ...
 
 

@@ -71,13 +71,17 @@ def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any,
     """An engine made from ``request.engine`` and started on ``loaded``, checked to fill
     the side channels the job's replay strategies need (with ``sampler``, the job's)."""
     engine = request.engine.create()
-    engine.start(loaded, **precision_kwargs(engine.start, precision, "engine"))
+    sampler = sampler if sampler is not None or request.sampler is None else request.sampler.create()
+    kwargs = precision_kwargs(engine.start, precision, "engine")
+    if "sampler" in inspect.signature(engine.start).parameters:
+        kwargs["sampler"] = sampler
+    engine.start(loaded, **kwargs)
     strategies = [choice.create() for choice in request.replay]
     if strategies:
         names = ", ".join(repr(s.name) for s in strategies)
         who = describe(request.engine)
         require(engine, SideChannels, who=who, needed_by=f"[replay] strategies {names}")
-        filled = engine.side_channels(sampler if sampler is not None else request.sampler.create())
+        filled = engine.side_channels(sampler)
         lacking = [s for s in strategies if s.side_channel not in filled]
         if lacking:
             raise UserError(

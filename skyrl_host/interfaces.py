@@ -739,6 +739,13 @@ class WorkerReceiving(Protocol):
         and this call blocks until every member joined, so the sender joins meanwhile."""
         ...
 
+    def fetch_in_workers(self, recipe: Mapping[str, Any], target: int) -> None:
+        """Start fetching ``target`` in every worker and return at once: the workers go on
+        generating while it arrives; ``receive_in_workers`` for the same target then waits
+        for it and applies it (a staged hand-over: the fetch starts when the trainer
+        publishes, the pause waits for the commit)."""
+        ...
+
     def receive_in_workers(self, recipe: Mapping[str, Any], target: int | None) -> Mapping[str, float]:
         """Build the receiver ``recipe`` names in every worker (once per recipe), fetch and
         verify ``target`` there, then pause generation, apply it everywhere, resume. All or

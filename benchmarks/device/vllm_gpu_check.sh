@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of the vllm engine (issue 15): see benchmarks/device/vllm_gpu_check.py. Not run by the CPU
-# suite, and not run yet (no GPU was lent to the task that wrote it). On a machine with one GPU (an
-# H200: < 8 minutes, the vLLM install included when its wheels download in ~2 minutes):
-#   bash benchmarks/device/vllm_gpu_check.sh [--layers 4] [...]
+# GPU check of the vllm engine (issue 15): see benchmarks/device/vllm_gpu_check.py (routed experts and
+# sampling masks from CUDA vLLM, r3 + support replay against no replay, delta and NCCL broadcast into
+# the workers). Not run by the CPU suite, and not run yet: no GPU was lent to the tasks that wrote it,
+# and the lent H200 machine could not run it anyway (no network there, 64 MiB carried a call: the vllm
+# 0.33 wheel alone is 336 MB, with its torch 2.14 pin). On a machine with one GPU and CUDA vLLM (an
+# H200: aimed at < 8 minutes, the vLLM install included when its wheels download in ~2 minutes):
+#   bash benchmarks/device/vllm_gpu_check.sh [--layers 2] [...]
 # vLLM: $VLLM_GPU_PYTHON (an interpreter that has the CUDA vllm), else the cached environment
 # skyrl_engines.vllm.ensure_vllm_venv(requirement="vllm==0.33.0") makes at $VLLM_GPU_VENV (default
 # ~/.cache/skyrl/vllm-0.33.0).

@@ -37,10 +37,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -120,6 +121,11 @@ class VllmEngine:
         self.adapter: str | None = None  # the LoRA adapter the servers serve (vLLM's name for it)
         self.device = "cpu"  # where the servers hold the weights (decided at start)
         self._support = False  # the servers return sampling masks (the job's sampler asks for supports)
+        self._abort = False  # an update landing in a generation preempts its requests (abort_on_update)
+        self.resubmitted = 0  # requests an update landed in and preempted (AbortingUpdates)
+        self._live = 0  # requests (samples) sent and not answered yet
+        self._live_lock = threading.Lock()
+        self._salt_version = 0  # the weights a request sent now is served by (its prefix-cache salt)
         self._moe_layers: list[int] = []  # the decoder layers with a MoE router, in order
         self._fetching: int | None = None  # the version the workers are fetching (fetch_in_workers)
 
@@ -269,7 +275,7 @@ class VllmEngine:
         self._start_servers()
         self.last_update = {"bytes": sum(t.numel() * t.element_size() for t in new.values()), "copied": len(new),
                             "shared": 0}
-        self.weight_version = int(version)
+        self.weight_version = self._salt_version = int(version)
 
     @property
     def receives_in_workers(self) -> bool:
@@ -369,16 +375,44 @@ class VllmEngine:
             self._end_sessions()
             raise
         t1 = time.perf_counter()
-        self._post_all("/pause?mode=wait")
+        stats = self._paused(lambda: self._post_all("/update_weights", {"update_info": {"phase": "apply"}}), target)
+        stats.update({"sync_applied": 1.0, "sync_fetch_s": t1 - t0, "sync_apply_s": time.perf_counter() - t1})
+        return stats
+
+    def _paused(self, apply: Callable[[], None], target: int) -> dict[str, float]:
+        """Run ``apply`` with every server paused, then label the weights ``target`` and
+        resume. The requests in progress are frozen where they are (``mode=keep``) and
+        go on afterwards with the new weights, on the KV the old ones made (an in-flight
+        update), or, with ``abort_on_update``, are preempted: their KV dropped and
+        recomputed from prompt + tokens so far with the new weights, their tokens and
+        logprobs kept (vLLM's preemption by recompute: what our "abort" asks for). With
+        nothing in progress the prefix cache is cleared as well; requests sent from now on
+        use the new version's cache salt either way."""
+        self._salt_version = int(target)
+        with self._live_lock:
+            live = self._live
+        clear = self._abort or live == 0
+        self._post_all(f"/pause?mode=keep&clear_cache={'true' if clear else 'false'}")
         try:
-            self._post_all("/update_weights", {"update_info": {"phase": "apply"}})
+            apply()
             self._post_all("/finish_weight_update", {"weight_version": str(int(target))})
-            self._post_all("/reset_prefix_cache")
         finally:
             self._post_all("/resume")
         self.weight_version = int(target)
-        t2 = time.perf_counter()
-        return {"sync_applied": 1.0, "sync_fetch_s": t1 - t0, "sync_apply_s": t2 - t1}
+        if self._abort:
+            self.resubmitted += live
+        return {"sync_live_requests": float(live)}
+
+    def abort_on_update(self, enabled: bool) -> None:
+        """AbortingUpdates: an update that lands while requests are in progress preempts
+        them (vLLM drops their KV and recomputes it with the new weights from prompt +
+        tokens so far; every token keeps the logprob it was sampled with and
+        ``token_versions`` the version that sampled it)."""
+        if enabled and self.config.return_routed_experts:
+            raise UserError("[job] weight_updates = \"abort\" cannot be used with [engine] return_routed_experts: a "
+                            "preempted request's earlier tokens would be routed twice (as sampled, and by the "
+                            "recompute); use weight_updates = \"in_flight\" or \"idle\"")
+        self._abort = bool(enabled)
 
     def _end_sessions(self) -> None:
         """After a failed fetch: end the weight-update session of every server that still has
@@ -436,7 +470,8 @@ class VllmEngine:
         servers were started for a sampler that asks for supports (``skyrl validate``
         refuses both where the installed vLLM cannot return them)."""
         return ({"routed_experts"} if self.config.return_routed_experts else set()) | (
-            {"sample_support"} if self._support and wants_support(sampler) else set())
+            {"sample_support"} if self._support and wants_support(sampler) else set()) | (
+            {"token_versions"} if self.config.return_token_versions else set())
 
     def generate(
         self,
@@ -472,15 +507,23 @@ class VllmEngine:
             url = self.urls[i % len(self.urls)]
             body = {
                 "model": model, "token_ids": prompts[i], "output_mode": "tokens",
+                # Prefix-cache blocks of one weight version only: a request sent after an
+                # in-flight update never reuses KV the old weights made.
+                "cache_salt": f"skyrl-v{self._salt_version}",
                 "sampling_params": {
                     **params, "n": n, "seed": (base + i * n) % (1 << 31), "max_tokens": max_new_tokens,
                     "logprobs": 0, "ignore_eos": True, "stop_token_ids": self.stop_token_ids, "detokenize": False,
                 },
             }
+            with self._live_lock:
+                self._live += n
             try:
                 answer = post_json(f"{url}/inference/v1/generate", body, self.config.request_timeout)
             except ConnectionError as exc:
                 raise self.lost(url, "generation", exc) from None
+            finally:
+                with self._live_lock:
+                    self._live -= n
             return sorted(answer["choices"], key=lambda c: c["index"])
 
         workers = max(1, min(len(prompts), 16 * len(self.urls)))
@@ -493,6 +536,8 @@ class VllmEngine:
         stopped = np.zeros(total, dtype=bool)
         stops = set(self.stop_token_ids)
         seq_versions = np.full(total, version, dtype=np.int64)
+        first_versions = np.full(total, version, dtype=np.int64)  # the version that prefilled each sequence
+        resp_ver = np.full((total, max_new_tokens), version, dtype=np.int64)
         route_rows: list[np.ndarray] = []
         support_rows: list[list[int]] = []
         for i, choices in enumerate(answers):
@@ -509,9 +554,12 @@ class VllmEngine:
                 resp_lp[row, : len(ids)] = lps
                 resp_len[row] = len(ids)
                 stopped[row] = bool(ids) and ids[-1] in stops
-                spans = [int(w["version"]) for w in c.get("weight_versions") or [] if str(w.get("version", "")).isdigit()]
+                spans = [w for w in c.get("weight_versions") or [] if str(w.get("version", "")).isdigit()]
+                for w in spans:  # [start, end) of the generated tokens each version sampled
+                    resp_ver[row, int(w["start"]) : int(w["end"])] = int(w["version"])
                 if spans:  # the oldest weights that sampled a token of this sequence
-                    seq_versions[row] = min(spans)
+                    seq_versions[row] = min(int(w["version"]) for w in spans)
+                    first_versions[row] = int(min(spans, key=lambda w: int(w["start"]))["version"])
                 where = f"prompt {i} sample {j}"
                 if routes:
                     route_rows.append(routes_from_choice(c.get("routed_experts"), len(prompts[i]), len(ids),
@@ -520,6 +568,13 @@ class VllmEngine:
                     support_rows += support_from_choice(c.get("sampling_mask"), len(ids), where)
         batch = assemble_batch(prompts, n, resp, resp_lp, resp_len, stopped, group_offset, version)
         batch.versions[:] = seq_versions
+        if self.config.return_token_versions:  # prompt tokens: the version that prefilled them
+            tv = np.empty(batch.n_tokens, dtype=np.int32)
+            for r in range(total):
+                lo, p_len, L = int(batch.cu_seqlens[r]), int(batch.prompt_lens[r]), int(resp_len[r])
+                tv[lo : lo + p_len] = first_versions[r]
+                tv[lo + p_len : lo + p_len + L] = resp_ver[r, :L]
+            batch.side_channels["token_versions"] = tv
         if routes:
             batch.side_channels["routed_experts"] = np.concatenate(route_rows) if route_rows else np.zeros(
                 (0, len(self._moe_layers), 1), dtype=np.uint8)

@@ -112,6 +112,11 @@ class VllmConfig:
         False, help="ask vLLM for the experts every MoE router chose (side channel 'routed_experts'); "
         "`skyrl validate` refuses it where the installed vLLM cannot return them",
     )
+    return_token_versions: bool = option(
+        False, help="side channel 'token_versions': the weight version that sampled each token (from vLLM's "
+        "weight-version spans; prompt tokens: the version that prefilled them); with in-flight weight updates "
+        "([job] weight_updates = \"in_flight\" or \"abort\") a generation's tokens can span versions",
+    )
     stop_token_ids: tuple[int, ...] = option(
         factory=tuple,
         help="token ids that end a response, besides the model's own stop tokens; the stop token stays in the "

@@ -6,10 +6,12 @@ takes ~30 s to start here); a second engine attaches to one of them by URL."""
 from __future__ import annotations
 
 import copy
+import time
 import json
 import os
 import pathlib
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -442,3 +444,73 @@ def test_moe_weights_reach_the_workers_exactly(vllm_python, tmp_path):
         assert served_gap(eng, moe.model)[1] > 0.05
     finally:
         eng.close()
+
+
+def teacher_forced(model, batch, s: int) -> np.ndarray:
+    """``model``'s logprobs of sequence ``s``'s response tokens, given all before them."""
+    a, b = int(batch.cu_seqlens[s]), int(batch.cu_seqlens[s + 1])
+    ids = torch.as_tensor(batch.tokens[a:b], dtype=torch.long)[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    p = int(batch.prompt_lens[s])
+    return lp[p - 1 : b - a - 1].gather(-1, ids[0, p:, None])[:, 0].numpy()
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["in_flight", "abort"])
+def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
+    """A version applied while the servers generate (what async mode's ``weight_updates =
+    "in_flight"`` / ``"abort"`` do): every server freezes its requests (vLLM's
+    ``pause?mode=keep``), loads the new weights, and the requests go on. Each token says
+    which weights sampled it (``token_versions``, from vLLM's weight-version spans). In
+    flight, the later tokens attend to KV the old weights made; with ``abort_on_update``
+    vLLM drops that KV and recomputes it from prompt + tokens so far with the new
+    weights, so the later tokens' logprobs are the new weights' over the whole sequence."""
+    import threading
+
+    from skyrl_weightsync.delta import DeltaReceiver, DeltaSender
+
+    trainer = Trainer(loaded)
+    sender, receiver = DeltaSender(f"file://{tmp_path}/w", dtype="float32"), DeltaReceiver(f"file://{tmp_path}/w")
+    sender.publish(1, trainer.named_weights())
+    receiver.sync(engine, 1)
+    trainer.train(scale=0.3)
+    sender.publish(2, trainer.named_weights())
+    stops, engine.stop_token_ids = engine.stop_token_ids, []  # every response runs its full length
+    engine.config = attrs.evolve(engine.config, return_token_versions=True)
+    engine.abort_on_update(abort)
+    out: dict = {}
+    try:
+        gen = threading.Thread(target=lambda: out.update(batch=engine.generate(
+            [[3 + i % 9, 4, 5] for i in range(32)], n=4, sampler=TruncatedSampler(), max_new_tokens=200, seed=4)))
+        gen.start()
+        while engine._live == 0:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the servers are decoding
+        stats = receiver.sync(engine, 2)
+        gen.join()
+    finally:
+        engine.stop_token_ids = stops
+        engine.config = attrs.evolve(engine.config, return_token_versions=False)
+        engine.abort_on_update(False)
+        serve_original(engine, loaded, tmp_path)
+    batch = out["batch"]
+    assert stats["sync_live_requests"] == 128  # the update landed while every request was in progress
+    tv = batch.side_channels["token_versions"]
+    old_gaps, new_gaps, spanning = [], [], 0
+    for s in range(batch.n_sequences):
+        a, p, b = int(batch.cu_seqlens[s]), int(batch.prompt_lens[s]), int(batch.cu_seqlens[s + 1])
+        v = tv[a + p : b]
+        assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {1, 2} and tv[a] == 1  # prefilled by version 1
+        if v[0] == 1 and v[-1] == 2:
+            spanning += 1
+            assert batch.versions[s] == 1  # a sample is as old as its oldest token
+            lp = batch.logprobs[a + p : b]
+            old_gaps.append(np.abs(lp[v == 1] - teacher_forced(loaded.model, batch, s)[v == 1]).mean())
+            new_gaps.append(np.abs(lp[v == 2] - teacher_forced(trainer.model, batch, s)[v == 2]).mean())
+    assert spanning >= 100, spanning  # the update landed mid-generation
+    assert max(old_gaps) <= 1e-4  # tokens before the update: the old weights sampled them
+    if abort:  # recomputed: the new weights over the whole sequence
+        assert max(new_gaps) <= 1e-4, max(new_gaps)
+        assert engine.resubmitted >= 128
+    else:  # on the old weights' KV: not what the new weights give the whole sequence
+        assert np.median(new_gaps) > 1e-3, np.median(new_gaps)

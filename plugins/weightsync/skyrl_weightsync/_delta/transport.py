@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from skyrl_host.contracts import has, shares_trainer_tensors
-from skyrl_host.interfaces import WorkerReceiving
+from skyrl_host.contracts import receives_in_workers, shares_trainer_tensors
 from skyrl_weightsync import weights_to_serve
 
 from .receiver import DeltaReceiver
@@ -53,7 +52,9 @@ class Delta:
         if self._sender is None:
             self._sender, self._receiver = self.sender(), self.receiver()
         stats = dict(self._sender.publish(version, weights_to_serve(backend)))
-        if prefetch and not (has(engine, WorkerReceiving) and engine.receives_in_workers):
+        if prefetch and receives_in_workers(engine):  # the workers fetch it themselves, still generating
+            engine.fetch_in_workers(self._receiver.worker_recipe(), version)
+        elif prefetch:
             self._receiver.prefetch(version)
             self._prefetching = version
         return stats
@@ -64,7 +65,7 @@ class Delta:
         if self._prefetching == version:
             self._prefetching = None
             stats = self._receiver.apply(engine)
-        else:  # an engine whose workers receive weights themselves fetches there (its own pause)
+        else:  # an engine whose workers receive weights themselves: they fetched it (or fetch it now), then apply
             stats = self._receiver.sync(engine, version)
         stats["sync_pause_s"] = time.perf_counter() - t0
         return stats

@@ -99,3 +99,21 @@ def test_ray_engine_actors_move_weights_into_their_servers_workers(vllm_python, 
     assert max(r["logprob_diff_mean"] for r in rows) <= 1e-6  # float32 both sides: every version arrived
     if transport == "broadcast":
         assert all(r["sync_collectives"] == 1.0 for r in rows)
+
+
+def test_an_async_job_hands_versions_to_the_servers_while_they_generate(vllm_python, tmp_path) -> None:
+    """``[job] mode = "async"`` with in-flight updates on the vllm engine: the trainer
+    publishes each version at once (delta's staged hand-over starts the fetch inside the
+    servers' workers), the servers go on generating, and every sample is at most one
+    version old; each token's version comes back from vLLM."""
+    done = subprocess.run(
+        command(vllm_python, tmp_path, "--set", 'job.mode="async"', "--set", "job.max_staleness=1",
+                "--set", 'job.weight_updates="in_flight"', "--set", "engine.return_token_versions=true",
+                "--set", "job.steps=6", "--set", "job.checkpoint_every=0"),
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["staleness_max"] <= 1 and r["token_staleness_mean"] <= 1 for r in rows)
+    assert [r["weight_version"] for r in rows[2:]] == [1, 2, 3, 4]  # step t trains what version t - 2 generated
+    assert all(r["sync_applied"] == 1.0 and "sync_pause_s" in r for r in rows[1:])  # staged, then committed

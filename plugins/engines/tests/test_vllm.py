@@ -291,15 +291,18 @@ def test_nixl_reads_into_the_workers(engine, loaded, tmp_path):
         serve_original(engine, loaded, tmp_path)
 
 
-def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_real_checkpoint):
-    """Qwen3-0.6B's widths (head_dim 128, tied embeddings as it has) with a trained BPE tokenizer and a
-    chat template, loaded through ``[model] path`` as a downloaded checkpoint: vLLM serves it
-    from the folder the engine writes (tokenizer included), chat prompts rendered by the
-    template generate, and vLLM's logprobs are the torch model's."""
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_real_checkpoint, kind):
+    """Qwen3-0.6B's widths (head_dim 128, tied embeddings as it has) and a Qwen3-30B-A3B-style
+    MoE (untied embeddings, 8 experts) with a trained BPE tokenizer and a chat template,
+    loaded through ``[model] path`` as a downloaded checkpoint: vLLM serves it from the
+    folder the engine writes (tokenizer included), chat prompts rendered by the template
+    generate, and vLLM's logprobs are the torch model's."""
     from skyrl_host.interfaces import Task
     from skyrl_host.jobs.rl import encode_task
 
-    real = make_family(QwenConfig(path=str(skyrl_real_checkpoint("qwen3")), preset=None)).load(alphabet=None, seed=0)
+    real = make_family(QwenConfig(path=str(skyrl_real_checkpoint(kind)), preset=None)).load(alphabet=None, seed=0)
+    assert real.model.config.tie_word_embeddings == (kind == "qwen3")
     tok = real.tokenizer
     assert real.model.config.head_dim == 128 and real.model.config.vocab_size > 8000
     prompts = [encode_task(tok, Task(prompt=q, messages=({"role": "user", "content": q},)))

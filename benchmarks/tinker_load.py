@@ -31,7 +31,11 @@ with the request id) plus, for every ``--probe-every``-th request, one more ``re
 of its already finished result (lookup and protobuf reply). The rest of a request's latency is
 waiting for the engine (queued behind the other requests, then decoding). Both include the
 client's own event-loop delay (the clients share the machine's cores with the server).
-Peak RSS: the server process's VmHWM at the end. Prints one JSON object.
+Peak RSS: the server process's VmHWM at the end. CPU seconds per round, by process (the
+engine's, the server's, the clients'), and per request: on a machine whose clients share the
+server's cores, the clients' share bounds the ratio whatever the server does. ``--server-cpus``
+and ``--client-cpus`` pin them apart (the server and the baseline engine on the same cores) on
+a machine with cores to spare. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -106,6 +110,30 @@ def peak_rss_mib(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+def parse_cpus(spec: str | None) -> set[int]:
+    """``"0-1,4"`` -> {0, 1, 4}; None -> empty (no pinning)."""
+    out: set[int] = set()
+    for part in (spec or "").split(","):
+        if part.strip():
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used so far (their threads included)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def percentiles(xs: list[float]) -> dict[str, float | None]:
@@ -322,10 +350,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the baseline engine")
     ap.add_argument("--max-queued-tokens", type=int, default=None, help="[server] max_queued_tokens (default: the server's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-cpus", default=None,
+                    help="pin the server and the baseline engine to these cores (e.g. 0-1; Linux), so both get the same "
+                    "cores; default: no pinning")
+    ap.add_argument("--client-cpus", default=None,
+                    help="pin the client processes to these cores (e.g. 2-5): on a machine with spare cores the "
+                    "clients then stop competing with the server for its cores, as clients on other machines would not")
     args = ap.parse_args()
     if args.requests < args.rounds or args.workers < 1 or args.workers > 250 or args.concurrency < args.workers:
         ap.error("need --requests >= --rounds, 1 <= --workers <= 250 and --concurrency >= --workers")
 
+    server_cpus, client_cpus = parse_cpus(args.server_cpus), parse_cpus(args.client_cpus)
+    if server_cpus:
+        os.sched_setaffinity(0, server_cpus)  # the baseline engine runs here; the server inherits it
     t_start = time.perf_counter()
     folder = pathlib.Path(tempfile.mkdtemp(prefix="tinker_load_"))
     port = free_port()
@@ -356,6 +393,8 @@ def main() -> None:
         rss_idle = peak_rss_mib(proc.pid)
         for p in procs:
             p.start()
+            if client_cpus:
+                os.sched_setaffinity(p.pid, client_cpus)
         baseline = Baseline(args.threads)
         prompts = make_prompts(args.requests, args.seed)
         warm = make_prompts(64, args.seed + 1)
@@ -372,13 +411,18 @@ def main() -> None:
         for r in range(args.rounds):
             chunk = prompts[r * share: (r + 1) * share if r < args.rounds - 1 else args.requests]
             first = r * share
+            e_cpu0 = time.process_time()
             e_tokens, e_wall = baseline.run(chunk, args.max_tokens, args.seed + r)
+            e_cpu = time.process_time() - e_cpu0
+            cpu0 = {who: cpu_seconds(pids) for who, pids in (("server", [proc.pid]), ("clients", [p.pid for p in procs]))}
             t0 = time.perf_counter()
             step = -(-len(chunk) // args.workers)
             for w in range(args.workers):
                 jobs[w].put((chunk[w * step: (w + 1) * step], first + w * step))
             parts = [results.get()[1] for _ in range(args.workers)]
             h_wall = time.perf_counter() - t0
+            cpu = {who: round(cpu_seconds(pids) - cpu0[who], 2)
+                   for who, pids in (("server", [proc.pid]), ("clients", [p.pid for p in procs]))}
             merged: dict[str, Any] = {k: 0 for k in ("completed", "failed", "retries_429", "try_again", "tokens")}
             errors: dict[str, int] = {}
             lat, sub, ready = [], [], []
@@ -393,7 +437,13 @@ def main() -> None:
             overhead = [a + b for a, b in zip(sub, ready)]
             rounds.append({
                 "requests": len(chunk),
-                "engine": {"tokens": e_tokens, "wall_s": round(e_wall, 3), "tokens_per_s": round(e_tokens / e_wall, 1)},
+                "engine": {"tokens": e_tokens, "wall_s": round(e_wall, 3), "tokens_per_s": round(e_tokens / e_wall, 1),
+                           "cpu_s": round(e_cpu, 2)},
+                # CPU seconds the round took, by process: the server's and the clients' (which share
+                # this machine's cores with it); the engine's above. Per request: what the cores pay.
+                "cpu_s": cpu, "cpu_ms_per_request": {
+                    "engine": round(1000 * e_cpu / len(chunk), 3),
+                    **{who: round(1000 * v / max(1, merged["completed"]), 3) for who, v in cpu.items()}},
                 "http": {**merged, "errors": errors, "wall_s": round(h_wall, 3),
                          "tokens_per_s": round(merged["tokens"] / h_wall, 1),
                          "requests_per_s": round(merged["completed"] / h_wall, 1),
@@ -441,6 +491,8 @@ def main() -> None:
         "command": "python benchmarks/tinker_load.py " + " ".join(sys.argv[1:]),
         "model": f"{BASE} (qwen preset tiny, alphabet {ALPHABET!r})",
         "max_tokens": args.max_tokens, "workers": args.workers, "concurrency": args.concurrency,
+        "cpus": {"machine": os.cpu_count(), "server_and_engine": sorted(server_cpus) or "all",
+                 "clients": sorted(client_cpus) or "all"},
         "requests": args.requests, "completed": completed, "failed": failed,
         "retries_429": sum(r["http"]["retries_429"] for r in rounds),
         "overhead_p50_ms_median": statistics.median(r["http"]["overhead"]["p50_ms"] or 0 for r in rounds),

@@ -146,3 +146,22 @@ def test_async_ray_drops_stale_rollouts_and_trains_every_position_once(skyrl_ray
     assert all(r["dropped_samples"] >= 0 for r in rows)
     assert [r["sync_version"] for r in rows] == [float(s) for s in range(1, 6)]
     assert all(r["sync_applied"] == 1.0 for r in rows)
+
+
+def test_async_ray_with_two_engine_replicas_feeding_the_buffer(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
+                                                               tmp_path) -> None:
+    """Two engine actors generate every coming step together (its prompts split between
+    them, each replica with its own seed stream) while the backend actor trains; each
+    version reaches both before either generates with it, so the schedule is the one
+    replica's: step t from version max(0, t - 2), exactly as scored by the trainer at step 1."""
+    made = skyrl_tiny_rl_job(
+        tmp_path, "replicas", job={"steps": 4, "mode": "async", "max_staleness": 1},
+        cluster={"launcher": "ray", "engine_replicas": 2, "cpus_per_actor": 0.5}, engine={"dtype": "float32"},
+        weight_sync=delta(tmp_path, "replicas"))
+    result = skyrl_cli("run", str(made.path))
+    assert result.exit_code == 0, result.stderr
+    rows = made.rows()
+    assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert rows[0]["logprob_diff_max"] < 1e-4  # both replicas served the trainer's weights
+    assert all(r["sync_applied"] == 1.0 for r in rows)

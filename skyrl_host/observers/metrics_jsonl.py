@@ -1,7 +1,8 @@
 """Writes one JSON line per step to ``<output_dir>/metrics.jsonl``.
 
 Each line is written and flushed whole, so a crash leaves every finished step on
-disk and never a half line. The first line of a run is a header record
+disk; a reader of a running job's file may see the line being written in part (one
+write is not atomic for readers), which :func:`read_metrics` leaves out. The first line of a run is a header record
 (``{"event": "start", ...}``) and the last one says how the job ended.
 """
 
@@ -73,10 +74,14 @@ def skyrl_job_finished(run: Any, status: str, error: BaseException | None) -> No
 
 
 def read_metrics(path: Any) -> list[dict[str, Any]]:
-    """The step records of a metrics.jsonl file (header and end records left out)."""
+    """The step records of a metrics.jsonl file (header and end records left out). A last
+    line without its newline is left out: one being written while this reads it (a
+    reader watching a running job sees a write in progress), or torn by a killed run."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
+            if not line.endswith("\n"):
+                break
             row = json.loads(line)
             if "step" in row and "event" not in row:
                 rows.append(row)

@@ -1,20 +1,23 @@
 """``skyrl serve`` killed with SIGKILL and started again on the same files: sessions,
 models (adapters and optimizer), finished training futures and seq_id order survive;
-the official SDK's clients go on. One subprocess server, killed once, on the tiny preset."""
+the official SDK's clients go on. One subprocess server, killed once, on the tiny preset,
+with its training state in SQLite (the default) and in a real PostgreSQL server."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
+import sqlalchemy as sa
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -67,7 +70,32 @@ def _train(client, steps):
         client.optim_step(ADAM).result()
 
 
-def test_a_sigkilled_server_comes_back_with_its_models_futures_and_order(tmp_path) -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    """(the ``[server] database`` line, an SQLAlchemy engine on the same database): the
+    default SQLite file in the storage root, or a PostgreSQL server of its own (pgserver:
+    PostgreSQL 16's binaries in a wheel; its socket in a short folder under /tmp)."""
+    if request.param == "sqlite":
+        engine = sa.create_engine(f"sqlite:///{tmp_path / 'storage' / 'tinker-state.sqlite'}")
+        yield "", engine
+        engine.dispose()
+        return
+    import pgserver
+
+    folder = tempfile.mkdtemp(prefix="pg")
+    server = pgserver.get_server(folder, cleanup_mode="stop")
+    url = server.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+    engine = sa.create_engine(url)
+    try:
+        yield f'database = "{url}"\n', engine
+    finally:
+        engine.dispose()
+        server.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_sigkilled_server_comes_back_with_its_models_futures_and_order(tmp_path, database) -> None:
+    line, db_engine = database
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -78,13 +106,12 @@ api_keys = ["{KEY}"]
 storage = "{tmp_path / 'storage'}"
 max_lora_rank = 4
 order_wait_seconds = 30
-
+{line}
 [models."{BASE}"]
 family = "qwen"
 preset = "tiny"
 alphabet = "0123456789"
 """)
-    database = tmp_path / "storage" / "tinker-state.sqlite"  # the default: in the (local) storage root
     proc = _start(path, port)
     service = tinker.ServiceClient(base_url=url, api_key=KEY)
     try:
@@ -108,8 +135,8 @@ alphabet = "0123456789"
                                                    "sampling_params": {"max_tokens": 2, "seed": 1}})
         status, sampled = _post(url, "/api/v1/retrieve_future", {"request_id": sample["request_id"]})
         assert status == 200 and isinstance(sampled, bytes) and len(sampled) > 0  # a protobuf SampleResponse
-        with sqlite3.connect(database) as db:
-            stored = {r[0] for r in db.execute("SELECT request_id FROM futures")}
+        with db_engine.connect() as db:
+            stored = {r[0] for r in db.execute(sa.text("SELECT request_id FROM futures"))}
         assert one["request_id"] in stored and made["request_id"] in stored
         assert sample["request_id"] not in stored and three["request_id"] not in stored
 
@@ -163,9 +190,10 @@ alphabet = "0123456789"
         blocked.unlink()
         _, sent = _post(url, "/api/v1/optim_step", {"model_id": other, "seq_id": 2, "optim_params": {"learning_rate": 0.1}})
         assert "metrics" in _post(url, "/api/v1/retrieve_future", sent)[1]
-        with sqlite3.connect(database) as db:
-            assert db.execute("SELECT COUNT(*) FROM futures WHERE request_id = ?", (sample["request_id"],)).fetchone() == (0,)
-            steps = dict(db.execute("SELECT id, steps FROM models"))
+        with db_engine.connect() as db:
+            assert db.execute(sa.text("SELECT COUNT(*) FROM futures WHERE request_id = :r"),
+                              {"r": sample["request_id"]}).scalar() == 0
+            steps = {r[0]: r[1] for r in db.execute(sa.text("SELECT id, steps FROM models"))}
         assert steps[client.model_id] == 3 and steps[resumed.model_id] == 3 and steps[raw] == 3
         assert steps[other] == 1  # the failed step was undone in memory too (else 2)
         service.close("completed")

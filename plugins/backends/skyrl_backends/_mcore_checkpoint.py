@@ -7,7 +7,11 @@ state. The tensors are keyed by megatron-core's global names and offsets
 (``GPTModel.sharded_state_dict``: the layers stacked along a leading axis, each
 tensor-parallel shard and each expert at its place in the whole tensor), and
 ``dist_checkpointing.load`` reads back whatever part of each whole tensor a rank holds, so a
-checkpoint written under one layout (one process, TP = 2, EP = 2) resumes under any other.
+checkpoint written under one layout (one process, TP = 2, EP = 2, PP = 2) resumes under any other.
+Under pipeline parallelism each stage writes its own layers (their keys carry the layer's
+number in the whole model); the last stage's copy of a tied embedding is saved as a replica
+of the first stage's embedding (megatron-core's ``tie_embeddings_and_output_weights_state_dict``),
+so it is written once and read back from the embedding.
 
 AdamW's ``exp_avg`` and ``exp_avg_sq`` are sharded like their parameters
 (``optim_state_to_sharding_state``); the per-parameter step counts, the learning-rate

@@ -86,7 +86,8 @@ def _patch_mla() -> None:
         mla.HAVE_TE = False
 
 
-def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: torch.device, seed: int) -> tuple[int, int]:
+def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: torch.device, seed: int,
+                          pipeline_parallel: int = 1) -> tuple[int, int]:
     """torch.distributed (a one-process gloo group when none runs) and megatron-core's model-parallel
     groups of these sizes; returns (rank, world)."""
     import torch.distributed as dist
@@ -98,9 +99,10 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
     _patch_mla()
     _cpu_shims()
     if not dist.is_initialized():
-        if tensor_parallel * expert_parallel > 1:
+        if tensor_parallel * expert_parallel * pipeline_parallel > 1:
             raise ValueError(
-                f"tensor_parallel = {tensor_parallel}, expert_parallel = {expert_parallel} need that many processes: "
+                f"tensor_parallel = {tensor_parallel}, expert_parallel = {expert_parallel}, pipeline_parallel = "
+                f"{pipeline_parallel} need that many processes: "
                 "start the trainer ranks with [cluster] trainer_ranks"
             )
         fd, path = tempfile.mkstemp(prefix="skyrl-megatron-")
@@ -111,18 +113,21 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
         global _OWN_GROUP
         _OWN_GROUP = True
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % tensor_parallel or world % expert_parallel:
-        raise ValueError(f"{world} trainer ranks do not divide into tensor_parallel = {tensor_parallel} x expert_parallel = {expert_parallel}")
+    if world % (tensor_parallel * pipeline_parallel) or (world // pipeline_parallel) % expert_parallel:
+        raise ValueError(f"{world} trainer ranks do not divide into tensor_parallel = {tensor_parallel} x "
+                         f"expert_parallel = {expert_parallel} x pipeline_parallel = {pipeline_parallel}")
     if parallel_state.model_parallel_is_initialized():
         same = (parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
-                and parallel_state.get_expert_model_parallel_world_size() == expert_parallel)
+                and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
+                and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel)
         if not same:
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
-            distributed_timeout_minutes=30, order="tp-cp-ep-dp-pp", create_gloo_process_groups=backend == "gloo",
+            pipeline_model_parallel_size=pipeline_parallel, distributed_timeout_minutes=30, order="tp-cp-ep-dp-pp",
+            create_gloo_process_groups=backend == "gloo",
         )
     if device.type == "cuda":
         tp.model_parallel_cuda_manual_seed(seed)
@@ -176,6 +181,9 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
     # (norms, routers: megatron-core's MoE layers require it); MegatronLM gathers it for the head.
     kw["sequence_parallel"] = kw["tensor_model_parallel_size"] > 1
     kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+    kw["pipeline_model_parallel_size"] = parallel_state.get_pipeline_model_parallel_world_size()
+    if kw["pipeline_model_parallel_size"] > 1:
+        kw["pipeline_dtype"] = torch.float32  # (megatron-core requires it; the backend's own exchange sends float32)
     if m.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -306,21 +314,43 @@ def _own_norms(spec: Any) -> None:
             _own_norms(value)
 
 
-def build(m: Architecture, device: torch.device, *, routing_replay: bool, recompute: bool = False) -> Any:
-    """The ``GPTModel`` of ``m`` on ``device`` (uninitialised weights: load them with :func:`hf_to_mcore`)."""
+def _stage_model_class() -> type:
     from megatron.core.models.gpt import GPTModel
+
+    class StageModel(GPTModel):
+        """A ``GPTModel`` (or, under pipeline parallelism, one stage of it) whose tied head on
+        the last stage does not all-reduce its initial weights with the first stage's
+        embedding at construction: megatron-core moves them to CUDA for that, and the
+        backend loads every stage's weights right after building anyway (the two copies'
+        gradients are summed in ``MegatronBackend._clip_gradients``)."""
+
+        def _is_in_embd_group(self) -> bool:
+            return False
+
+    return StageModel
+
+
+def build(m: Architecture, device: torch.device, *, routing_replay: bool, recompute: bool = False) -> Any:
+    """The ``GPTModel`` of ``m`` on ``device`` (uninitialised weights: load them with :func:`hf_to_mcore`);
+    under pipeline parallelism this rank's stage of it (its layers; the embedding on the first
+    stage, the final norm and the head on the last)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    from skyrl_backends._mcore_pipeline import stage_layers
+
     config = transformer_config(m, routing_replay=routing_replay, recompute=recompute)
-    if m.dense_layers:  # dense and MoE layers: one spec per layer (moe_layer_freq)
+    _, count, first, last = stage_layers(m.num_layers)
+    if m.dense_layers:  # dense and MoE layers: one spec per layer (moe_layer_freq), this stage's (cut by megatron-core)
         layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm").layer_specs
-    else:
+    else:  # (megatron-core builds every spec of an explicit list: this stage's only)
         layers = [get_gpt_layer_local_spec(
             num_experts=m.experts or None, moe_grouped_gemm=False, qk_layernorm=m.qk_norm or m.mla,
             multi_latent_attention=m.mla, normalization="RMSNorm",
-        )] * m.num_layers
+        )] * count
+    if len(layers) != count:
+        raise RuntimeError(f"megatron: {len(layers)} layer specs for a pipeline stage of {count} layers")
     spec = TransformerBlockSubmodules(layer_specs=list(layers), layer_norm=RMSNorm)
     for layer in {id(x): x for x in layers}.values():  # (a spec object may serve several layers)
         _own_norms(layer)
@@ -339,8 +369,8 @@ def build(m: Architecture, device: torch.device, *, routing_replay: bool, recomp
         layer.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
     # RouterReplay keeps a process-wide list of its instances: this model's routers are its own.
     RouterReplay.clear_global_router_replay_instances()
-    model = GPTModel(
-        config, spec, vocab_size=m.vocab, max_sequence_length=m.max_positions, pre_process=True, post_process=True,
+    model = _stage_model_class()(
+        config, spec, vocab_size=m.vocab, max_sequence_length=m.max_positions, pre_process=first, post_process=last,
         share_embeddings_and_output_weights=m.tied, position_embedding_type="rope", rotary_percent=m.rotary_percent,
         rotary_base=m.rope_theta, parallel_output=True,
     )
@@ -387,14 +417,19 @@ def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's megatron-core state dict (weights only) from a full Hugging Face state dict."""
+    """This rank's megatron-core state dict (weights only) from a full Hugging Face state dict
+    (under pipeline parallelism its stage's, the layers numbered from 0 within the stage)."""
+    from skyrl_backends._mcore_pipeline import stage_layers
+
     tr, ts = _tp()
     er, es = _ep()
+    start, count, first, last = stage_layers(m.num_layers)
     out: dict[str, torch.Tensor] = {}
     vocab_rows = hf["model.embed_tokens.weight"]
-    out["embedding.word_embeddings.weight"] = _shard(vocab_rows, 0, tr, ts)
-    for i in range(m.num_layers):
-        a, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+    if first:
+        out["embedding.word_embeddings.weight"] = _shard(vocab_rows, 0, tr, ts)
+    for i in range(start, start + count):
+        a, o = f"model.layers.{i}.", f"decoder.layers.{i - start}."
         if m.mla:  # (the up projections column-parallel: split by heads; the down projections and norms whole)
             out.update({k: _shard(v, 0, tr, ts) if _mla_split(k) else v for k, v in _mla_to_mcore(m, hf, a, o).items()})
         else:
@@ -429,9 +464,12 @@ def hf_to_mcore(m: Architecture, hf: Mapping[str, torch.Tensor]) -> dict[str, to
             fc1 = torch.cat([hf[a + "mlp.gate_proj.weight"], hf[a + "mlp.up_proj.weight"]], dim=0)
             out[o + "mlp.linear_fc1.weight"] = _shard_glu(fc1, tr, ts)
             out[o + "mlp.linear_fc2.weight"] = _shard(hf[a + "mlp.down_proj.weight"], 1, tr, ts)
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not m.tied:
-        out["output_layer.weight"] = _shard(hf["lm_head.weight"], 0, tr, ts)
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not m.tied:
+            out["output_layer.weight"] = _shard(hf["lm_head.weight"], 0, tr, ts)
+        elif not first:  # the last stage's copy of the tied embedding, for its head
+            out["output_layer.weight"] = _shard(vocab_rows, 0, tr, ts)
     return out
 
 
@@ -633,11 +671,17 @@ def segment_mask(pos: torch.Tensor) -> torch.Tensor:
 class MegatronLM(torch.nn.Module):
     """A ``GPTModel`` called as ``PackedLM`` is: ``forward(ids [rows, R], pos [rows, R], keep [K])``
     gives logits ``[K, V]`` (this rank's vocabulary shard under tensor parallelism), or a
-    scorer's result from ``hidden=[K, H], head=OutputHead``."""
+    scorer's result from ``hidden=[K, H], head=OutputHead``.
 
-    def __init__(self, gpt: torch.nn.Module, padding_idx: int | None = None):
+    Under pipeline parallelism (``stage``, a :class:`skyrl_backends._mcore_pipeline.Stage`)
+    a stage that is not the first takes its input hidden states from the previous stage,
+    and a stage that is not the last returns its output hidden states ``[R, rows, H]``
+    (the backend sends them on: ``MegatronBackend._logprobs``)."""
+
+    def __init__(self, gpt: torch.nn.Module, padding_idx: int | None = None, stage: Any = None):
         super().__init__()
         self.gpt = gpt
+        self.stage = stage
         # The Hugging Face embedding's padding_idx: that row gets no gradient from its lookups
         # (nn.Embedding's rule, which megatron-core's embedding lacks; the row may still learn
         # through a tied head). Transformers initialises it to zeros, where RMSNorm's gradient is huge.
@@ -655,8 +699,14 @@ class MegatronLM(torch.nn.Module):
             raise ValueError(f"the megatron backend takes packed rows only, not {sorted(kwargs)}")
         gpt = self.gpt
         rank, size = _tp()
-        emb = gpt.embedding(input_ids=ids, position_ids=pos)  # [R, rows, H] (sequence parallel: this rank's R / size)
-        if self.padding_idx is not None and emb.requires_grad:
+        stage = self.stage
+        if stage is not None and not stage.first:
+            rows, R = ids.shape
+            emb = stage.receive_hidden((R // size, rows, gpt.config.hidden_size), ids.device)
+            gpt.decoder.set_input_tensor(emb)  # (a TransformerBlock without pre_process reads its input here)
+        else:
+            emb = gpt.embedding(input_ids=ids, position_ids=pos)  # [R, rows, H] (sequence parallel: R / size of them)
+        if self.padding_idx is not None and emb.requires_grad and (stage is None or stage.first):
             pad = (ids == self.padding_idx).t()
             if size > 1:
                 pad = pad.chunk(size, dim=0)[rank]
@@ -670,7 +720,12 @@ class MegatronLM(torch.nn.Module):
             inv_freq = gpt.rotary_pos_emb.inv_freq.to(emb.device)
             angles = pos.t().to(inv_freq.dtype)[..., None] * inv_freq  # [R, rows, d/2]
             rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
-        hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
+        try:
+            hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
+        finally:
+            gpt.decoder.set_input_tensor(None)
+        if stage is not None and not stage.last:
+            return hidden
         if size > 1:
             # The whole sequence for the head, whose rows are this rank's vocabulary shard: the
             # backward reduce-scatters the ranks' partial input gradients (as megatron-core's

@@ -18,13 +18,18 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
   (``skyrl_backends._mcore_precision``);
 - tensor parallelism runs with megatron-core's sequence parallelism (its MoE layers need
   it): :meth:`MegatronBackend._clip_gradients` sums the unsplit weights' gradients; the
-  ranks form ``world / tensor_parallel`` data-parallel replicas (the train step reduces
-  over megatron-core's data-parallel group, the gradients are summed over it);
+  ranks form ``world / (tensor_parallel x pipeline_parallel)`` data-parallel replicas (the
+  train step reduces over megatron-core's data-parallel group, the gradients are summed
+  over it);
+- pipeline parallelism runs every stage through the same train step in lockstep, one
+  micro-batch at a time (``skyrl_backends._mcore_pipeline``): the stages exchange hidden
+  states and their gradients at the boundaries, the last stage computes the logprobs and
+  hands them to the others, so every stage computes the same loss and metrics;
 - weights leave with Hugging Face names (``named_weights``: ``mcore_to_hf``), so every
   transport, engine and the final Hugging Face folder work unchanged;
 - checkpoints are megatron-core distributed checkpoints (``save_checkpoint`` /
   ``load_checkpoint``, ``_mcore_checkpoint``): each rank writes its own shards, and any
-  tensor / expert-parallel layout reads them.
+  tensor / expert / pipeline-parallel layout reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 from skyrl_backends import _mcore_checkpoint, _parallel
 from skyrl_backends._mcore_arch import NotExpressible, describe
 from skyrl_backends._mcore_model import MegatronLM, build, ensure_parallel_state, hf_to_mcore, load_into, mcore_to_hf, weights_of
+from skyrl_backends._mcore_pipeline import global_layer_names, pipeline_stage
 from skyrl_backends._mcore_precision import MegatronPrecision, quantized_names
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._trainer import TorchBackend
@@ -114,9 +120,13 @@ class MegatronRoutingReplay:
     name = "r3"
     side_channel = "routed_experts"
 
-    def __init__(self, replays: list[Any], k: int):
+    def __init__(self, replays: list[Any], k: int, first: int = 0, total: int | None = None):
         self.k = k
         self.replays = replays  # the routers' EngineRoutes, in layer order
+        # (pipeline parallelism: this stage's routers are the model's MoE layers first .. first + len(replays) - 1
+        # of ``total``; the side channel has a column for each)
+        self.first = first
+        self.total = len(replays) if total is None else total
         self._last_of: tuple[Any, np.ndarray] | None = None
         self.rows = 1  # the forward's row count, set by the backend before each replaying()
         self.sequence_parallel = 1  # the tensor-parallel size, whose ranks each route a slice of the sequence
@@ -133,14 +143,14 @@ class MegatronRoutingReplay:
             raise ValueError("replay strategy 'r3': the batch has no 'routed_experts' side channel "
                              "(set engine.return_routed_experts = true)")
         L, k = len(self.replays), self.k
-        if isinstance(routes, CSR) or routes.ndim != 3 or routes.shape[1:] != (L, k):
+        if isinstance(routes, CSR) or routes.ndim != 3 or routes.shape[1:] != (self.total, k):
             shape = "CSR" if isinstance(routes, CSR) else list(routes.shape)
-            raise ValueError(f"replay strategy 'r3': side channel 'routed_experts' must be [tokens, {L} MoE layers, "
-                             f"top_k {k}] for this model, found {shape}")
+            raise ValueError(f"replay strategy 'r3': side channel 'routed_experts' must be [tokens, {self.total} MoE "
+                             f"layers, top_k {k}] for this model, found {shape}")
         slots = np.asarray(view.slot_tokens, dtype=np.int64)
         real = slots >= 0
         ids = np.zeros((len(slots), L, k), dtype=np.int64)
-        ids[real] = routes[slots[real]]
+        ids[real] = routes[slots[real], self.first:self.first + L]
         mask = real.copy()
         mask[real] = ~self._is_last(view.batch)[slots[real]]  # the engine never fed a sequence's last token
         # megatron-core routes tokens sequence-major ([R, rows] flattened); the slots are row-major.
@@ -180,8 +190,8 @@ _TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "li
 
 class MegatronBackend(TorchBackend):
     """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or a model
-    over ``tensor_parallel`` or ``expert_parallel`` processes, in ``world / tensor_parallel``
-    data-parallel replicas."""
+    over ``tensor_parallel`` x ``expert_parallel`` x ``pipeline_parallel`` processes, in
+    ``world / (tensor_parallel x pipeline_parallel)`` data-parallel replicas."""
 
     owns_weights = True  # (OwnWeights: megatron-core's tensors, never the loaded model's)
 
@@ -194,9 +204,10 @@ class MegatronBackend(TorchBackend):
         self._fq: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, quantized weights)
         self._loads = 0  # load_state_dict calls (a part of the weights' version)
         self._dp_rank = 0  # this rank's model replica (data-parallel index)
-        self.ranks = 1  # the trainer processes (tensor x expert parallel x data-parallel replicas)
+        self.ranks = 1  # the trainer processes (tensor x expert parallel x pipeline stages x data-parallel replicas)
         self._gathers = 0  # full-weight gathers across the ranks (named_weights under model parallelism)
         self._gathered: tuple[Any, dict[str, torch.Tensor]] | None = None  # (weights version, the last gather)
+        self._stage: Any = None  # this rank's pipeline Stage (None without pipeline parallelism)
 
     def _fake_weights(self) -> dict[str, torch.Tensor]:
         """This rank's quantized megatron-core weights as the engine serves them, made again
@@ -225,7 +236,10 @@ class MegatronBackend(TorchBackend):
             raise UserError(f"[backend] name = \"megatron\" cannot build this model: {exc}") from None
         self.device = _parallel.pick_device(False, cfg.device)
         self.seed = seed
-        tp, ep = cfg.tensor_parallel, cfg.expert_parallel
+        tp, ep, pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
+        if pp > 1 and self.arch.num_layers % pp:
+            raise UserError(f"[backend] pipeline_parallel = {pp} must divide the decoder layers "
+                            f"({self.arch.num_layers}): each stage holds as many")
         if ep > 1 and not self.arch.is_moe:
             raise UserError(f"[backend] expert_parallel = {ep} needs a mixture-of-experts model; this one is dense")
         if tp > 1 and (self.arch.vocab % tp or self.arch.groups % tp):
@@ -237,18 +251,20 @@ class MegatronBackend(TorchBackend):
         self._one_sequence_per_row = self.arch.mla
         if ep > 1 and self.arch.experts % ep:
             raise UserError(f"[backend] expert_parallel = {ep} must divide the experts ({self.arch.experts})")
-        self.rank, world = ensure_parallel_state(tp, ep, self.device, seed)
-        if world % (tp * ep):
-            raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} must divide the trainer "
-                            f"processes, found {world}")
-        # The ranks form world / tp data-parallel replicas of the model, each training on its own
-        # share of the batch, as the torch backend's data parallel does (the normalisers and metrics
-        # reduce over the data-parallel group; _clip_gradients sums the gradients over it).
-        # Tensor-parallel ranks of one replica all see its whole share. Expert parallelism carves
-        # its groups out of the data-parallel ranks: each of those holds experts / ep experts.
+        self.rank, world = ensure_parallel_state(tp, ep, self.device, seed, pipeline_parallel=pp)
+        if world % (tp * ep * pp):
+            raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} x pipeline_parallel = {pp} "
+                            f"must divide the trainer processes, found {world}")
+        # The ranks form world / (tp x pp) data-parallel replicas of the model, each training on its
+        # own share of the batch, as the torch backend's data parallel does (the normalisers and
+        # metrics reduce over the data-parallel group; _clip_gradients sums the gradients over it).
+        # Tensor-parallel ranks and pipeline stages of one replica all see its whole share. Expert
+        # parallelism carves its groups out of the data-parallel ranks: each of those holds
+        # experts / ep experts.
         from megatron.core import parallel_state
 
-        dp = world // tp
+        dp = world // (tp * pp)
+        self._stage = pipeline_stage(self.arch.num_layers)
         self.ranks = world
         self._dp, self.world = dp > 1, dp
         self._dp_group = parallel_state.get_data_parallel_group() if dp > 1 else None
@@ -274,8 +290,8 @@ class MegatronBackend(TorchBackend):
             ref.eval()
             ref.requires_grad_(False)
             self.reference = ref
-            self._ref_lm = MegatronLM(ref, padding_idx)
-        self._lm = MegatronLM(gpt, padding_idx)
+            self._ref_lm = MegatronLM(ref, padding_idx, self._stage)
+        self._lm = MegatronLM(gpt, padding_idx, self._stage)
         self.module = gpt
         self.precision = precision
         if precision is not None and precision.quantizes:
@@ -288,11 +304,15 @@ class MegatronBackend(TorchBackend):
         self.replay = []
         for strategy in replay:
             if strategy.name == "r3":
-                self._r3 = MegatronRoutingReplay(self._router_replays, self.arch.top_k)
+                # (pipeline parallelism: this stage's MoE layers are the model's from its first layer's on)
+                first = max(0, (self._stage.offset if self._stage else 0) - self.arch.dense_layers)
+                total = self.arch.num_layers - self.arch.dense_layers
+                self._r3 = MegatronRoutingReplay(self._router_replays, self.arch.top_k, first, total)
                 self._r3.sequence_parallel = tp
                 self.replay.append(self._r3)
             elif has(strategy, ScoringReplay):
-                strategy.bind(self._lm, loaded)  # reads the output head through MegatronLM.get_output_embeddings
+                if self._stage is None or self._stage.last:  # (the head and the scoring are the last stage's)
+                    strategy.bind(self._lm, loaded)  # reads the output head through MegatronLM.get_output_embeddings
                 self.replay.append(strategy)
             else:
                 raise ValueError(f"replay strategy {strategy.name!r} is not supported by the megatron backend "
@@ -312,7 +332,10 @@ class MegatronBackend(TorchBackend):
         global norm: the squares of tensor-parallel shards and of experts summed over the
         ranks holding parts of them, replicated weights counted once. (Which weights are
         split is read from their names: megatron-core sets its partition attributes only
-        when it initialises the weights itself.)"""
+        when it initialises the weights itself.) Under pipeline parallelism the tied
+        embedding's two copies (the first stage's embedding, the last stage's head) get their
+        gradients summed over megatron-core's embedding group, and the squares are summed over
+        the stages, the head's copy left out."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -339,9 +362,21 @@ class MegatronBackend(TorchBackend):
                     dist.all_reduce(p.grad, group=group)
                 elif expert_group is not None:
                     dist.all_reduce(p.grad, group=expert_group)
+        stage, copy = self._stage, None
+        if stage is not None and self.arch.tied and (stage.first or stage.last):
+            # One weight in two places: the first stage's embedding and the last stage's head. Each
+            # copy got the gradient of its own use: both take the sum (megatron-core's embedding group).
+            shared = self.module.shared_embedding_or_output_weight()
+            if shared.grad is None:
+                shared.grad = torch.zeros_like(shared)
+            dist.all_reduce(shared.grad, group=parallel_state.get_embedding_group())
+            copy = shared if not stage.first else None  # (counted once in the norm: the first stage's)
+            named = [(k, p) for k, p in self.module.named_parameters() if p.grad is not None]
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         split, experts, replicated = zero.clone(), zero.clone(), zero.clone()
         for name, p in named:
+            if p is copy:
+                continue
             sq = p.grad.detach().double().pow(2).sum()
             if ".experts." in name and tp * ep > 1:
                 experts += sq
@@ -356,7 +391,10 @@ class MegatronBackend(TorchBackend):
             dist.all_reduce(split, group=parallel_state.get_tensor_model_parallel_group())
         if tp * ep > 1:
             dist.all_reduce(experts, group=parallel_state.get_expert_tensor_and_model_parallel_group())
-        norm = (split + experts + replicated).sqrt()
+        squares = split + experts + replicated
+        if stage is not None:  # every stage its own layers
+            stage.all_reduce(squares)
+        norm = squares.sqrt()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for _, p in named:
@@ -396,9 +434,37 @@ class MegatronBackend(TorchBackend):
         mb._same_shape = True
 
     def _logprobs(self, module: Any, mb: Any, temperature: float, entropy: bool = False) -> tuple[Any, Any, Any]:
+        """The torch backend's (logprobs, entropy, logits); under pipeline parallelism the last
+        stage computes them and hands the logprobs and entropies to the earlier stages
+        (``_mcore_pipeline``), which return them as their own: every stage computes the same
+        loss and metrics from them, and the earlier stages' backward passes take their hidden
+        states' gradients from the next stage."""
+        self._same_shape(mb)
+        stage = self._stage
+        if stage is None:
+            return self._head_logprobs(module, mb, temperature, entropy)
+        if self._mp is not None and module is self._lm:
+            # A new weight version's quantized weights are gathered from every stage (a collective):
+            # here, where every stage is, not at the first quantized layer (on a later stage that
+            # forward is waiting for the previous stage's hidden states).
+            self._fake_weights()
+        if stage.last:
+            lp, ent, logits = self._head_logprobs(module, mb, temperature, entropy)
+            if mb.n_loss:
+                stage.share(torch.stack([lp.detach(), ent]) if entropy else lp.detach()[None])
+            return lp, ent, logits
+        keep = mb.keep if mb.n_loss else torch.zeros(1, dtype=torch.long, device=self.device)
+        with self._autocast():
+            hidden = module(mb.ids, mb.pos, keep)
+        # (no loss token: the last stage sends nothing, and a zero stands for its logits)
+        out = stage.to_last(hidden, (2 if entropy else 1, len(mb.keep)) if mb.n_loss else None)
+        if not mb.n_loss:
+            return None, None, out
+        return out[0], (out[1].detach() if entropy else None), out[0]
+
+    def _head_logprobs(self, module: Any, mb: Any, temperature: float, entropy: bool = False) -> tuple[Any, Any, Any]:
         """Under tensor parallelism each rank holds a vocabulary shard of the logits: the
         log-softmax reduces its max and sums over the ranks (never gathering the logits)."""
-        self._same_shape(mb)
         scored = self._scorer_strategy is not None and mb.n_loss and mb.batch is not None
         if self.config.tensor_parallel == 1 or scored:  # (a scorer reduces over the shards itself)
             return super()._logprobs(module, mb, temperature, entropy)
@@ -465,12 +531,17 @@ class MegatronBackend(TorchBackend):
         from megatron.core import parallel_state
 
         # One copy of each (tensor-parallel rank, expert-parallel rank)'s shards: the ranks of the
-        # first expert-data-parallel replica send theirs, tagged with their coordinates.
+        # first expert-data-parallel replica send theirs, tagged with their coordinates; each
+        # pipeline stage its own layers, by their numbers in the whole model.
         coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank())
         first = parallel_state.get_expert_data_parallel_rank() == 0
+        if self._stage is not None:
+            own = global_layer_names(own, self._stage.offset)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (coords, {k: v.cpu() for k, v in own.items()}) if first else None)
-        by = {c: sd for c, sd in (g for g in gathered if g is not None)}
+        by: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for c, sd in (g for g in gathered if g is not None):
+            by.setdefault(c, {}).update(sd)  # (the stages' parts of one (tp, ep) coordinate)
         shards = [by[(t, 0)] for t in range(tp)]
         experts = [[by[(t, e)] for t in range(tp)] for e in range(ep)] if ep > 1 else None
         self._gathers += 1
@@ -530,7 +601,7 @@ class MegatronBackend(TorchBackend):
     def save_checkpoint(self, folder: str) -> None:
         """(ShardedCheckpoints) Write the training state into ``folder`` with megatron-core's
         distributed checkpointing: each rank its own shards, resumable under any tensor /
-        expert-parallel layout (``_mcore_checkpoint``). A collective."""
+        expert / pipeline-parallel layout (``_mcore_checkpoint``). A collective."""
         _mcore_checkpoint.save(self, folder)
 
     def load_checkpoint(self, folder: str) -> None:
@@ -541,6 +612,8 @@ class MegatronBackend(TorchBackend):
 
     def _layout(self) -> dict[str, int]:
         layout = {"tensor_parallel": self.config.tensor_parallel, "expert_parallel": self.config.expert_parallel}
+        if self.config.pipeline_parallel > 1:
+            layout["pipeline_parallel"] = self.config.pipeline_parallel
         replicas = self.world // self.config.expert_parallel if self.config.expert_parallel > 1 else self.world
         return {**layout, "data_parallel": replicas} if replicas > 1 else layout
 

@@ -30,7 +30,6 @@ from skyrl_host.devices import cuda_problem
 from skyrl_host.options import ge, option
 
 NOT_BUILT = {
-    "pipeline_parallel": "pipeline parallelism is not built",
     "context_parallel": "context parallelism is not built",
 }
 
@@ -96,14 +95,20 @@ def check(spec: Any) -> list[tuple[str, str]]:
     for key, what in NOT_BUILT.items():
         if getattr(cfg, key) != 1:
             problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what} in the megatron backend; set it to 1"))
-    tp, ep = cfg.tensor_parallel, cfg.expert_parallel
+    tp, ep, pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
     ranks = spec.cluster.trainer_ranks
     launcher = getattr(spec.cluster, "launcher", "local")
-    if ranks % (tp * ep):
-        key = "backend.tensor_parallel" if tp > 1 else "backend.expert_parallel"
-        problems.append((key, f"the megatron backend runs [cluster] trainer_ranks / tensor_parallel data-parallel "
-                         f"replicas of the model, with expert_parallel ranks sharing the experts: tensor_parallel x "
-                         f"expert_parallel = {tp * ep} must divide trainer_ranks = {ranks}"))
+    if ranks % (tp * ep * pp):
+        key = "backend." + ("tensor_parallel" if tp > 1 else "expert_parallel" if ep > 1 else "pipeline_parallel")
+        if pp == 1:
+            problems.append((key, f"the megatron backend runs [cluster] trainer_ranks / tensor_parallel data-parallel "
+                             f"replicas of the model, with expert_parallel ranks sharing the experts: tensor_parallel x "
+                             f"expert_parallel = {tp * ep} must divide trainer_ranks = {ranks}"))
+        else:
+            problems.append((key, f"the megatron backend runs [cluster] trainer_ranks / (tensor_parallel x "
+                             f"pipeline_parallel) data-parallel replicas of the model, with expert_parallel ranks sharing "
+                             f"the experts: tensor_parallel x expert_parallel x pipeline_parallel = {tp * ep * pp} must "
+                             f"divide trainer_ranks = {ranks}"))
     elif ep > 1 and (model := spec.plugins.get("model")) is not None and not isinstance(model, tuple) \
             and model_is_moe(model) is False:
         problems.append(("backend.expert_parallel", f"expert_parallel = {ep} spreads experts over ranks, and this "
@@ -131,6 +136,11 @@ def check(spec: Any) -> list[tuple[str, str]]:
                 if getattr(model.config, "preset", None):
                     where = "model.preset"
                 problems.append((where, f"the megatron backend cannot build this model: {exc}"))
+                return problems
+            layers = data.get("num_hidden_layers")  # (a folder's config.json; a preset's is known when it loads)
+            if cfg.pipeline_parallel > 1 and isinstance(layers, int) and layers % cfg.pipeline_parallel:
+                problems.append(("backend.pipeline_parallel", f"pipeline_parallel = {cfg.pipeline_parallel} must "
+                                 f"divide the model's {layers} decoder layers (each pipeline stage holds as many)"))
     return problems
 
 

@@ -27,13 +27,14 @@ def loaded(seed: int = 0, **kw: Any) -> LoadedModel:
     return LoadedModel(model=tiny_model(seed, **kw), tokenizer=None, stop_token_ids=[1], family="test")
 
 
-def tiny_batch(seed: int = 0, n: int = 6, prompt: tuple[int, int] = (2, 6), response: tuple[int, int] = (1, 8)) -> RolloutBatch:
-    """``n`` sequences of uneven lengths, random engine logprobs near the model's."""
+def tiny_batch(seed: int = 0, n: int = 6, prompt: tuple[int, int] = (2, 6), response: tuple[int, int] = (1, 8),
+               vocab: int = 32) -> RolloutBatch:
+    """``n`` sequences of uneven lengths (ids 2 .. vocab - 1), random engine logprobs near the model's."""
     rng = np.random.default_rng(seed)
     prompts, responses, lps = [], [], []
     for _ in range(n):
-        p = rng.integers(2, 32, rng.integers(prompt[0], prompt[1] + 1)).tolist()
-        r = rng.integers(2, 32, rng.integers(response[0], response[1] + 1)).tolist()
+        p = rng.integers(2, vocab, rng.integers(prompt[0], prompt[1] + 1)).tolist()
+        r = rng.integers(2, vocab, rng.integers(response[0], response[1] + 1)).tolist()
         prompts.append(p)
         responses.append(r)
         lps.append((-3.4 + 0.05 * rng.standard_normal(len(r))).tolist())

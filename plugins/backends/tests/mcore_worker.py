@@ -5,7 +5,10 @@
 tensor_parallel = 2`` (mode "tp": dense Qwen3, every rank the whole batch) or
 ``expert_parallel = 2`` (mode "ep": Qwen3-MoE, each rank its half of every batch) and
 returns the metrics, the logprobs before each step and the full weights by their Hugging
-Face names; "tp:fp8" and the like add a precision (and train with lr 1e-9: see train). :func:`train` with world 1 is the same training in one process.
+Face names; "tp:fp8" and the like add a precision (and train with lr 1e-9: see train); "pp"
+and its variants run ``pipeline_parallel`` stages. :func:`train` with world 1 is the same
+training in one process. :func:`pipeline` runs several modes in one launch of the ranks
+(starting the processes is most of a test's time).
 """
 
 from __future__ import annotations
@@ -24,10 +27,20 @@ from skyrl_host.interfaces import LoadedModel  # noqa: E402
 OPTIONS = dict(lr=1e-3, micro_batch_tokens=32, pack_length=12, max_grad_norm=0.5, weight_decay=0.1)
 
 
+def preset(name: str):
+    """The qwen family's preset ``name`` (random weights, seed 0), as a job loads it."""
+    from skyrl_host.plugins import build_host
+
+    reg = build_host().registry.get("models", "qwen")
+    return reg.create(reg.config(preset=name)).load(alphabet="0123456789:", seed=0).model
+
+
 def model(mode: str):
     if mode == "tp":
         return tiny.tiny_model(0)
-    if mode == "tp-mla":  # DeepSeek-V3 / Kimi K2: multi-latent attention, a dense layer, then MoE layers
+    if mode.startswith("pp") and mode != "pp-mla":  # the qwen presets "tiny" (tied embedding and head) and "tiny-moe"
+        return preset("tiny-moe" if mode in ("pp-moe", "pp-ep") else "tiny")
+    if mode in ("tp-mla", "pp-mla"):  # DeepSeek-V3 / Kimi K2: multi-latent attention, a dense layer, then MoE layers
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
         cfg = DeepseekV3Config(
@@ -52,7 +65,11 @@ def sizes(mode: str, world: int, replicas: bool = False) -> dict:
     replicas, each over world / 2 ranks); "tp-ep": tensor_parallel = 2, expert_parallel = world / 2."""
     if mode == "tp-ep":
         return {"tensor_parallel": 2, "expert_parallel": world // 2} if world > 1 else {}
-    key = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel"}[mode]
+    if mode in ("pp-tp", "pp-ep"):  # 4 ranks: two pipeline stages, each over a tensor- or expert-parallel pair
+        key = "tensor_parallel" if mode == "pp-tp" else "expert_parallel"
+        return {key: 2, "pipeline_parallel": world // 2} if world > 1 else {}
+    key = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel", "pp": "pipeline_parallel",
+           "pp-moe": "pipeline_parallel", "pp-mla": "pipeline_parallel"}[mode]
     return {key: world // 2 if replicas and world > 1 else world}
 
 
@@ -66,13 +83,13 @@ def logprobs(be, batch) -> np.ndarray:
     return out
 
 
-def kept_sets(batch, seed: int, size: int = 9):
-    """A sampler's kept sets for every generated token: ``size`` ids of the 32, its own among them."""
+def kept_sets(batch, seed: int, size: int = 9, vocab: int = 32):
+    """A sampler's kept sets for every generated token: ``size`` ids of the ``vocab``, its own among them."""
     from skyrl_host.rollout import CSR
 
     rng = np.random.default_rng(seed)
     targets = np.asarray(batch.tokens)[np.asarray(batch.loss_mask) != 0]
-    return CSR.from_rows([np.union1d([t], rng.choice(32, size - 1, replace=False)) for t in targets])
+    return CSR.from_rows([np.union1d([t], rng.choice(vocab, size - 1, replace=False)) for t in targets])
 
 
 def random_routes(batch, be, seed: int):
@@ -86,15 +103,19 @@ def random_routes(batch, be, seed: int):
 
 
 def train(rank: int, world: int, mode: str) -> dict:
-    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention), "ep" or "tp-ep" (both, 4 ranks), with "+support" (the support strategy over random kept sets),
-    "+r3" (random routes replayed), "+dp" (two data-parallel replicas, each over world / 2 ranks)
-    and / or ":PRECISION" (a precision by its name), e.g. "tp+support:fp8"."""
+    """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention), "ep" or "tp-ep" (both, 4 ranks), "pp"
+    (the qwen preset "tiny"), "pp-moe" ("tiny-moe"), "pp-tp" / "pp-ep" (two stages of two
+    tensor- / expert-parallel ranks), "pp-mla" (the DeepSeek-V3 model in two stages), with
+    "+support" (the support strategy over random kept sets), "+r3" (random routes replayed),
+    "+dp" (two data-parallel replicas, each over world / 2 ranks), "+old" (two mini-batches
+    and a reference policy: the no-grad passes of old and reference logprobs), "+gc"
+    (activation recompute) and / or ":PRECISION" (a precision by its name), e.g. "tp+support:fp8"."""
     from skyrl_backends.megatron import MegatronBackendConfig, create
 
     mode, _, precision = mode.partition(":")
-    mode, support = mode.removesuffix("+support"), mode.endswith("+support")
-    mode, r3 = mode.removesuffix("+r3"), mode.endswith("+r3")
-    mode, replicas = mode.removesuffix("+dp"), mode.endswith("+dp")
+    mode, *flags = mode.split("+")
+    support, r3, replicas, old, gc = ("support" in flags, "r3" in flags, "dp" in flags, "old" in flags,
+                                      "gc" in flags)
     from skyrl_host.plugins import build_host
 
     host = build_host()
@@ -111,20 +132,23 @@ def train(rank: int, world: int, mode: str) -> dict:
     # moves an activation across an e4m3 rounding boundary, Adam turns that into weight gaps and
     # the weights' own quantization magnifies them, step after step; with fixed weights every
     # step compares the two layouts' quantized forward and backward afresh.
-    options = dict(OPTIONS, lr=1e-9) if precision else OPTIONS
-    be = create(MegatronBackendConfig(**options, **sizes(mode, world, replicas)))
-    be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0, total_steps=3,
-             reference=False, precision=precision or None, replay=replay)
-    algo = tiny.TokenMean()
+    options = dict(OPTIONS, lr=1e-9) if precision else dict(OPTIONS)
+    if old:
+        options["mini_batches"] = 2
+    be = create(MegatronBackendConfig(**options, **sizes(mode, world, replicas), gradient_checkpointing=gc))
+    be.start(LoadedModel(model=model(mode), tokenizer=None, stop_token_ids=[1], family="test"), seed=0,
+             total_steps=3, reference=old, precision=precision or None, replay=replay)
+    algo = tiny.TokenMean(needs_reference=old)
     metrics, lps = [], []
+    vocab = min(32, int(be.arch.vocab))
     for step in range(3):
-        batch = tiny.tiny_batch(10 + step, n=8)
+        batch = tiny.tiny_batch(10 + step, n=8, vocab=vocab)
         if support:
-            batch.side_channels["sample_support"] = kept_sets(batch, seed=step)
+            batch.side_channels["sample_support"] = kept_sets(batch, seed=step, vocab=vocab)
         if r3:
             batch.side_channels["routed_experts"] = random_routes(batch, be, seed=step)
         adv = tiny.tiny_advantages(batch, seed=step)
-        if mode.startswith("tp") or world == 1:  # (the whole batch; under ep each rank forwards its own share)
+        if mode.startswith(("tp", "pp")) or world == 1:  # (the whole batch; under ep each rank forwards its own share)
             lps.append(logprobs(be, batch))
         metrics.append(be.train_step(*share(be, batch, adv), algo, temperature=1.0, max_new_tokens=8))
         if precision:
@@ -132,7 +156,8 @@ def train(rank: int, world: int, mode: str) -> dict:
                 pass
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None, "layout": be._layout(),
-            "data_parallel": be.data_parallel(), "gathers": be._gathers}
+            "data_parallel": be.data_parallel(), "gathers": be._gathers,
+            "own": sorted(k for k in be.module.state_dict() if not k.endswith("_extra_state"))}
 
 
 def share(be, batch, adv):
@@ -148,7 +173,7 @@ def share(be, batch, adv):
 
 
 def _step(be, mode: str, rank: int, world: int, step: int) -> dict:
-    batch = tiny.tiny_batch(10 + step, n=8)
+    batch = tiny.tiny_batch(10 + step, n=8, vocab=min(32, int(be.arch.vocab)))
     adv = tiny.tiny_advantages(batch, seed=step)
     return be.train_step(*share(be, batch, adv), tiny.TokenMean(), temperature=1.0, max_new_tokens=8)
 
@@ -176,3 +201,28 @@ def resharded(rank: int, world: int, mode: str, folder: str, action: str) -> dic
     metrics = [_step(be, mode, rank, world, step) for step in (2, 3)]
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "weights": weights if rank == 0 else None, "steps": be.steps}
+
+
+def pipeline(rank: int, world: int, *modes: str) -> list[dict]:
+    """:func:`train` of each of ``modes``, one after the other in this process."""
+    return [train(rank, world, mode) for mode in modes]
+
+
+def bf16_logprobs(rank: int, world: int) -> np.ndarray:
+    """"tiny"'s logprobs of a batch under bfloat16 autocast, with pipeline_parallel = world."""
+    from skyrl_backends.megatron import MegatronBackendConfig, create
+
+    be = create(MegatronBackendConfig(**OPTIONS, compute_dtype="bfloat16", pipeline_parallel=world))
+    be.start(LoadedModel(model=model("pp"), tokenizer=None, stop_token_ids=[1], family="test"), seed=0,
+             total_steps=1, reference=False)
+    return logprobs(be, tiny.tiny_batch(3, n=8, vocab=int(be.arch.vocab)))
+
+
+def pipeline_and_checkpoints(rank: int, world: int, written: str, read: str, *modes: str) -> dict:
+    """:func:`pipeline` of ``modes`` and :func:`bf16_logprobs`; then (mode "pp")
+    :func:`resharded` "save" into the folder ``written`` and "load" from ``read`` (a
+    checkpoint another layout wrote)."""
+    trained = pipeline(rank, world, *modes)
+    bf16 = bf16_logprobs(rank, world)
+    saved = resharded(rank, world, "pp", written, "save")
+    return {"modes": trained, "bf16": bf16, "saved": saved, "loaded": resharded(rank, world, "pp", read, "load")}

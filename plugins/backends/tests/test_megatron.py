@@ -600,3 +600,126 @@ def test_a_distributed_checkpoint_resumes_under_another_layout(mode: str, writte
     got, want = resumed[0]["weights"], full["weights"]
     assert sorted(got) == sorted(want)
     assert max(float((got[k] - v).abs().max()) for k, v in want.items()) <= 1e-6
+
+
+# -- pipeline parallelism across gloo processes ----------------------------------------------------
+
+PIPELINE_MODES = ("pp+old", "pp-moe", "pp-moe+r3+gc", "pp+support", "pp-mla+r3", "pp:fp8")
+
+
+def assert_trains_like(ranks: list[dict], one: dict, mode: str, logprobs: bool = True) -> None:
+    """Every rank's 3 steps are the one process's: loss, entropy (and kl) within 1e-5, grad norm
+    within 1e-4, logprobs within 1e-5; rank 0's gathered weights, nearly every element within 1e-6."""
+    for step, want in enumerate(one["metrics"]):
+        for r in ranks:
+            for key, rel in (("loss", 1e-5), ("entropy", 1e-5), ("kl", 1e-5), ("grad_norm", 1e-4), ("loss_tokens", 0)):
+                if key in want:
+                    assert r["metrics"][step][key] == pytest.approx(want[key], rel=rel, abs=1e-6), (mode, step, key)
+            if logprobs:
+                np.testing.assert_allclose(r["logprobs"][step], one["logprobs"][step], atol=1e-5, rtol=0, err_msg=mode)
+    got, want = ranks[0]["weights"], one["weights"]
+    assert sorted(got) == sorted(want), mode
+    gaps = torch.cat([(got[k] - v).abs().reshape(-1) for k, v in want.items()])
+    assert float((gaps > 1e-6).float().mean()) < 1e-3 and float(gaps.max()) <= 1e-4, (mode, float(gaps.max()))
+
+
+@pytest.fixture(scope="module")
+def two_stages(mcore_worker, tmp_path_factory) -> dict:
+    """Two gloo processes with pipeline_parallel = 2: ``modes``, what each rank's
+    ``mcore_worker.train`` returned for each of PIPELINE_MODES; ``saved``, 2 steps, a
+    distributed checkpoint into ``by_two`` and 2 more; ``loaded``, a fresh backend reading
+    ``by_one`` (written by one process: ``one_saved``) and training 2 more steps. (One
+    launch for both tests below: starting the processes is most of their time.)"""
+    import pathlib
+
+    from skyrl_host.testing import run_gloo_ranks
+
+    by_two, by_one = tmp_path_factory.mktemp("by_two"), tmp_path_factory.mktemp("by_one")
+    one_saved = mcore_worker.resharded(0, 1, "pp", str(by_one), "save")
+    runs = run_gloo_ranks(pathlib.Path(__file__).with_name("mcore_worker.py"), "pipeline_and_checkpoints", 2,
+                          str(by_two), str(by_one), *PIPELINE_MODES, timeout=300)
+    return {"runs": runs, "by_two": by_two, "one_saved": one_saved}
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_equal_one_process(two_stages, mcore_worker) -> None:
+    """pipeline_parallel = 2 across two gloo processes, each stage its half of the layers
+    (the first the embedding, the last the final norm and a copy of the tied embedding for
+    its head), trains as one process does (3 clipped AdamW steps, lr 1e-3): the qwen presets
+    "tiny" (tied embedding and head; two mini-batches and a reference policy, so the
+    no-grad passes of old and reference logprobs run through the stages too) and
+    "tiny-moe" (alone, and replaying random routes with r3 under activation recompute:
+    each stage its own layers' columns of the side channel), "tiny" scoring over random
+    kept sets (support, on the last stage), a DeepSeek-V3 model whose dense first layer is
+    one stage and its MoE layer the other (r3), and "tiny" with fp8 (each stage's weights
+    quantized from the gathered whole)."""
+    runs = [r["modes"] for r in two_stages["runs"]]
+    for i, mode in enumerate(PIPELINE_MODES):
+        ranks = [r[i] for r in runs]
+        layout = {"tensor_parallel": 1, "expert_parallel": 1, "pipeline_parallel": 2}
+        assert [r["layout"] for r in ranks] == [layout] * 2
+        first, last = (set(r["own"]) for r in ranks)
+        assert "embedding.word_embeddings.weight" in first and "decoder.final_layernorm.weight" in last
+        assert not first & {"decoder.final_layernorm.weight", "output_layer.weight"}
+        assert "embedding.word_embeddings.weight" not in last
+        assert_trains_like(ranks, mcore_worker.train(0, 1, mode), mode)
+    assert runs[0][0]["metrics"][0]["grad_norm"] > 0.5  # clipping was active (max_grad_norm 0.5)
+    assert runs[0][0]["metrics"][1]["kl"] > 1e-6  # (the reference policy: the initial model's stages)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_under_bf16_autocast_give_one_process_logprobs(two_stages, mcore_worker) -> None:
+    """compute_dtype = "bfloat16": every stage computes under the job's autocast and the
+    next stage goes on from the hidden states in their own dtype (bfloat16 after a decoder
+    layer; they cross in float32 with their dtype's code), so the two stages' logprobs are
+    one process's bit for bit (a first stage computing in float32 gives others). (Training
+    under bf16 autocast is not run: megatron-core's linear layers fail in the backward pass
+    on a CPU, with or without pipeline parallelism.)"""
+    one = mcore_worker.bf16_logprobs(0, 1)
+    for r in two_stages["runs"]:
+        assert np.array_equal(r["bf16"], one)
+    assert np.abs(one).max() > 0
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_in_one_process_and_back(two_stages, mcore_worker) -> None:
+    """megatron-core's distributed checkpoint of two pipeline stages (each writes its layers,
+    the tied head's copy is the embedding's replica) read by one process, and one process's
+    read by two stages: steps 3 and 4 after it equal the uninterrupted run's (weights to
+    1e-6, AdamW's moments and steps, the schedule)."""
+    runs, by_two = two_stages["runs"], two_stages["by_two"]
+    assert sum(p.name.endswith(".distcp") for p in by_two.iterdir()) >= 2  # (each stage its own shard files)
+    one_resumed = mcore_worker.resharded(0, 1, "pp", str(by_two), "load")
+    for full, resumed in ((runs[0]["saved"], [one_resumed]), (two_stages["one_saved"], [r["loaded"] for r in runs])):
+        for step, want in enumerate(full["metrics"]):
+            for r in resumed:
+                assert r["steps"] == 4
+                for key, rel in (("loss", 1e-5), ("entropy", 1e-5), ("grad_norm", 1e-4), ("lr", 0)):
+                    assert r["metrics"][step][key] == pytest.approx(want[key], rel=rel, abs=1e-7), (step, key)
+        got, want = resumed[0]["weights"], full["weights"]
+        assert sorted(got) == sorted(want)
+        assert max(float((got[k] - v).abs().max()) for k, v in want.items()) <= 1e-6
+
+
+@pytest.mark.slow
+def test_pipeline_stages_with_tensor_expert_and_data_parallel_ranks_equal_one_process(mcore_worker) -> None:
+    """Four gloo processes: two pipeline stages, each over two tensor-parallel ranks ("tiny"),
+    over two expert-parallel ranks ("tiny-moe": each its share of the sequences, half of the
+    experts), or two data-parallel replicas of a two-stage model ("tiny": each replica half
+    of the sequences): the one process's 3 steps (as above)."""
+    import pathlib
+
+    from skyrl_host.testing import run_gloo_ranks
+
+    modes = ("pp-tp", "pp-ep", "pp+dp")
+    runs = run_gloo_ranks(pathlib.Path(__file__).with_name("mcore_worker.py"), "pipeline", 4, *modes, timeout=400)
+    one = {"tiny": mcore_worker.train(0, 1, "pp"), "tiny-moe": mcore_worker.train(0, 1, "pp-moe")}
+    layouts = {"pp-tp": ({"tensor_parallel": 2, "expert_parallel": 1, "pipeline_parallel": 2}, [(0, 1)] * 4),
+               "pp-ep": ({"tensor_parallel": 1, "expert_parallel": 2, "pipeline_parallel": 2}, [(0, 2), (1, 2)] * 2),
+               "pp+dp": ({"tensor_parallel": 1, "expert_parallel": 1, "pipeline_parallel": 2, "data_parallel": 2},
+                         [(0, 2), (1, 2)] * 2)}
+    for i, mode in enumerate(modes):
+        ranks = [r[i] for r in runs]
+        assert [r["layout"] for r in ranks] == [layouts[mode][0]] * 4
+        assert [tuple(r["data_parallel"]) for r in ranks] == layouts[mode][1]
+        assert_trains_like(ranks, one["tiny-moe" if mode == "pp-ep" else "tiny"], mode)

@@ -49,8 +49,6 @@ def test_resume_equals_the_uninterrupted_run_and_the_final_folder_loads(skyrl_cl
     torn writes tested there: tests/test_rl_job.py)."""
     import shutil
 
-    import transformers
-
     steps = 6
     full_path, full_out = write_job(skyrl_tiny_rl_job, tmp_path, "full", steps, 2)
     proc = subprocess.run([SKYRL, "run", str(full_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -71,27 +69,9 @@ def test_resume_equals_the_uninterrupted_run_and_the_final_folder_loads(skyrl_cl
 
     # The final folder: transformers' logits are the trained megatron model's (from the
     # last checkpoint, rebuilt by the backend), on packed rows and on a plain forward.
-    from skyrl_backends.megatron_backend import MegatronLM
-    from skyrl_backends.megatron import MegatronBackendConfig, create
-
-    final = transformers.AutoModelForCausalLM.from_pretrained(full_out / "final").float().eval()
     last = sorted((full_out / "checkpoints").iterdir())[-1]
     assert not (last / "backend.pt").exists()  # the backend state is megatron-core's distributed checkpoint
-    from skyrl_host.interfaces import LoadedModel
-
-    be = create(MegatronBackendConfig(lr=1e-3))
-    start = transformers.AutoModelForCausalLM.from_pretrained(full_out / "final").float()
-    be.start(LoadedModel(model=start, tokenizer=None, stop_token_ids=[], family="qwen"), seed=0, total_steps=1,
-             reference=False)
-    be.load_checkpoint(str(last / "backend"))
-    vocab = final.config.vocab_size
-    ids = torch.as_tensor(np.random.default_rng(0).integers(0, vocab, (2, 9)))
-    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 0, 1, 2, 3, 4]])
-    with torch.no_grad():
-        got = MegatronLM(be.module)(ids, pos, torch.arange(18))
-        want = torch.cat([final(input_ids=ids[:1]).logits[0], final(input_ids=ids[1:, :4]).logits[0],
-                          final(input_ids=ids[1:, 4:]).logits[0]])
-    assert float((got - want).abs().max()) <= 1e-5
+    assert_final_folder_is_the_checkpoint(full_out)
 
 
 def test_the_quickstart_learns_with_the_megatron_backend(tmp_path) -> None:
@@ -134,7 +114,10 @@ def test_async_mode_runs_with_the_default_shared_engine(skyrl_tiny_rl_job, skyrl
      "tensor_parallel data-parallel replicas of the model, with expert_parallel ranks sharing the experts: "
      "tensor_parallel x expert_parallel = 2 must divide trainer_ranks = 1"),
     ("backend.expert_parallel=2", "backend.expert_parallel: the megatron backend runs [cluster] trainer_ranks / "),
-    ("backend.pipeline_parallel=2", "backend.pipeline_parallel: pipeline_parallel = 2: pipeline parallelism is not built"),
+    ("backend.pipeline_parallel=2", "backend.pipeline_parallel: the megatron backend runs [cluster] trainer_ranks / "
+     "(tensor_parallel x pipeline_parallel) data-parallel replicas of the model, with expert_parallel ranks sharing the "
+     "experts: tensor_parallel x expert_parallel x pipeline_parallel = 2 must divide trainer_ranks = 1"),
+    ("backend.context_parallel=2", "backend.context_parallel: context_parallel = 2: context parallelism is not built"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),
 ])
@@ -169,7 +152,8 @@ def test_a_one_process_engine_may_take_any_wire_dtype(skyrl_cli, skyrl_tiny_rl_j
 
 def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
     """A Hugging Face folder whose config.json asks for a RoPE scaling the backend does not map
-    (llama3's) is refused at validate time."""
+    (llama3's) is refused at validate time; so is one whose 3 layers two pipeline stages
+    cannot share."""
     import json
 
     import transformers
@@ -189,48 +173,91 @@ def test_validate_reads_a_folders_config(skyrl_cli, tmp_path) -> None:
     assert result.exit_code == 2
     assert "rope_type 'llama3' (mapped: default, linear, yarn)" in result.stderr, result.stderr
 
+    cfg.num_hidden_layers, cfg.rope_parameters = 3, {"rope_type": "default", "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    result = skyrl_cli("validate", str(tmp_path / "job.toml"), "--set", "backend.name=\"megatron\"", "--set",
+                       "backend.pipeline_parallel=2")
+    assert result.exit_code == 2
+    assert ("backend.pipeline_parallel: pipeline_parallel = 2 must divide the model's 3 decoder layers (each pipeline "
+            "stage holds as many)") in result.stderr, result.stderr
+
 
 # -- tensor and expert parallelism in jobs: the Ray launcher's backend actors ----------------------
 
 
 def megatron_job(make_job, tmp_path, name: str, *, parallel: dict | None = None, preset: str = "tiny", steps: int = 3,
-                 every: int = 0, ranks: int | None = None):
+                 every: int = 0, ranks: int | None = None, final: bool = False):
     """The tiny rl job on the megatron backend: one process, or ``parallel`` ([backend]
-    tensor_parallel / expert_parallel) over as many Ray backend actors (or ``ranks``: data-
-    parallel replicas), delta in float32."""
+    tensor_parallel / expert_parallel / pipeline_parallel) over as many Ray backend actors
+    (or ``ranks``: data-parallel replicas), delta in float32; ``final``: the final Hugging
+    Face folder saved."""
     ranks = ranks or max((parallel or {}).values(), default=1)
     # (an engine actor beside the backend actors in the Ray session's 2 CPUs)
     cpus = 0.5 if ranks < 4 else 0.4
     cluster = {"launcher": "ray", "trainer_ranks": ranks, "cpus_per_actor": cpus} if parallel else {"launcher": "local"}
     sync = {"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights", "dtype": "float32"} if parallel else {
         "transport": "inproc"}
-    return make_job(tmp_path, name, job={"steps": steps, "checkpoint_every": every, "output_dir": tmp_path / f"{name}_out"},
+    job = {"steps": steps, "checkpoint_every": every, "output_dir": tmp_path / f"{name}_out", "save_final": final}
+    return make_job(tmp_path, name, job=job,
                     cluster=cluster, model={"preset": preset}, engine={"dtype": "float32" if parallel else "auto"},
                     weight_sync=sync, backend={"name": "megatron", "lr": 1e-3, **(parallel or {})})
 
 
-def test_tensor_and_data_parallel_ranks_in_ray_actors_train_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
-                                                                    tmp_path) -> None:
+def test_tensor_data_and_pipeline_parallel_ranks_in_ray_actors_train_like_one_process(
+        skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """[backend] tensor_parallel = 2 over two Ray backend actors (the launcher gives both
-    the whole batch), and two data-parallel replicas of the model (trainer_ranks = 2,
+    the whole batch), two data-parallel replicas of the model (trainer_ranks = 2,
     tensor_parallel = 1: the launcher gives each half of the sequences, the gradients are
-    summed over them): the one-process run's metrics up to float32 reduction order; the
-    replicas' checkpoint is one model's (megatron-core writes each tensor once)."""
+    summed over them), and pipeline_parallel = 2 (each actor one stage, both the whole
+    batch): the one-process run's metrics up to float32 reduction order; the replicas'
+    checkpoint is one model's (megatron-core writes each tensor once), each stage writes
+    its own layers. The pipeline run's final Hugging Face folder (its weights gathered from
+    both stages) gives, in transformers, the logits of its last checkpoint read by one
+    process."""
     runs = {}
     for name, parallel, ranks in (("one", None, None), ("tp", {"tensor_parallel": 2}, None),
-                                  ("dp", {"tensor_parallel": 1}, 2)):
-        job = megatron_job(skyrl_tiny_rl_job, tmp_path, name, parallel=parallel, ranks=ranks, every=3)
+                                  ("dp", {"tensor_parallel": 1}, 2), ("pp", {"pipeline_parallel": 2}, None)):
+        job = megatron_job(skyrl_tiny_rl_job, tmp_path, name, parallel=parallel, ranks=ranks, every=3,
+                           final=name == "pp")
         result = skyrl_cli("run", str(job.path))
         assert result.exit_code == 0, result.stderr[-3000:]
         runs[name] = [learning_metrics(r) for r in job.rows()]
         shards = job.out / "checkpoints" / "step_000003" / "backend"
         runs[name + " files"] = sorted(p.name.split("_")[2] for p in shards.glob("__*_*.distcp"))
-    assert len(runs["tp"]) == len(runs["one"]) == len(runs["dp"]) == 3
-    for name in ("tp", "dp"):
+    assert len(runs["tp"]) == len(runs["one"]) == len(runs["dp"]) == len(runs["pp"]) == 3
+    for name in ("tp", "dp", "pp"):
         for a, b in zip(runs[name], runs["one"]):
             for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean", "sequences"):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
     assert set(runs["tp files"]) == {"0", "1"} and set(runs["dp files"]) == {"0"}, runs
+    assert set(runs["pp files"]) == {"0", "1"}, runs
+    assert_final_folder_is_the_checkpoint(tmp_path / "pp_out")
+
+
+def assert_final_folder_is_the_checkpoint(out) -> None:
+    """``out/final`` in transformers gives the logits of the megatron model its last
+    checkpoint holds (read by one process), on packed rows and on a plain forward."""
+    import transformers
+
+    from skyrl_backends.megatron import MegatronBackendConfig, create
+    from skyrl_backends.megatron_backend import MegatronLM
+    from skyrl_host.interfaces import LoadedModel
+
+    final = transformers.AutoModelForCausalLM.from_pretrained(out / "final").float().eval()
+    last = sorted((out / "checkpoints").iterdir())[-1]
+    be = create(MegatronBackendConfig(lr=1e-3))
+    start = transformers.AutoModelForCausalLM.from_pretrained(out / "final").float()
+    be.start(LoadedModel(model=start, tokenizer=None, stop_token_ids=[], family="qwen"), seed=0, total_steps=1,
+             reference=False)
+    be.load_checkpoint(str(last / "backend"))
+    vocab = final.config.vocab_size
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, vocab, (2, 9)))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        got = MegatronLM(be.module)(ids, pos, torch.arange(18))
+        want = torch.cat([final(input_ids=ids[:1]).logits[0], final(input_ids=ids[1:, :4]).logits[0],
+                          final(input_ids=ids[1:, 4:]).logits[0]])
+    assert float((got - want).abs().max()) <= 1e-5
 
 
 def test_tensor_parallel_ranks_in_ray_actors_serve_the_quantized_weights_they_train_with(

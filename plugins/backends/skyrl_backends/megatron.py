@@ -81,6 +81,18 @@ class _Config:
         return self._text or self
 
 
+def _trains_on_cpu(device: str, launcher: str) -> bool:
+    """Whether the backend's ranks will compute on a CPU: asked for, or "auto" in this
+    process on a machine without CUDA (the Ray launcher's actors may have GPUs)."""
+    if device == "cpu":
+        return True
+    if device != "auto" or launcher == "ray":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``): the parallelism this backend runs, a CUDA
     ``device`` on a machine with CUDA, and a model megatron-core can express."""
@@ -120,6 +132,11 @@ def check(spec: Any) -> list[tuple[str, str]]:
         problem = cuda_problem(cfg.device)
         if problem is not None:
             problems.append(("backend.device", problem))
+    if cfg.compute_dtype == "bfloat16" and _trains_on_cpu(cfg.device, launcher):
+        problems.append(("backend.compute_dtype", "compute_dtype = \"bfloat16\" trains with the megatron backend on "
+                         "CUDA only: on a CPU megatron-core's linear layers fail in the backward pass (their custom_bwd "
+                         "restores the forward's CUDA autocast, not the CPU's, so a bfloat16 gradient meets a float32 "
+                         "weight); use \"float32\" here"))
     model = spec.plugins.get("model")
     if model is not None and not isinstance(model, tuple):
         data = _model_config(model)

@@ -120,6 +120,8 @@ def test_async_mode_runs_with_the_default_shared_engine(skyrl_tiny_rl_job, skyrl
     ("backend.context_parallel=2", "backend.context_parallel: context_parallel = 2: context parallelism is not built"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),
+    ('backend.compute_dtype="bfloat16"', "backend.compute_dtype: compute_dtype = \"bfloat16\" trains with the megatron "
+     "backend on CUDA only: on a CPU megatron-core's linear layers fail in the backward pass"),
 ])
 def test_validate_refuses_what_the_backend_cannot_run(skyrl_cli, override: str, message: str) -> None:
     result = skyrl_cli("validate", str(ROOT / "examples/quickstart.toml"), "--set", "backend.name=\"megatron\"",

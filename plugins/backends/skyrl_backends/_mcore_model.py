@@ -17,7 +17,8 @@
 - :class:`MegatronLM`: the model called the way the torch backend's train step calls
   ``PackedLM``: packed rows with positions restarting per sequence (a block-diagonal
   causal mask and rotary angles taken at each slot's own position), logits at the loss
-  positions only.
+  positions only; under context parallelism each rank computes its own chunks of every
+  row (:func:`context_slots`), attending to every rank's keys.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _patch_mla() -> None:
 
 
 def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: torch.device, seed: int,
-                          pipeline_parallel: int = 1) -> tuple[int, int]:
+                          pipeline_parallel: int = 1, context_parallel: int = 1) -> tuple[int, int]:
     """torch.distributed (a one-process gloo group when none runs) and megatron-core's model-parallel
     groups of these sizes; returns (rank, world)."""
     import torch.distributed as dist
@@ -99,10 +100,10 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
     _patch_mla()
     _cpu_shims()
     if not dist.is_initialized():
-        if tensor_parallel * expert_parallel * pipeline_parallel > 1:
+        if tensor_parallel * expert_parallel * pipeline_parallel * context_parallel > 1:
             raise ValueError(
                 f"tensor_parallel = {tensor_parallel}, expert_parallel = {expert_parallel}, pipeline_parallel = "
-                f"{pipeline_parallel} need that many processes: "
+                f"{pipeline_parallel}, context_parallel = {context_parallel} need that many processes: "
                 "start the trainer ranks with [cluster] trainer_ranks"
             )
         fd, path = tempfile.mkstemp(prefix="skyrl-megatron-")
@@ -113,20 +114,23 @@ def ensure_parallel_state(tensor_parallel: int, expert_parallel: int, device: to
         global _OWN_GROUP
         _OWN_GROUP = True
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % (tensor_parallel * pipeline_parallel) or (world // pipeline_parallel) % expert_parallel:
+    if world % (tensor_parallel * pipeline_parallel * context_parallel) or (world // pipeline_parallel) % expert_parallel:
         raise ValueError(f"{world} trainer ranks do not divide into tensor_parallel = {tensor_parallel} x "
-                         f"expert_parallel = {expert_parallel} x pipeline_parallel = {pipeline_parallel}")
+                         f"expert_parallel = {expert_parallel} x pipeline_parallel = {pipeline_parallel} x "
+                         f"context_parallel = {context_parallel}")
     if parallel_state.model_parallel_is_initialized():
         same = (parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
                 and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
-                and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel)
+                and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel
+                and parallel_state.get_context_parallel_world_size() == context_parallel)
         if not same:
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
-            pipeline_model_parallel_size=pipeline_parallel, distributed_timeout_minutes=30, order="tp-cp-ep-dp-pp",
+            pipeline_model_parallel_size=pipeline_parallel, context_parallel_size=context_parallel,
+            distributed_timeout_minutes=30, order="tp-cp-ep-dp-pp",
             create_gloo_process_groups=backend == "gloo",
         )
     if device.type == "cuda":
@@ -182,6 +186,8 @@ def transformer_config(m: Architecture, *, routing_replay: bool, recompute: bool
     kw["sequence_parallel"] = kw["tensor_model_parallel_size"] > 1
     kw["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
     kw["pipeline_model_parallel_size"] = parallel_state.get_pipeline_model_parallel_world_size()
+    # (context parallelism is the backend's own, in SDPAttention and MegatronLM: megatron-core's is
+    # TransformerEngine's attention, and its local DotProductAttention refuses a context-parallel config)
     if kw["pipeline_model_parallel_size"] > 1:
         kw["pipeline_dtype"] = torch.float32  # (megatron-core requires it; the backend's own exchange sends float32)
     if m.mla:
@@ -275,6 +281,15 @@ def _sdpa_attention_class() -> type:
                     packed_seq_params=None):
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("SDPAttention takes neither packed_seq_params nor an attention bias")
+            cp = _cp_group()
+            if cp is not None:
+                # Context parallelism: this rank's queries attend to every rank's keys and values
+                # (gathered in the ranks' order; the mask's columns follow it); the backward sums
+                # each key's and value's gradient over the ranks whose queries read it.
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+                key = gather_from_sequence_parallel_region(key, tensor_parallel_output_grad=True, group=cp)
+                value = gather_from_sequence_parallel_region(value, tensor_parallel_output_grad=True, group=cp)
             # [s, b, heads, d] -> [b, heads, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             per = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
@@ -387,6 +402,47 @@ def _tp() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _cp_group() -> Any:
+    """megatron-core's context-parallel group when it has more than one rank, else None."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
+def context_slots(R: int, device: Any = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Under context parallelism (None without): ``(order, mine)`` for rows of ``R`` slots, a
+    multiple of twice the context-parallel size c. The row is cut into 2c equal chunks and
+    rank r holds chunks r and 2c - 1 - r (an early chunk with a late one, so the ranks'
+    causal attention costs the same); ``mine`` are this rank's slots, ``order`` every
+    rank's in rank order (what a gather over the ranks gives)."""
+    from megatron.core import parallel_state
+
+    if _cp_group() is None:
+        return None
+    c, r = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    if R % (2 * c):
+        raise ValueError(f"context parallelism: rows of {R} slots do not split into 2 x {c} equal chunks")
+    n = R // (2 * c)
+    order = torch.cat([torch.cat([torch.arange(i * n, (i + 1) * n), torch.arange((2 * c - 1 - i) * n, (2 * c - i) * n)])
+                       for i in range(c)]).to(device)
+    return order, order[r * 2 * n:(r + 1) * 2 * n]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _ep() -> tuple[int, int]:
@@ -676,7 +732,8 @@ class MegatronLM(torch.nn.Module):
     Under pipeline parallelism (``stage``, a :class:`skyrl_backends._mcore_pipeline.Stage`)
     a stage that is not the first takes its input hidden states from the previous stage,
     and a stage that is not the last returns its output hidden states ``[R, rows, H]``
-    (the backend sends them on: ``MegatronBackend._logprobs``)."""
+    (the backend sends them on: ``MegatronBackend._logprobs``). Under context parallelism
+    the rows' length must be a multiple of ``2 x context_parallel`` (the backend pads them)."""
 
     def __init__(self, gpt: torch.nn.Module, padding_idx: int | None = None, stage: Any = None):
         super().__init__()
@@ -700,6 +757,20 @@ class MegatronLM(torch.nn.Module):
         gpt = self.gpt
         rank, size = _tp()
         stage = self.stage
+        # Context parallelism: this rank computes its own slots of every row (``context_slots``)
+        # through the decoder, its queries attending to every rank's keys (SDPAttention gathers
+        # them; the mask's rows are this rank's slots, its columns every rank's in gather order);
+        # the hidden states are then gathered for the head, so every rank computes the same
+        # logits and loss. Each rank's weight gradients are then its own slots' share, summed over
+        # the ranks by the backend (_clip_gradients); the head, applied by every rank to every
+        # slot, scales its gradient by 1 / ranks so that sum counts it once.
+        split = context_slots(ids.shape[1], ids.device)
+        if split is not None:
+            order, mine = split
+            mask = segment_mask(pos)[:, :, mine][:, :, :, order]
+            ids, pos = ids[:, mine], pos[:, mine]
+        else:
+            mask = segment_mask(pos)
         if stage is not None and not stage.first:
             rows, R = ids.shape
             emb = stage.receive_hidden((R // size, rows, gpt.config.hidden_size), ids.device)
@@ -721,7 +792,7 @@ class MegatronLM(torch.nn.Module):
             angles = pos.t().to(inv_freq.dtype)[..., None] * inv_freq  # [R, rows, d/2]
             rot = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [R, rows, 1, d]: rotate-half layout
         try:
-            hidden = gpt.decoder(hidden_states=emb, attention_mask=segment_mask(pos), rotary_pos_emb=rot)
+            hidden = gpt.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rot)
         finally:
             gpt.decoder.set_input_tensor(None)
         if stage is not None and not stage.last:
@@ -733,8 +804,17 @@ class MegatronLM(torch.nn.Module):
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        if split is not None:
+            # every rank's slots (the backward hands each rank its own slots' gradient: all ranks
+            # compute the same loss), back in row order
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=_cp_group())
+            hidden = hidden.index_select(0, torch.argsort(split[0]))
         hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[keep]
         head = self.get_output_embeddings()
+        if split is not None and torch.is_grad_enabled():
+            head.weight = _ScaleGrad.apply(head.weight, 1.0 / _cp_group().size())
         if scorer is not None:
             return scorer(hidden=hidden, head=head)
         return F.linear(hidden, head.weight)

@@ -21,6 +21,10 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
   ranks form ``world / (tensor_parallel x pipeline_parallel)`` data-parallel replicas (the
   train step reduces over megatron-core's data-parallel group, the gradients are summed
   over it);
+- context parallelism: each rank computes its own chunks of every row through the
+  decoder (its queries attend to every rank's keys: ``_mcore_model``), every rank the same
+  logits and loss; the gradients are summed over the context-parallel ranks with the
+  data-parallel replicas;
 - pipeline parallelism runs every stage through the same train step in lockstep, one
   micro-batch at a time (``skyrl_backends._mcore_pipeline``): the stages exchange hidden
   states and their gradients at the boundaries, the last stage computes the logprobs and
@@ -42,9 +46,11 @@ import torch
 
 from skyrl_backends import _mcore_checkpoint, _parallel
 from skyrl_backends._mcore_arch import NotExpressible, describe
-from skyrl_backends._mcore_model import MegatronLM, build, ensure_parallel_state, hf_to_mcore, load_into, mcore_to_hf, weights_of
+from skyrl_backends._mcore_model import (MegatronLM, build, context_slots, ensure_parallel_state, hf_to_mcore, load_into,
+                                         mcore_to_hf, weights_of)
 from skyrl_backends._mcore_pipeline import global_layer_names, pipeline_stage
 from skyrl_backends._mcore_precision import MegatronPrecision, quantized_names
+from skyrl_backends.megatron import context_parallel_problem
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._trainer import TorchBackend
 from skyrl_host.contracts import has
@@ -156,8 +162,12 @@ class MegatronRoutingReplay:
         # megatron-core routes tokens sequence-major ([R, rows] flattened); the slots are row-major.
         n_rows = self.rows
         R = len(slots) // n_rows
-        ids = torch.as_tensor(ids.reshape(n_rows, R, L, k).transpose(1, 0, 2, 3).reshape(R * n_rows, L, k), device=view.device)
-        mask = torch.as_tensor(mask.reshape(n_rows, R).T.reshape(-1), device=view.device)
+        ids = torch.as_tensor(ids.reshape(n_rows, R, L, k).transpose(1, 0, 2, 3), device=view.device)  # [R, rows, L, k]
+        mask = torch.as_tensor(mask.reshape(n_rows, R).T, device=view.device)
+        split = context_slots(R, view.device)
+        if split is not None:  # each context-parallel rank routes its own slots
+            ids, mask, R = ids[split[1]], mask[split[1]], len(split[1])
+        ids, mask = ids.reshape(R * n_rows, L, k), mask.reshape(-1)
         if self.sequence_parallel > 1:  # each tensor-parallel rank routes its own slice of the sequence
             from megatron.core import parallel_state
 
@@ -190,8 +200,9 @@ _TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "li
 
 class MegatronBackend(TorchBackend):
     """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or a model
-    over ``tensor_parallel`` x ``expert_parallel`` x ``pipeline_parallel`` processes, in
-    ``world / (tensor_parallel x pipeline_parallel)`` data-parallel replicas."""
+    over ``tensor_parallel`` x ``expert_parallel`` x ``pipeline_parallel`` x
+    ``context_parallel`` processes, in ``world / (tensor_parallel x pipeline_parallel x
+    context_parallel)`` data-parallel replicas."""
 
     owns_weights = True  # (OwnWeights: megatron-core's tensors, never the loaded model's)
 
@@ -236,7 +247,9 @@ class MegatronBackend(TorchBackend):
             raise UserError(f"[backend] name = \"megatron\" cannot build this model: {exc}") from None
         self.device = _parallel.pick_device(False, cfg.device)
         self.seed = seed
-        tp, ep, pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
+        tp, ep, pp, cp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel, cfg.context_parallel
+        if cp > 1 and (problem := context_parallel_problem(cfg, self.arch.mla)) is not None:
+            raise UserError(f"[backend] {problem}")
         if pp > 1 and self.arch.num_layers % pp:
             raise UserError(f"[backend] pipeline_parallel = {pp} must divide the decoder layers "
                             f"({self.arch.num_layers}): each stage holds as many")
@@ -251,19 +264,19 @@ class MegatronBackend(TorchBackend):
         self._one_sequence_per_row = self.arch.mla
         if ep > 1 and self.arch.experts % ep:
             raise UserError(f"[backend] expert_parallel = {ep} must divide the experts ({self.arch.experts})")
-        self.rank, world = ensure_parallel_state(tp, ep, self.device, seed, pipeline_parallel=pp)
-        if world % (tp * ep * pp):
+        self.rank, world = ensure_parallel_state(tp, ep, self.device, seed, pipeline_parallel=pp, context_parallel=cp)
+        if world % (tp * ep * pp * cp):
             raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} x pipeline_parallel = {pp} "
-                            f"must divide the trainer processes, found {world}")
+                            f"x context_parallel = {cp} must divide the trainer processes, found {world}")
         # The ranks form world / (tp x pp) data-parallel replicas of the model, each training on its
         # own share of the batch, as the torch backend's data parallel does (the normalisers and
         # metrics reduce over the data-parallel group; _clip_gradients sums the gradients over it).
-        # Tensor-parallel ranks and pipeline stages of one replica all see its whole share. Expert
-        # parallelism carves its groups out of the data-parallel ranks: each of those holds
-        # experts / ep experts.
+        # Tensor-parallel ranks, context-parallel ranks and pipeline stages of one replica all see its
+        # whole share. Expert parallelism carves its groups out of the data-parallel ranks: each of
+        # those holds experts / ep experts.
         from megatron.core import parallel_state
 
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         self._stage = pipeline_stage(self.arch.num_layers)
         self.ranks = world
         self._dp, self.world = dp > 1, dp
@@ -340,6 +353,7 @@ class MegatronBackend(TorchBackend):
         from megatron.core import parallel_state
 
         tp, ep, dp = self.config.tensor_parallel, self.config.expert_parallel, self.world
+        cp = self.config.context_parallel
         if self.ranks == 1:
             return super()._clip_gradients(max_norm)
         named = [(k, p) for k, p in self.module.named_parameters() if p.grad is not None]
@@ -352,11 +366,12 @@ class MegatronBackend(TorchBackend):
             for name, p in named:
                 if not any(part in name for part in _TP_SPLIT):
                     dist.all_reduce(p.grad, group=group)
-        if dp > 1:
+        if dp * cp > 1:
             # The replicas' gradients summed (the loss is normalised by the global counts); an
             # expert's only over the ranks holding that expert (the expert-data-parallel group).
-            group = parallel_state.get_data_parallel_group()
-            expert_group = parallel_state.get_expert_data_parallel_group() if dp > ep else None
+            # Context-parallel ranks each hold their own slots' share of the gradient: summed too.
+            group = parallel_state.get_data_parallel_group(with_context_parallel=cp > 1)
+            expert_group = parallel_state.get_expert_data_parallel_group() if dp * cp > ep else None
             for name, p in named:
                 if ".experts." not in name:
                     dist.all_reduce(p.grad, group=group)
@@ -409,8 +424,9 @@ class MegatronBackend(TorchBackend):
         each hold ``R / tensor_parallel`` slots of the sequence between the tensor-parallel
         regions. Padding slots (id 0, position 0: each its own sequence) are neither scored
         nor replayed; ``keep`` and ``slot_tokens`` follow the new row length."""
-        tp = self.config.tensor_parallel
-        if (self.config.expert_parallel == 1 and tp == 1) or getattr(mb, "_same_shape", False) or mb.ids is None:
+        tp, cp = self.config.tensor_parallel, self.config.context_parallel
+        if (self.config.expert_parallel == 1 and tp == 1 and cp == 1) or getattr(mb, "_same_shape", False) \
+                or mb.ids is None:
             return
         import torch.distributed as dist
 
@@ -419,8 +435,11 @@ class MegatronBackend(TorchBackend):
             shape = torch.tensor([rows, R], dtype=torch.int64)
             dist.all_reduce(shape, op=dist.ReduceOp.MAX)
             rows2, R2 = int(shape[0]), int(shape[1])
-        if tp > 1:  # sequence parallel: the ranks (all with this micro-batch) take R / tp slots each
-            R2 = -(-R2 // tp) * tp
+        # sequence parallel: the tensor-parallel ranks (all with this micro-batch) take R / tp slots each;
+        # context parallel: each rank 2 of 2 x cp equal chunks of the row
+        unit = tp * 2 * cp if cp > 1 else tp
+        if unit > 1:
+            R2 = -(-R2 // unit) * unit
         if (rows2, R2) != (rows, R):
             ids = torch.zeros((rows2, R2), dtype=mb.ids.dtype, device=mb.ids.device)
             pos = torch.zeros((rows2, R2), dtype=mb.pos.dtype, device=mb.pos.device)
@@ -614,6 +633,8 @@ class MegatronBackend(TorchBackend):
         layout = {"tensor_parallel": self.config.tensor_parallel, "expert_parallel": self.config.expert_parallel}
         if self.config.pipeline_parallel > 1:
             layout["pipeline_parallel"] = self.config.pipeline_parallel
+        if self.config.context_parallel > 1:
+            layout["context_parallel"] = self.config.context_parallel
         replicas = self.world // self.config.expert_parallel if self.config.expert_parallel > 1 else self.world
         return {**layout, "data_parallel": replicas} if replicas > 1 else layout
 

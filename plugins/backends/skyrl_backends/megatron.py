@@ -29,11 +29,6 @@ from skyrl_host import hookimpl
 from skyrl_host.devices import cuda_problem
 from skyrl_host.options import ge, option
 
-NOT_BUILT = {
-    "context_parallel": "context parallelism is not built",
-}
-
-
 @attrs.frozen
 class MegatronBackendConfig(TrainerOptions):
     """Options of ``[backend]`` when ``name = "megatron"``."""
@@ -46,6 +41,22 @@ class MegatronBackendConfig(TrainerOptions):
     pipeline_parallel: int = option(1, help="pipeline-parallel size (megatron-core's PP)", validator=ge(1))
     expert_parallel: int = option(1, help="expert-parallel size (megatron-core's EP, MoE models)", validator=ge(1))
     context_parallel: int = option(1, help="context-parallel size (megatron-core's CP)", validator=ge(1))
+
+
+def context_parallel_problem(cfg: Any, mla: bool | None) -> str | None:
+    """Why ``context_parallel > 1`` cannot run with these options (None: it can): it is built
+    with tensor parallelism and data-parallel replicas; not with pipeline or expert
+    parallelism, nor with multi-latent attention (``mla``; None: not known yet), which
+    megatron-core rotates by the row's own slot numbers."""
+    cp = cfg.context_parallel
+    for key in ("pipeline_parallel", "expert_parallel"):
+        if getattr(cfg, key) > 1:
+            return f"context_parallel = {cp} with {key} = {getattr(cfg, key)} is not built (context parallelism runs " \
+                   "with tensor_parallel and data-parallel replicas)"
+    if mla:
+        return f"context_parallel = {cp} is not built for multi-latent attention (DeepSeek-V3, Kimi K2): megatron-core's " \
+               "MLA rotates by each slot's number in the row, which context parallelism splits"
+    return None
 
 
 def create(config: MegatronBackendConfig) -> Any:
@@ -104,13 +115,16 @@ def check(spec: Any) -> list[tuple[str, str]]:
         return []
     cfg = choice.config
     problems: list[tuple[str, str]] = []
-    for key, what in NOT_BUILT.items():
-        if getattr(cfg, key) != 1:
-            problems.append((f"backend.{key}", f"{key} = {getattr(cfg, key)}: {what} in the megatron backend; set it to 1"))
-    tp, ep, pp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
+    tp, ep, pp, cp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel, cfg.context_parallel
     ranks = spec.cluster.trainer_ranks
     launcher = getattr(spec.cluster, "launcher", "local")
-    if ranks % (tp * ep * pp):
+    if cp > 1 and (problem := context_parallel_problem(cfg, None)) is not None:
+        problems.append(("backend.context_parallel", problem))
+    elif cp > 1 and ranks % (tp * cp):
+        problems.append(("backend.context_parallel", f"the megatron backend runs [cluster] trainer_ranks / "
+                         f"(tensor_parallel x context_parallel) data-parallel replicas of the model: tensor_parallel x "
+                         f"context_parallel = {tp * cp} must divide trainer_ranks = {ranks}"))
+    elif ranks % (tp * ep * pp):
         key = "backend." + ("tensor_parallel" if tp > 1 else "expert_parallel" if ep > 1 else "pipeline_parallel")
         if pp == 1:
             problems.append((key, f"the megatron backend runs [cluster] trainer_ranks / tensor_parallel data-parallel "
@@ -146,14 +160,17 @@ def check(spec: Any) -> list[tuple[str, str]]:
             try:
                 if len(data) == 1:  # a preset: its model type
                     check_model_type(data["model_type"])
+                    mla = data["model_type"] == "deepseek_v3"
                 else:
-                    describe(_Config(data))
+                    mla = describe(_Config(data)).mla
             except NotExpressible as exc:
                 where = "model.path" if getattr(model.config, "path", None) else f"model.{SLOT_KINDS['model'].selector}"
                 if getattr(model.config, "preset", None):
                     where = "model.preset"
                 problems.append((where, f"the megatron backend cannot build this model: {exc}"))
                 return problems
+            if cp > 1 and mla and (problem := context_parallel_problem(cfg, True)) is not None:
+                problems.append(("backend.context_parallel", problem))
             layers = data.get("num_hidden_layers")  # (a folder's config.json; a preset's is known when it loads)
             if cfg.pipeline_parallel > 1 and isinstance(layers, int) and layers % cfg.pipeline_parallel:
                 problems.append(("backend.pipeline_parallel", f"pipeline_parallel = {cfg.pipeline_parallel} must "

@@ -38,8 +38,8 @@ def preset(name: str):
 def model(mode: str):
     if mode == "tp":
         return tiny.tiny_model(0)
-    if mode.startswith("pp") and mode != "pp-mla":  # the qwen presets "tiny" (tied embedding and head) and "tiny-moe"
-        return preset("tiny-moe" if mode in ("pp-moe", "pp-ep") else "tiny")
+    if mode.startswith(("pp", "cp")) and mode != "pp-mla":  # the qwen presets "tiny" (tied embedding and head) and "tiny-moe"
+        return preset("tiny-moe" if mode in ("pp-moe", "pp-ep", "cp-moe") else "tiny")
     if mode in ("tp-mla", "pp-mla"):  # DeepSeek-V3 / Kimi K2: multi-latent attention, a dense layer, then MoE layers
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -65,11 +65,14 @@ def sizes(mode: str, world: int, replicas: bool = False) -> dict:
     replicas, each over world / 2 ranks); "tp-ep": tensor_parallel = 2, expert_parallel = world / 2."""
     if mode == "tp-ep":
         return {"tensor_parallel": 2, "expert_parallel": world // 2} if world > 1 else {}
+    if mode == "cp-tp":  # 4 ranks: two context-parallel ranks, each over a tensor-parallel pair
+        return {"tensor_parallel": 2, "context_parallel": world // 2} if world > 1 else {}
     if mode in ("pp-tp", "pp-ep"):  # 4 ranks: two pipeline stages, each over a tensor- or expert-parallel pair
         key = "tensor_parallel" if mode == "pp-tp" else "expert_parallel"
         return {key: 2, "pipeline_parallel": world // 2} if world > 1 else {}
     key = {"tp": "tensor_parallel", "tp-mla": "tensor_parallel", "ep": "expert_parallel", "pp": "pipeline_parallel",
-           "pp-moe": "pipeline_parallel", "pp-mla": "pipeline_parallel"}[mode]
+           "pp-moe": "pipeline_parallel", "pp-mla": "pipeline_parallel", "cp": "context_parallel",
+           "cp-moe": "context_parallel"}[mode]
     return {key: world // 2 if replicas and world > 1 else world}
 
 
@@ -104,7 +107,8 @@ def random_routes(batch, be, seed: int):
 
 def train(rank: int, world: int, mode: str) -> dict:
     """``mode``: "tp", "tp-mla" (DeepSeek-V3's attention), "ep" or "tp-ep" (both, 4 ranks), "pp"
-    (the qwen preset "tiny"), "pp-moe" ("tiny-moe"), "pp-tp" / "pp-ep" (two stages of two
+    (the qwen preset "tiny"), "pp-moe" ("tiny-moe"), "cp" / "cp-moe" (``context_parallel``: "tiny" /
+    "tiny-moe"), "cp-tp" (two context-parallel ranks over tensor-parallel pairs, "tiny"), "pp-tp" / "pp-ep" (two stages of two
     tensor- / expert-parallel ranks), "pp-mla" (the DeepSeek-V3 model in two stages), with
     "+support" (the support strategy over random kept sets), "+r3" (random routes replayed),
     "+dp" (two data-parallel replicas, each over world / 2 ranks), "+old" (two mini-batches
@@ -140,6 +144,11 @@ def train(rank: int, world: int, mode: str) -> dict:
              total_steps=3, reference=old, precision=precision or None, replay=replay)
     algo = tiny.TokenMean(needs_reference=old)
     metrics, lps = [], []
+    # (every forward's row length R and the slots the decoder computes: R / (context_parallel x tensor_parallel))
+    slots: list = []
+    be._lm.register_forward_pre_hook(lambda m, args: slots.append([int(args[0].shape[1])]))
+    be.module.decoder.register_forward_pre_hook(lambda m, args, kw: slots[-1].append(int(kw["hidden_states"].shape[0])),
+                                                with_kwargs=True)
     vocab = min(32, int(be.arch.vocab))
     for step in range(3):
         batch = tiny.tiny_batch(10 + step, n=8, vocab=vocab)
@@ -148,7 +157,7 @@ def train(rank: int, world: int, mode: str) -> dict:
         if r3:
             batch.side_channels["routed_experts"] = random_routes(batch, be, seed=step)
         adv = tiny.tiny_advantages(batch, seed=step)
-        if mode.startswith(("tp", "pp")) or world == 1:  # (the whole batch; under ep each rank forwards its own share)
+        if mode.startswith(("tp", "pp", "cp")) or world == 1:  # (the whole batch; under ep each rank forwards its own share)
             lps.append(logprobs(be, batch))
         metrics.append(be.train_step(*share(be, batch, adv), algo, temperature=1.0, max_new_tokens=8))
         if precision:
@@ -156,7 +165,7 @@ def train(rank: int, world: int, mode: str) -> dict:
                 pass
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None, "layout": be._layout(),
-            "data_parallel": be.data_parallel(), "gathers": be._gathers,
+            "data_parallel": be.data_parallel(), "gathers": be._gathers, "slots": slots,
             "own": sorted(k for k in be.module.state_dict() if not k.endswith("_extra_state"))}
 
 

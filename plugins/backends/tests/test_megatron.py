@@ -572,11 +572,12 @@ def test_two_model_parallel_ranks_equal_one(mode: str, mcore_worker) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, written, read", [("tp", 2, 1), ("ep", 1, 2), ("tp-ep", 4, 2)])
+@pytest.mark.parametrize("mode, written, read", [("tp", 2, 1), ("ep", 1, 2), ("tp-ep", 4, 2), ("cp", 2, 1)])
 def test_a_distributed_checkpoint_resumes_under_another_layout(mode: str, written: int, read: int, tmp_path) -> None:
     """megatron-core's distributed checkpointing: a checkpoint written by ``written``
-    processes (tensor_parallel = 2, one process, or TP = 2 with EP = 2) is read by ``read``
-    processes (one, expert_parallel = 2, or TP = 2 alone), each rank its own part of every
+    processes (tensor_parallel = 2, one process, TP = 2 with EP = 2, or context_parallel = 2)
+    is read by ``read`` processes (one, expert_parallel = 2, TP = 2 alone, or one), each rank
+    its own part of every
     whole tensor; steps 3 and 4
     after it equal the uninterrupted run's (to the float32 round-off between layouts, which
     the parity test bounds): the weights, AdamW's moments and steps, and the schedule."""
@@ -723,3 +724,40 @@ def test_pipeline_stages_with_tensor_expert_and_data_parallel_ranks_equal_one_pr
         assert [r["layout"] for r in ranks] == [layouts[mode][0]] * 4
         assert [tuple(r["data_parallel"]) for r in ranks] == layouts[mode][1]
         assert_trains_like(ranks, one["tiny-moe" if mode == "pp-ep" else "tiny"], mode)
+
+
+# -- context parallelism across gloo processes ------------------------------------------------------
+
+CONTEXT_MODES = ("cp+old", "cp-moe+r3+gc", "cp+support", "cp-tp", "cp+dp")
+
+
+@pytest.mark.slow
+def test_context_parallel_ranks_equal_one_process(mcore_worker) -> None:
+    """Four gloo processes: context_parallel = 4 ("tiny" with two mini-batches and a
+    reference policy; "tiny-moe" replaying random routes with r3 under activation
+    recompute; "tiny" scoring over random kept sets), two context-parallel ranks over
+    tensor-parallel pairs ("tiny"), and two data-parallel replicas of a context_parallel = 2 model. Each
+    rank's decoder computes 1 / (context_parallel x tensor_parallel) of every row's slots
+    (2 of 2 x context_parallel chunks, its queries attending to every rank's keys), and
+    every rank trains as one process does (3 clipped AdamW steps: loss, entropy, kl,
+    logprobs 1e-5, grad norm 1e-4, the weights 1e-6)."""
+    import pathlib
+
+    from skyrl_host.testing import run_gloo_ranks
+
+    runs = run_gloo_ranks(pathlib.Path(__file__).with_name("mcore_worker.py"), "pipeline", 4, *CONTEXT_MODES, timeout=400)
+    layouts = {"cp+old": ({"tensor_parallel": 1, "expert_parallel": 1, "context_parallel": 4}, [(0, 1)] * 4, 4),
+               "cp-moe+r3+gc": ({"tensor_parallel": 1, "expert_parallel": 1, "context_parallel": 4}, [(0, 1)] * 4, 4),
+               "cp+support": ({"tensor_parallel": 1, "expert_parallel": 1, "context_parallel": 4}, [(0, 1)] * 4, 4),
+               "cp-tp": ({"tensor_parallel": 2, "expert_parallel": 1, "context_parallel": 2}, [(0, 1)] * 4, 4),
+               "cp+dp": ({"tensor_parallel": 1, "expert_parallel": 1, "context_parallel": 2, "data_parallel": 2},
+                         [(0, 2), (0, 2), (1, 2), (1, 2)], 2)}
+    for i, mode in enumerate(CONTEXT_MODES):
+        ranks = [r[i] for r in runs]
+        layout, shares, split = layouts[mode]
+        assert [r["layout"] for r in ranks] == [layout] * 4
+        assert [tuple(r["data_parallel"]) for r in ranks] == shares
+        for r in ranks:
+            assert r["slots"] and all(R % (2 * split) == 0 and seen * split == R for R, seen in r["slots"]), r["slots"]
+        one = mcore_worker.train(0, 1, mode.replace("-tp", ""))
+        assert_trains_like(ranks, one, mode, logprobs=mode != "cp+dp")  # (a replica's logprobs: its own share)

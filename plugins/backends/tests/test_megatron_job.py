@@ -117,15 +117,21 @@ def test_async_mode_runs_with_the_default_shared_engine(skyrl_tiny_rl_job, skyrl
     ("backend.pipeline_parallel=2", "backend.pipeline_parallel: the megatron backend runs [cluster] trainer_ranks / "
      "(tensor_parallel x pipeline_parallel) data-parallel replicas of the model, with expert_parallel ranks sharing the "
      "experts: tensor_parallel x expert_parallel x pipeline_parallel = 2 must divide trainer_ranks = 1"),
-    ("backend.context_parallel=2", "backend.context_parallel: context_parallel = 2: context parallelism is not built"),
+    ("backend.context_parallel=2", "backend.context_parallel: the megatron backend runs [cluster] trainer_ranks / "
+     "(tensor_parallel x context_parallel) data-parallel replicas of the model: tensor_parallel x context_parallel = 2 "
+     "must divide trainer_ranks = 1"),
+    ("backend.context_parallel=2;backend.pipeline_parallel=2", "backend.context_parallel: context_parallel = 2 with "
+     "pipeline_parallel = 2 is not built (context parallelism runs with tensor_parallel and data-parallel replicas)"),
+    ('backend.context_parallel=2;cluster.trainer_ranks=2;cluster.launcher="ray";weight_sync.transport="broadcast";model.family="kimi";model.preset="tiny-kimi"', "backend.context_parallel: "
+     "context_parallel = 2 is not built for multi-latent attention"),
     ('model.preset="tiny-qwen3-next"', "model.preset: the megatron backend cannot build this model: model_type "
      "'qwen3_next' is not mapped"),
     ('backend.compute_dtype="bfloat16"', "backend.compute_dtype: compute_dtype = \"bfloat16\" trains with the megatron "
      "backend on CUDA only: on a CPU megatron-core's linear layers fail in the backward pass"),
 ])
 def test_validate_refuses_what_the_backend_cannot_run(skyrl_cli, override: str, message: str) -> None:
-    result = skyrl_cli("validate", str(ROOT / "examples/quickstart.toml"), "--set", "backend.name=\"megatron\"",
-                       "--set", override)
+    sets = [arg for item in override.split(";") for arg in ("--set", item)]
+    result = skyrl_cli("validate", str(ROOT / "examples/quickstart.toml"), "--set", "backend.name=\"megatron\"", *sets)
     assert result.exit_code == 2, result.stderr
     assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
 
@@ -210,15 +216,17 @@ def test_tensor_data_and_pipeline_parallel_ranks_in_ray_actors_train_like_one_pr
     """[backend] tensor_parallel = 2 over two Ray backend actors (the launcher gives both
     the whole batch), two data-parallel replicas of the model (trainer_ranks = 2,
     tensor_parallel = 1: the launcher gives each half of the sequences, the gradients are
-    summed over them), and pipeline_parallel = 2 (each actor one stage, both the whole
-    batch): the one-process run's metrics up to float32 reduction order; the replicas'
+    summed over them), pipeline_parallel = 2 (each actor one stage, both the whole
+    batch) and context_parallel = 2 (both the whole batch, each half of every row's
+    slots): the one-process run's metrics up to float32 reduction order; the replicas'
     checkpoint is one model's (megatron-core writes each tensor once), each stage writes
     its own layers. The pipeline run's final Hugging Face folder (its weights gathered from
     both stages) gives, in transformers, the logits of its last checkpoint read by one
     process."""
     runs = {}
     for name, parallel, ranks in (("one", None, None), ("tp", {"tensor_parallel": 2}, None),
-                                  ("dp", {"tensor_parallel": 1}, 2), ("pp", {"pipeline_parallel": 2}, None)):
+                                  ("dp", {"tensor_parallel": 1}, 2), ("pp", {"pipeline_parallel": 2}, None),
+                                  ("cp", {"context_parallel": 2}, None)):
         job = megatron_job(skyrl_tiny_rl_job, tmp_path, name, parallel=parallel, ranks=ranks, every=3,
                            final=name == "pp")
         result = skyrl_cli("run", str(job.path))
@@ -226,12 +234,13 @@ def test_tensor_data_and_pipeline_parallel_ranks_in_ray_actors_train_like_one_pr
         runs[name] = [learning_metrics(r) for r in job.rows()]
         shards = job.out / "checkpoints" / "step_000003" / "backend"
         runs[name + " files"] = sorted(p.name.split("_")[2] for p in shards.glob("__*_*.distcp"))
-    assert len(runs["tp"]) == len(runs["one"]) == len(runs["dp"]) == len(runs["pp"]) == 3
-    for name in ("tp", "dp", "pp"):
+    assert len(runs["tp"]) == len(runs["one"]) == len(runs["dp"]) == len(runs["pp"]) == len(runs["cp"]) == 3
+    for name in ("tp", "dp", "pp", "cp"):
         for a, b in zip(runs[name], runs["one"]):
             for key in ("reward_mean", "loss", "entropy", "grad_norm", "logprob_diff_mean", "sequences"):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
     assert set(runs["tp files"]) == {"0", "1"} and set(runs["dp files"]) == {"0"}, runs
+    assert set(runs["cp files"]) == {"0"}, runs  # (the context-parallel ranks hold one model: written once)
     assert set(runs["pp files"]) == {"0", "1"}, runs
     assert_final_folder_is_the_checkpoint(tmp_path / "pp_out")
 

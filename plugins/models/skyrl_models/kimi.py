@@ -188,6 +188,11 @@ class KimiConfig(PresetOrPath):
         self.check_preset_or_path(PRESETS)
 
     @property
+    def model_type(self) -> str | None:
+        """The ``model_type`` the preset builds (None for a path: its config.json says)."""
+        return None if self.preset is None else PRESET_MODEL_TYPES[self.preset]
+
+    @property
     def has_indexer(self) -> bool | None:
         """Whether the preset attends through a sparse-attention key indexer (GLM-5,
         DeepSeek-V3.2), whose picks ``r3`` replays; None for a path (its config.json says)."""

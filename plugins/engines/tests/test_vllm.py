@@ -506,6 +506,10 @@ def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
     stops, engine.stop_token_ids = engine.stop_token_ids, []  # every response runs its full length
     engine.config = attrs.evolve(engine.config, return_token_versions=True)
     engine.abort_on_update(abort)
+    # The workers fetch and verify version 2 before the generation starts (as async mode's staged
+    # hand-over does while the previous step generates): on a loaded machine a fetch started only at
+    # the sync could outlast the generation, and the apply would find nothing in progress.
+    engine.fetch_in_workers(receiver.worker_recipe(), 2)
     out: dict = {}
     try:
         gen = threading.Thread(target=lambda: out.update(batch=engine.generate(

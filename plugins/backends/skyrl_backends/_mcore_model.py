@@ -751,7 +751,8 @@ class MegatronLM(torch.nn.Module):
         rank, size = _tp()
         return ShardedHead(self.head_weight(), rank, size) if size > 1 else OutputHead(self.head_weight())
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None, **kwargs: Any) -> Any:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, scorer: Any = None,
+                own_tokens: bool = False, **kwargs: Any) -> Any:
         if kwargs:
             raise ValueError(f"the megatron backend takes packed rows only, not {sorted(kwargs)}")
         gpt = self.gpt
@@ -759,11 +760,12 @@ class MegatronLM(torch.nn.Module):
         stage = self.stage
         # Context parallelism: this rank computes its own slots of every row (``context_slots``)
         # through the decoder, its queries attending to every rank's keys (SDPAttention gathers
-        # them; the mask's rows are this rank's slots, its columns every rank's in gather order);
-        # the hidden states are then gathered for the head, so every rank computes the same
-        # logits and loss. Each rank's weight gradients are then its own slots' share, summed over
-        # the ranks by the backend (_clip_gradients); the head, applied by every rank to every
-        # slot, scales its gradient by 1 / ranks so that sum counts it once.
+        # them; the mask's rows are this rank's slots, its columns every rank's in gather order).
+        # With ``own_tokens`` the head computes the logits of this rank's loss tokens only (the
+        # backend sums the ranks' logprobs into every rank's); else (a scorer, which takes the
+        # whole view) the hidden states are gathered for the head, which every rank then applies
+        # to every slot and whose gradient it scales by 1 / ranks. Each rank's weight gradients
+        # are its own slots' share, summed over the ranks by the backend (_clip_gradients).
         split = context_slots(ids.shape[1], ids.device)
         if split is not None:
             order, mine = split
@@ -804,6 +806,16 @@ class MegatronLM(torch.nn.Module):
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        if split is not None and own_tokens:
+            # ``own_tokens``: the logits of the loss tokens in this rank's slots only, and which of
+            # ``keep`` they are (bool [K]); the backend combines the ranks' logprobs
+            R, mine = len(split[0]), split[1]
+            at = torch.full((R,), -1, dtype=torch.long, device=keep.device)
+            at[mine] = torch.arange(len(mine), device=keep.device)
+            local = at[keep % R]
+            owned = local >= 0
+            hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[(keep // R)[owned] * len(mine) + local[owned]]
+            return F.linear(hidden, self.get_output_embeddings().weight), owned
         if split is not None:
             # every rank's slots (the backward hands each rank its own slots' gradient: all ranks
             # compute the same loss), back in row order

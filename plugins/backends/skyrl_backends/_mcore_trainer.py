@@ -198,6 +198,53 @@ _TP_SPLIT = ("word_embeddings", "output_layer", "linear_qkv", "linear_proj", "li
 """The weights tensor parallelism splits across ranks (by name); norms and routers are whole on every rank."""
 
 
+def _vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, Any]:
+    """Logprobs of ``targets`` (and entropies) from this tensor-parallel rank's vocabulary shard
+    of the logits: the row max and the sum of exponentials reduced over the ranks, the
+    target's logit taken where it lives."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    width = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    top = logits.detach().max(dim=-1).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    z = logits - top[:, None]
+    lse = torch.log(reduce_sum(torch.exp(z).sum(-1))) + top
+    local = targets - start
+    here = (local >= 0) & (local < width)
+    picked = z.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1) * here
+    lp = reduce_sum(picked) + top - lse
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            p = torch.exp(logits - lse[:, None])
+            mean_logit = (p * logits).sum(-1)
+            dist.all_reduce(mean_logit, group=group)
+            ent = lse - mean_logit
+    return lp, ent
+
+
+def _from_context_ranks(owned: torch.Tensor, lp: torch.Tensor, ent: Any) -> tuple[torch.Tensor, Any]:
+    """Every loss token's logprob (and entropy) on every context-parallel rank, from each
+    rank's own tokens (``owned``: bool [K], this rank's): summed over the ranks into [K]
+    vectors; the backward hands each rank the gradient of its own tokens (megatron-core's
+    reduce: all-reduce forward, identity backward, as every rank computes the same loss)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    group = parallel_state.get_context_parallel_group()
+    where = owned.nonzero().squeeze(-1)
+    full = reduce_from_tensor_model_parallel_region(lp.new_zeros(len(owned)).index_copy(0, where, lp), group=group)
+    if ent is not None:
+        ent = ent.new_zeros(len(owned)).index_copy(0, where, ent)
+        dist.all_reduce(ent, group=group)
+    return full, ent
+
+
 class MegatronBackend(TorchBackend):
     """A :class:`skyrl_host.interfaces.Backend` on megatron-core: one process, or a model
     over ``tensor_parallel`` x ``expert_parallel`` x ``pipeline_parallel`` x
@@ -483,41 +530,40 @@ class MegatronBackend(TorchBackend):
 
     def _head_logprobs(self, module: Any, mb: Any, temperature: float, entropy: bool = False) -> tuple[Any, Any, Any]:
         """Under tensor parallelism each rank holds a vocabulary shard of the logits: the
-        log-softmax reduces its max and sums over the ranks (never gathering the logits)."""
+        log-softmax reduces its max and sums over the ranks (never gathering the logits).
+        Under context parallelism each rank computes the logits of the loss tokens in its own
+        slots only, and their logprobs and entropies are summed into every rank's [K]
+        vectors (each token is one rank's), so every rank gets the same loss while no rank
+        holds the logits of another's tokens. (A scoring strategy takes the whole view: its
+        hidden states are gathered instead, ``MegatronLM``.)"""
         scored = self._scorer_strategy is not None and mb.n_loss and mb.batch is not None
-        if self.config.tensor_parallel == 1 or scored:  # (a scorer reduces over the shards itself)
+        context = self.config.context_parallel > 1 and bool(mb.n_loss) and not scored
+        if (self.config.tensor_parallel == 1 and not context) or scored:  # (a scorer reduces over the shards itself)
             return super()._logprobs(module, mb, temperature, entropy)
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
-        import torch.distributed as dist
-
         keep = mb.keep if mb.n_loss else torch.zeros(1, dtype=torch.long, device=self.device)
         with self._autocast():
-            logits = module(mb.ids, mb.pos, keep)
+            out = module(mb.ids, mb.pos, keep, own_tokens=context)
+        logits, owned = out if context else (out, None)
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
         if not mb.n_loss:
             return None, None, logits
-        group = parallel_state.get_tensor_model_parallel_group()
-        width = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * width
-        top = logits.detach().max(dim=-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        z = logits - top[:, None]
-        lse = torch.log(reduce_sum(torch.exp(z).sum(-1))) + top
-        local = mb.targets - start
-        here = (local >= 0) & (local < width)
-        picked = z.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1) * here
-        lp = reduce_sum(picked) + top - lse
-        ent = None
-        if entropy:
-            with torch.no_grad():
-                p = torch.exp(logits - lse[:, None])
-                mean_logit = (p * logits).sum(-1)
-                dist.all_reduce(mean_logit, group=group)
-                ent = lse - mean_logit
-        return lp, ent, logits
+        targets = mb.targets if owned is None else mb.targets[owned]
+        if self.config.tensor_parallel > 1:
+            lp, ent = _vocab_parallel_logprobs(logits, targets, entropy)
+        else:
+            lse = torch.logsumexp(logits, dim=-1)
+            lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+            ent = None
+            if entropy:
+                with torch.no_grad():
+                    z = logits.detach()
+                    ent = lse.detach() - (torch.softmax(z, dim=-1) * z).sum(-1)
+        if owned is None:
+            return lp, ent, logits
+        lp, ent = _from_context_ranks(owned, lp, ent)
+        return lp, ent, lp
 
     def _replaying(self, mb: Any) -> Any:
         self._same_shape(mb)

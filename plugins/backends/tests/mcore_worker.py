@@ -149,6 +149,10 @@ def train(rank: int, world: int, mode: str) -> dict:
     be._lm.register_forward_pre_hook(lambda m, args: slots.append([int(args[0].shape[1])]))
     be.module.decoder.register_forward_pre_hook(lambda m, args, kw: slots[-1].append(int(kw["hidden_states"].shape[0])),
                                                 with_kwargs=True)
+    # (context parallelism: each forward's loss tokens, those in this rank's slots, and the head's logits rows)
+    heads: list = []
+    be._lm.register_forward_hook(lambda m, args, out: heads.append(
+        (int(out[1].numel()), int(out[1].sum()), int(out[0].shape[0])) if isinstance(out, tuple) else None))
     vocab = min(32, int(be.arch.vocab))
     for step in range(3):
         batch = tiny.tiny_batch(10 + step, n=8, vocab=vocab)
@@ -165,7 +169,7 @@ def train(rank: int, world: int, mode: str) -> dict:
                 pass
     weights = {k: v.detach().cpu().clone() for k, v in be.named_weights()}
     return {"metrics": metrics, "logprobs": lps, "weights": weights if rank == 0 else None, "layout": be._layout(),
-            "data_parallel": be.data_parallel(), "gathers": be._gathers, "slots": slots,
+            "data_parallel": be.data_parallel(), "gathers": be._gathers, "slots": slots, "heads": heads,
             "own": sorted(k for k in be.module.state_dict() if not k.endswith("_extra_state"))}
 
 

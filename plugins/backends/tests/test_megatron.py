@@ -738,8 +738,10 @@ def test_context_parallel_ranks_equal_one_process(mcore_worker) -> None:
     recompute; "tiny" scoring over random kept sets), two context-parallel ranks over
     tensor-parallel pairs ("tiny"), and two data-parallel replicas of a context_parallel = 2 model. Each
     rank's decoder computes 1 / (context_parallel x tensor_parallel) of every row's slots
-    (2 of 2 x context_parallel chunks, its queries attending to every rank's keys), and
-    every rank trains as one process does (3 clipped AdamW steps: loss, entropy, kl,
+    (2 of 2 x context_parallel chunks, its queries attending to every rank's keys) and its
+    head the logits of the loss tokens in those slots only (the ranks' shares make up every
+    loss token once; with ``support`` the kept tokens' hidden states are gathered for the
+    scorer instead), and every rank trains as one process does (3 clipped AdamW steps: loss, entropy, kl,
     logprobs 1e-5, grad norm 1e-4, the weights 1e-6)."""
     import pathlib
 
@@ -759,5 +761,13 @@ def test_context_parallel_ranks_equal_one_process(mcore_worker) -> None:
         assert [tuple(r["data_parallel"]) for r in ranks] == shares
         for r in ranks:
             assert r["slots"] and all(R % (2 * split) == 0 and seen * split == R for R, seen in r["slots"]), r["slots"]
+        if "support" not in mode:
+            # The head computes the logits of the rank's own loss tokens only; the context-parallel
+            # ranks' shares make up every forward's loss tokens, each token once.
+            group = ranks[:split] if mode != "cp-tp" else ranks[::2]  # (cp-tp: ranks 0 and 2 are one TP rank's pair)
+            per_forward = list(zip(*[[h for h in r["heads"] if h is not None] for r in group]))
+            assert per_forward and all(len({k for k, _, _ in f}) == 1 and sum(o for _, o, _ in f) == f[0][0]
+                                       and all(rows == o for _, o, rows in f) for f in per_forward), per_forward[:3]
+            assert max(o for f in per_forward for _, o, _ in f) < max(k for f in per_forward for k, _, _ in f)
         one = mcore_worker.train(0, 1, mode.replace("-tp", ""))
         assert_trains_like(ranks, one, mode, logprobs=mode != "cp+dp")  # (a replica's logprobs: its own share)

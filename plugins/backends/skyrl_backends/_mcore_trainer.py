@@ -22,8 +22,9 @@ algorithm's loss, clipping, AdamW, metrics) run on a megatron-core ``GPTModel``:
   train step reduces over megatron-core's data-parallel group, the gradients are summed
   over it);
 - context parallelism: each rank computes its own chunks of every row through the
-  decoder (its queries attend to every rank's keys: ``_mcore_model``), every rank the same
-  logits and loss; the gradients are summed over the context-parallel ranks with the
+  decoder (its queries attend to every rank's keys: ``_mcore_model``) and the logits of
+  its own loss tokens; their logprobs are summed over the ranks, so every rank computes
+  the same loss; the gradients are summed over the context-parallel ranks with the
   data-parallel replicas;
 - pipeline parallelism runs every stage through the same train step in lockstep, one
   micro-batch at a time (``skyrl_backends._mcore_pipeline``): the stages exchange hidden
@@ -50,9 +51,9 @@ from skyrl_backends._mcore_model import (MegatronLM, build, context_slots, ensur
                                          mcore_to_hf, weights_of)
 from skyrl_backends._mcore_pipeline import global_layer_names, pipeline_stage
 from skyrl_backends._mcore_precision import MegatronPrecision, quantized_names
-from skyrl_backends.megatron import context_parallel_problem
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._trainer import TorchBackend
+from skyrl_backends.megatron import context_parallel_problem
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import ReplayView, ScoringReplay
@@ -315,7 +316,7 @@ class MegatronBackend(TorchBackend):
         if world % (tp * ep * pp * cp):
             raise UserError(f"[backend] tensor_parallel = {tp} x expert_parallel = {ep} x pipeline_parallel = {pp} "
                             f"x context_parallel = {cp} must divide the trainer processes, found {world}")
-        # The ranks form world / (tp x pp) data-parallel replicas of the model, each training on its
+        # The ranks form world / (tp x pp x cp) data-parallel replicas of the model, each training on its
         # own share of the batch, as the torch backend's data parallel does (the normalisers and
         # metrics reduce over the data-parallel group; _clip_gradients sums the gradients over it).
         # Tensor-parallel ranks, context-parallel ranks and pipeline stages of one replica all see its
@@ -469,8 +470,11 @@ class MegatronBackend(TorchBackend):
         dispatcher gathers equal-sized token blocks (a collective: every rank calls it at the
         same forwards). Under tensor parallelism pad ``R`` to a multiple of the ranks, which
         each hold ``R / tensor_parallel`` slots of the sequence between the tensor-parallel
-        regions. Padding slots (id 0, position 0: each its own sequence) are neither scored
-        nor replayed; ``keep`` and ``slot_tokens`` follow the new row length."""
+        regions, and under context parallelism to a multiple of ``2 x context_parallel x
+        tensor_parallel`` (each context-parallel rank holds two equal chunks of every row:
+        ``_mcore_model.context_slots``). Padding slots (id 0, position 0: each its own
+        sequence) are neither scored nor replayed; ``keep`` and ``slot_tokens`` follow the
+        new row length."""
         tp, cp = self.config.tensor_parallel, self.config.context_parallel
         if (self.config.expert_parallel == 1 and tp == 1 and cp == 1) or getattr(mb, "_same_shape", False) \
                 or mb.ids is None:

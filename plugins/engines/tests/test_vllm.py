@@ -506,6 +506,7 @@ def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
     stops, engine.stop_token_ids = engine.stop_token_ids, []  # every response runs its full length
     engine.config = attrs.evolve(engine.config, return_token_versions=True)
     engine.abort_on_update(abort)
+    resubmitted = engine.resubmitted
     # The workers fetch and verify version 2 before the generation starts (as async mode's staged
     # hand-over does while the previous step generates): on a loaded machine a fetch started only at
     # the sync could outlast the generation, and the apply would find nothing in progress.
@@ -513,7 +514,7 @@ def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
     out: dict = {}
     try:
         gen = threading.Thread(target=lambda: out.update(batch=engine.generate(
-            [[3 + i % 9, 4, 5] for i in range(32)], n=4, sampler=TruncatedSampler(), max_new_tokens=200, seed=4)))
+            [[3 + i % 9, 4, 5] for i in range(32)], n=4, sampler=TruncatedSampler(), max_new_tokens=400, seed=4)))
         gen.start()
         deadline = time.monotonic() + 60
         while engine._live < 128 and time.monotonic() < deadline:  # every request sent (a loaded machine is slow)
@@ -527,7 +528,9 @@ def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
         engine.abort_on_update(False)
         serve_original(engine, loaded, tmp_path)
     batch = out["batch"]
-    assert stats["sync_live_requests"] == 128  # the update landed while every request was in progress
+    # The update landed while (nearly) every request was in progress: on a loaded machine the first
+    # requests sent may finish before the apply (CI once saw 108 of 128 still running).
+    assert stats["sync_live_requests"] >= 96, stats
     tv = batch.side_channels["token_versions"]
     old_gaps, new_gaps, spanning = [], [], 0
     for s in range(batch.n_sequences):
@@ -540,10 +543,10 @@ def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
             lp = batch.logprobs[a + p : b]
             old_gaps.append(np.abs(lp[v == 1] - teacher_forced(loaded.model, batch, s)[v == 1]).mean())
             new_gaps.append(np.abs(lp[v == 2] - teacher_forced(trainer.model, batch, s)[v == 2]).mean())
-    assert spanning >= 100, spanning  # the update landed mid-generation
+    assert spanning >= 96, spanning  # the update landed mid-generation
     assert max(old_gaps) <= 1e-4  # tokens before the update: the old weights sampled them
     if abort:  # recomputed: the new weights over the whole sequence
         assert max(new_gaps) <= 1e-4, max(new_gaps)
-        assert engine.resubmitted >= 128
+        assert engine.resubmitted - resubmitted == stats["sync_live_requests"]
     else:  # on the old weights' KV: not what the new weights give the whole sequence
         assert np.median(new_gaps) > 1e-3, np.median(new_gaps)

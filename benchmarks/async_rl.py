@@ -199,13 +199,15 @@ def main() -> None:
     ap.add_argument("--transport", choices=("delta", "nixl", "broadcast"), default="delta",
                     help="the weight transport of every run (delta: a file:// folder)")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "images" / "async_rl.png"), help="'' for no plot")
+    ap.add_argument("--keep", default="", help="a folder to keep the runs' output folders in (metrics.jsonl)")
     args = ap.parse_args()
 
     modes = [("sync", "sync", 0, None)] + [(f"async_k{k}", "async", k, None) for k in args.staleness]
     modes += [(f"async_k{args.staleness[0]}_{name}", "async", args.staleness[0], name) for name in args.off_policy]
     runs: dict[str, list[list[dict]]] = {name: [] for name, _, _, _ in modes}
     with tempfile.TemporaryDirectory(prefix="async_rl_") as tmp:
-        folder = pathlib.Path(tmp)
+        folder = pathlib.Path(args.keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         for rep in range(args.repeats):
             for name, mode, k, off_policy in modes:  # alternated: sync, k=1, k=2, sync, ...
                 path = write_job(folder, f"{name}_{rep}", args, mode, k, args.seed + rep, off_policy)
@@ -216,6 +218,8 @@ def main() -> None:
     for name, reps in runs.items():
         sums = [summarize(rows, args.budget, args) for rows in reps]
         per_mode[name] = {key: statistics.median(s[key] for s in sums) for key in sums[0]}
+        per_mode[name]["per_seed"] = {str(args.seed + rep): {key: round(v, 5) for key, v in s.items()}
+                                      for rep, s in enumerate(sums)}
     sync = per_mode["sync"]
     result = {
         "job": {"preset": "tiny", "dataset": "reverse_digits (3-5 digits)", "batch_size": args.batch_size,
@@ -229,6 +233,11 @@ def main() -> None:
         "modes": per_mode,
         "steps_per_s_ratio": {name: per_mode[name]["steps_per_s"] / sync["steps_per_s"]
                               for name in per_mode if name != "sync"},
+        # Each seed's async run against the same seed's sync run (alternated: run next to each other).
+        "steps_per_s_ratio_per_seed": {
+            name: [round(a["steps_per_s"] / b["steps_per_s"], 3) for a, b in
+                   zip(per_mode[name]["per_seed"].values(), sync["per_seed"].values())]
+            for name in per_mode if name != "sync"},
         "gen_tokens_per_s_ratio": {name: per_mode[name]["gen_tokens_per_s"] / sync["gen_tokens_per_s"]
                                    for name in per_mode if name != "sync"},
         "reward_last_quarter": reward_window(runs),

@@ -15,6 +15,16 @@ version (steps up to ``v + k``) has been. So weights are only handed over while 
 engine is idle, a rollout never mixes versions, and a run is the same pure function of
 the seed as a synchronous one.
 
+With a staged hand-over whose engine half needs nothing more from the trainer (``delta``,
+``nixl``, adapters: :class:`skyrl_host.interfaces.EngineSideCommit`) the second wait moves
+to the producer: the trainer stages version ``v`` right after its step and trains on,
+and the producer applies (commits) ``v`` itself, between two rollouts, just before the
+first rollout that needs it (versions no rollout needs, at the end of a run, once it has
+generated every step). The trainer then never waits for the engine to be idle; it waits
+only, before staging ``v``, for ``v - 1`` to be committed (the engines may still be
+reading it from where ``v`` is written). The schedule, and so the run, is the same. The
+last version is staged and not applied: no rollout needs it.
+
 In-flight updates (``weight_updates = "in_flight"``): the trainer publishes at once and
 the engine applies the new version between two forwards of the generation in progress;
 step ``t`` still starts with version ``t - 1 - k`` or newer, so the bound holds, but a
@@ -58,12 +68,20 @@ class RolloutPipeline:
     def __init__(
         self, rollout: Callable[[int], Any], *, first: int, last: int, max_staleness: int, version: int,
         saved: Mapping[int, Any] | None = None, on_start: Callable[[], None] | None = None, in_flight: bool = False,
+        commit: Callable[[int], Mapping[str, float]] | None = None,
     ):
         self.rollout_fn, self.first, self.last, self.k = rollout, first, last, max_staleness
         self.on_start = on_start
         self.in_flight = in_flight  # publish at once: the engine applies it between two forwards
+        if commit is not None and in_flight:
+            raise ValueError("in-flight updates are committed by the trainer, at once")
+        # The engines' half of a staged version, run by the producer before the rollout that
+        # needs it (:meth:`hand_over`); None: the trainer publishes whole (:meth:`publish`).
+        self.commit_fn = commit
         self.v0 = version  # the version published when the run (re)started
-        self.published = version
+        self.published = version  # with commit_fn: staged, the engines' half maybe still to come
+        self.committed = version  # with commit_fn: the version the engines hold
+        self.synced: dict[int, Mapping[str, float]] = {}  # version -> its commit's metrics
         self.ready: dict[int, Any] = dict(saved or {})
         self.generated = max([first - 1, *self.ready])  # steps up to here are generated (or restored)
         self._cond = threading.Condition()
@@ -93,9 +111,15 @@ class RolloutPipeline:
                         self._cond.wait()
                     if self._stop:
                         return
-                    if self.published != need and not self.in_flight:  # never: publish() waits for this step
+                    # Never: publish() waits for this step (staged versions may run ahead: committed below).
+                    if self.published != need and not self.in_flight and self.commit_fn is None:
                         raise RuntimeError(f"step {step} needs version {need}, the engine holds {self.published}")
                 self.wait_s += time.perf_counter() - w0
+                if self.commit_fn is not None and self.committed < need:
+                    # Versions are needed one after another (each step one newer), so none is skipped.
+                    if need != self.committed + 1:
+                        raise RuntimeError(f"step {step} needs version {need}, the engines hold {self.committed}")
+                    self._commit(need)  # the engine is idle: between two rollouts
                 g0 = time.perf_counter()
                 out = self.rollout_fn(step)
                 self.busy_s += time.perf_counter() - g0
@@ -104,10 +128,26 @@ class RolloutPipeline:
                     self.generated = step
                     self._cond.notify_all()
                 step += 1
+            # Every step is generated: commit the versions no rollout needed as they come, so
+            # the trainer's hand-over never waits for one; all but the last.
+            while self.commit_fn is not None and self.committed < self.last - 1:
+                with self._cond:
+                    while self.published <= self.committed and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                self._commit(self.committed + 1)
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
+
+    def _commit(self, version: int) -> None:
+        stats = dict(self.commit_fn(version))  # type: ignore[misc]
+        with self._cond:
+            self.committed = version
+            self.synced[version] = stats
+            self._cond.notify_all()
 
     # -- the trainer's side ----------------------------------------------------------------
 
@@ -142,9 +182,35 @@ class RolloutPipeline:
             self._cond.notify_all()
         return out, waited
 
-    def pending(self) -> dict[int, Any]:
-        """The generated rollouts not trained yet (for a checkpoint)."""
+    def hand_over(self, version: int, stage: Callable[[int], Any]) -> tuple[Any, float]:
+        """With ``commit`` (the producer commits): stage ``version`` with ``stage(version)``
+        once the engines hold ``version - 1`` (they may still be reading it from where
+        ``version`` goes) and leave its commit to the producer. Returns what ``stage``
+        returned, with the metrics of ``version - 1``'s commit under it (the engines' half
+        of the previous hand-over, made meanwhile), and the seconds waited."""
+        assert self.commit_fn is not None
+        t0 = time.perf_counter()
         with self._cond:
+            while self.committed < version - 1:
+                self._raise()
+                self._cond.wait()
+            previous = self.synced.pop(version - 1, {})
+        waited = time.perf_counter() - t0
+        out = stage(version)
+        with self._cond:
+            self.published = version
+            self._cond.notify_all()
+        return {**previous, **out}, waited
+
+    def pending(self, through: int | None = None) -> dict[int, Any]:
+        """The generated rollouts not trained yet (for a checkpoint), once every step up
+        to ``through`` is generated (the steps that weights older than the checkpoint's
+        generate: a resumed run could not remake them)."""
+        with self._cond:
+            upto = min(self.last, through) if through is not None else self.generated
+            while self.generated < upto:
+                self._raise()
+                self._cond.wait()
             return dict(self.ready)
 
     def close(self) -> None:

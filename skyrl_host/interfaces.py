@@ -896,6 +896,18 @@ class StagedPlacement(Protocol):
 
 
 @runtime_checkable
+class EngineSideCommit(Protocol):
+    """A :class:`StagedPlacement` whose :meth:`~StagedPlacement.stage` may take a version
+    from the trainer whole, so that :meth:`~StagedPlacement.commit` touches only the
+    engines and may run while the trainer trains the next step (async RL then applies each
+    version from the rollout thread, just before the rollout that needs it)."""
+
+    def commit_on_engine_side(self) -> bool:
+        """True when the staged versions' commits need nothing more from the trainer."""
+        ...
+
+
+@runtime_checkable
 class Launcher(Protocol):
     """Places a job's backend ranks and engine replicas (``[cluster] launcher``).
 

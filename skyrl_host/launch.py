@@ -200,6 +200,10 @@ class LocalPlacement:
         self._staged = version
         return self.transport.stage(self.backend, self.engine, version)
 
+    def commit_on_engine_side(self) -> bool:
+        """EngineSideCommit: a staging transport's commit only applies what stage() fetched."""
+        return self.transport is not None and self.engine is not None and has(self.transport, StagedTransport)
+
     def commit(self, version: int) -> Mapping[str, float]:
         if self._staged == version:
             self._staged = None

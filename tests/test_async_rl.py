@@ -78,7 +78,11 @@ dtype = "float32"
     want = [learning_metrics(r) for r in step_rows(inproc_out)]
     rows = step_rows(delta_out)
     assert [learning_metrics(r) for r in rows] == want
-    for r in rows:  # staged: applied from what the prefetch fetched (no fetch inside the pause)
+    # The rollout thread applies version v (from what the prefetch fetched: no fetch inside
+    # the pause) between two rollouts while the trainer trains on; row v + 1 reports it.
+    # The last version is written, never applied (no rollout needs it).
+    assert "sync_applied" not in rows[0] and [r["sync_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    for r in rows[1:]:
         assert r["sync_applied"] == 1.0 and "sync_fetch_s" not in r
         assert 0.0 < r["sync_pause_s"] and r["sync_apply_s"] <= r["sync_pause_s"]
     assert sorted(p.name for p in (tmp_path / "versions").iterdir())  # the versions were written there

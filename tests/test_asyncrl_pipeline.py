@@ -1,7 +1,10 @@
-"""skyrl_host.asyncrl.DroppingPipeline on its own (no model): a rollout is a record of
-the dataset position and the version it was generated with, the trainer a loop that
-takes, "trains" (sleeps) and publishes. Whatever the timing: nothing older than k is
-trained, every position once, and a rollout never spans a hand-over with idle updates."""
+"""skyrl_host.asyncrl's pipelines on their own (no model): a rollout is a record of the
+dataset position (or step) and the version it was generated with, the trainer a loop
+that takes, "trains" (sleeps) and publishes. DroppingPipeline, whatever the timing:
+nothing older than k is trained, every position once, and a rollout never spans a
+hand-over with idle updates. RolloutPipeline with the rollout thread committing staged
+versions: the same schedule as the trainer publishing, versions applied in order only
+while no rollout runs, and the trainer never waiting for a rollout to end to stage."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import time
 
 import pytest
 
-from skyrl_host.asyncrl import DroppingPipeline, ProducerFailed
+from skyrl_host.asyncrl import DroppingPipeline, ProducerFailed, RolloutPipeline
 
 
 def run_trainer(*, steps, k, gen_s, train_s, in_flight=False, saved=None, first_step=1, stop_after=None):
@@ -99,6 +102,99 @@ def test_a_checkpoint_counts_the_rollout_in_progress_as_not_generated() -> None:
         assert started.wait(10)
         pending = pipe.pending()  # position 2 is being generated: a resume generates it again
         assert pending == {"ready": {}, "todo": [2], "next_position": 3}
+    finally:
+        release.set()
+        pipe.close()
+
+
+def run_staged(*, steps, k, gen_s, train_s, commit_fails_at=None):
+    """The trainer stages each version (``hand_over``); the rollout thread commits it."""
+    engine = {"version": 0, "busy": False, "commits": [], "during_rollout": 0, "staged": []}
+    lock = threading.Lock()
+
+    def rollout(step):
+        with lock:
+            engine["busy"] = True
+            version = engine["version"]
+        time.sleep(gen_s)
+        with lock:
+            engine["busy"] = False
+        return {"step": step, "version": version}
+
+    def commit(version):
+        if version == commit_fails_at:
+            raise RuntimeError(f"version {version} is corrupt")
+        with lock:
+            engine["during_rollout"] += engine["busy"]
+            engine["version"] = version
+            engine["commits"].append(version)
+        return {"sync_applied": 1.0, "sync_applied_version": float(version)}
+
+    def stage(version):
+        with lock:
+            engine["staged"].append((version, engine["version"]))  # what the engines held then
+        return {"sync_version": float(version)}
+
+    pipe = RolloutPipeline(rollout, first=1, last=steps, max_staleness=k, version=0, commit=commit)
+    rows, waits = [], []
+    try:
+        for step in range(1, steps + 1):
+            out, _ = pipe.take(step)
+            time.sleep(train_s)
+            stats, waited = pipe.hand_over(step, stage)
+            rows.append((step, out["version"], stats))
+            waits.append(waited)
+    finally:
+        pipe.close()
+    return rows, waits, engine
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("gen_s, train_s", [(0.002, 0.02), (0.02, 0.002)])
+def test_the_rollout_thread_commits_each_version_just_before_the_rollout_that_needs_it(k, gen_s, train_s) -> None:
+    steps = 12
+    rows, waits, engine = run_staged(steps=steps, k=k, gen_s=gen_s, train_s=train_s)
+    # The schedule of the trainer publishing: step t from version max(0, t - 1 - k).
+    assert [v for _, v, _ in rows] == [max(0, t - 1 - k) for t in range(1, steps + 1)]
+    # Every version but the last applied once, in order, never while a rollout ran.
+    assert engine["commits"] == list(range(1, steps)) and engine["during_rollout"] == 0
+    # Version v was staged once the engines held v - 1 (they may read it from where v goes).
+    assert engine["staged"] == [(v, v - 1) for v in range(1, steps + 1)]
+    # Row t: version t staged, version t - 1's commit reported under it.
+    assert all(s["sync_version"] == t for t, _, s in rows)
+    assert "sync_applied" not in rows[0][2]
+    assert [s["sync_applied_version"] for _, _, s in rows[1:]] == list(range(1, steps))
+
+
+def test_a_trainer_staging_never_waits_for_a_slow_rollout() -> None:
+    """With k = 1 the trainer stages version t while step t + 1 is generated; before, its
+    publish waited for that rollout to end."""
+    rows, waits, engine = run_staged(steps=6, k=1, gen_s=0.2, train_s=0.0)
+    assert max(waits) < 0.1, waits  # a rollout takes 0.2 s
+
+
+def test_a_failing_commit_reaches_the_trainer() -> None:
+    with pytest.raises(ProducerFailed, match="version 3 is corrupt"):
+        run_staged(steps=8, k=1, gen_s=0.001, train_s=0.001, commit_fails_at=3)
+
+
+def test_a_checkpoint_waits_for_the_rollouts_older_weights_make() -> None:
+    """pending(through=s + k) after step s: the rollouts of steps up to s + k, made with
+    versions older than s (a resume could not remake them), all there."""
+    release = threading.Event()
+
+    def rollout(step):
+        if step == 3:
+            release.wait(10)
+        return {"step": step}
+
+    pipe = RolloutPipeline(rollout, first=1, last=6, max_staleness=2, version=0, commit=lambda v: {})
+    try:
+        pipe.take(1)
+        threading.Timer(0.2, release.set).start()
+        t0 = time.perf_counter()
+        pending = pipe.pending(through=1 + 2)
+        assert sorted(pending) == [2, 3] and time.perf_counter() - t0 >= 0.15
     finally:
         release.set()
         pipe.close()

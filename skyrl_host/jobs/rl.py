@@ -33,6 +33,7 @@ from skyrl_host.interfaces import (
     RewardKL,
     RewardMetrics,
     SideChannels,
+    EngineSideCommit,
     StagedPlacement,
     TokenizerLoading,
     TurnContinuation,
@@ -281,10 +282,15 @@ class RLDriver:
             )
             self._saved_rollouts = {}
             return
+        # A staged hand-over whose engine half needs nothing more from the trainer is
+        # committed by the rollout thread, between two rollouts: the trainer never waits
+        # for the engine to be idle.
+        engine_side = (not in_flight and has(self.placement, StagedPlacement)
+                       and has(self.placement, EngineSideCommit) and self.placement.commit_on_engine_side())
         self.pipeline = RolloutPipeline(
             self._rollout, first=self.start_step, last=self.run_.total_steps, max_staleness=self.cfg.max_staleness,
             version=self.start_step - 1, saved=self._saved_rollouts, on_start=lambda: torch.set_num_threads(threads),
-            in_flight=in_flight,
+            in_flight=in_flight, commit=self.placement.commit if engine_side else None,
         )
         self._saved_rollouts = {}
 
@@ -520,6 +526,11 @@ class RLDriver:
             metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
         if self.pipeline is None:
             sync = self._publish(step)
+        elif getattr(self.pipeline, "commit_fn", None) is not None:
+            # Staged now; the rollout thread commits it just before the first rollout that needs
+            # it. ``sync``: this version's stage and the previous version's commit (sync_pause_s, ...).
+            sync, waited = self.pipeline.hand_over(step, self.placement.stage)
+            metrics["publish_wait_time_s"] = waited
         elif has(self.placement, StagedPlacement):
             # Send (and, for delta, fetch and verify) while the engine still generates; the
             # apply, once the engine is idle, is the only pause.
@@ -556,7 +567,7 @@ class RLDriver:
                             "regenerate": pending["todo"], "next_position": pending["next_position"]},
                            folder / "rollouts.pt")
             elif self.pipeline is not None:  # generated, not trained yet: made with weights a resume cannot remake
-                pending = self.pipeline.pending()
+                pending = self.pipeline.pending(through=step + self.cfg.max_staleness)
                 torch.save({"steps": sorted(pending), "rollouts": pending}, folder / "rollouts.pt")
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:

@@ -610,7 +610,14 @@ class RayPlacement:
         if self.sync is None:
             return {}
         self._staged = (version, self.sync.send(version))
-        return {}
+        sent = self._staged[1]
+        return dict(sent[0]) if sent is not None else {}  # the senders' metrics (delta: encode, write)
+
+    def commit_on_engine_side(self) -> bool:
+        """EngineSideCommit: what stage() sent (delta: written; nixl: served; lora: in the
+        object store) is all the engines' half needs, unless the transport is collective
+        (broadcast: the backend rank takes part in the commit's collectives)."""
+        return self.sync is not None and not self.sync.collective
 
     def commit(self, version: int) -> Mapping[str, float]:
         """The engines' half (they are idle): the staged version's receive (delta: fetch,

@@ -41,9 +41,13 @@ def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyr
     for r in rows:
         assert 0.0 <= r["engine_idle_fraction"] <= 1.0
         assert r["rollout_wait_time_s"] >= 0.0 and r["publish_wait_time_s"] >= 0.0
-        # Staged: the backend actor wrote the version before the pause; the engine actor
-        # fetched and applied it inside it.
+        # Staged: the backend actor wrote version t in step t, while the engine actor generated.
         assert r["sync_bytes"] > 0 and r["sync_publish_s"] > 0
+    # The driver's rollout thread had the engine actor fetch and apply version t - 1 between
+    # two rollouts, while the backend actor trained step t (row t reports it); the last
+    # version is written and never applied (no rollout needs it).
+    assert "sync_applied" not in rows[0]
+    for r in rows[1:]:
         assert r["sync_applied"] == 1.0 and r["sync_fetch_s"] + r["sync_apply_s"] <= r["sync_pause_s"]
     # The trainer's weights moved past the engine's: the off-policy gap shows once stale.
     assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4
@@ -84,8 +88,9 @@ def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generate
     assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0, 3.0]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [r["sync_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
-    for r in rows:  # staged: served before the pause; only the read and the apply inside it
+    for r in rows:  # staged: version t served in step t, before the pause
         assert r["sync_served_bytes"] > 0 and r["sync_publish_s"] > 0
+    for r in rows[1:]:  # version t - 1 read and applied between two rollouts: only that pauses
         assert r["sync_bytes"] > 0 and r["sync_read_s"] + r["sync_apply_s"] <= r["sync_pause_s"]
     assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4
     want = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "delta", delta(tmp_path, "delta"), steps=5, mode="async",
@@ -164,4 +169,4 @@ def test_async_ray_with_two_engine_replicas_feeding_the_buffer(skyrl_ray, skyrl_
     assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert rows[0]["logprob_diff_max"] < 1e-4  # both replicas served the trainer's weights
-    assert all(r["sync_applied"] == 1.0 for r in rows)
+    assert all(r["sync_applied"] == 1.0 for r in rows[1:])  # version t - 1, applied while step t trained

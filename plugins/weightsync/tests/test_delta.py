@@ -327,3 +327,49 @@ def test_checksum_is_xxhash() -> None:
     import xxhash
 
     assert _checksum(b"abc") == xxhash.xxh3_64_hexdigest(b"abc")
+
+
+def test_a_sample_skips_the_sparse_scan_only_where_it_could_not_win(monkeypatch, uri) -> None:
+    """``surely_dense`` looks at 2048 words spread over a tensor before ``scan`` compares
+    them all: an optimizer step's dense change skips the scan, while changes that line
+    up with rows or columns (one column of a 64-wide matrix, every 8th row) or a random
+    15% still get the full scan and the sparse payload, byte-exact either way."""
+    from skyrl_weightsync._delta import codec
+    from skyrl_weightsync._delta import sender as sender_mod
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(512, 64, generator=g)
+
+    def raw(t: torch.Tensor) -> np.ndarray:
+        return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+    dense = base + 1e-3 * torch.randn(512, 64, generator=g)
+    column = base.clone()
+    column[:, 5] += 1.0
+    rows = base.clone()
+    rows[::8] += 1.0
+    spots = base.clone().view(-1)
+    pick = torch.randperm(spots.numel(), generator=g)[: int(0.15 * spots.numel())]
+    spots[pick] += 1.0
+    assert codec.surely_dense(raw(dense), raw(base))
+    for sparse in (column, rows, spots.view(512, 64)):
+        assert not codec.surely_dense(raw(sparse), raw(base))
+
+    scans = []
+    real_scan = sender_mod.scan
+    monkeypatch.setattr(sender_mod, "scan", lambda *a: scans.append(1) or real_scan(*a))
+    w = {"w": base.clone()}
+    sender, receiver, engine = DeltaSender(uri, dtype="float32", keyframe_every=0), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    receiver.sync(engine)
+    # Each version against the one before: the dense step, then a column, then every 8th row.
+    steps = [(dense, "xor", 0), (dense + (column - base), "sparse_xor", 1),
+             (dense + (column - base) + (rows - base), "sparse_xor", 1)]
+    for version, (changed, encoding, scanned) in enumerate(steps, start=2):
+        w["w"] = changed.clone()
+        scans.clear()
+        sender.publish(version, w.items())
+        receiver.sync(engine)
+        manifest = json.loads(sender.store.read(f"e000/v{version:08d}/manifest.json"))
+        assert manifest["tensors"][0]["encoding"] == encoding and len(scans) == scanned
+        assert torch.equal(engine.weights["w"], changed)

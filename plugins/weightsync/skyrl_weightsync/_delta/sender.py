@@ -10,7 +10,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import zstandard
 
-from .codec import SPARSE_MAX_FRACTION, checksum, scan, scan_buffers, sparse_blob, to_bytes, xor_payload
+from .codec import (SPARSE_MAX_FRACTION, checksum, scan, scan_buffers, sparse_blob, surely_dense, to_bytes,
+                    xor_payload)
 from .store import FORMAT, PayloadWrites, Store, parts_of, version_dir
 
 
@@ -41,7 +42,7 @@ class DeltaSender:
         """(compressed payload or None, encoding, changed 16-bit words) of ``src`` against
         ``last``, which is updated to ``src`` in place."""
         n = src.size
-        if n % 2 == 0:
+        if n % 2 == 0 and not surely_dense(src, last):
             found = scan(src, last, self._bufs, (n // 2) * SPARSE_MAX_FRACTION)
             if found is not None:
                 gaps, values, count = found

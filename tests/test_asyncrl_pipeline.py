@@ -153,7 +153,7 @@ def run_staged(*, steps, k, gen_s, train_s, commit_fails_at=None):
 @pytest.mark.parametrize("gen_s, train_s", [(0.002, 0.02), (0.02, 0.002)])
 def test_the_rollout_thread_commits_each_version_just_before_the_rollout_that_needs_it(k, gen_s, train_s) -> None:
     steps = 12
-    rows, waits, engine = run_staged(steps=steps, k=k, gen_s=gen_s, train_s=train_s)
+    rows, _waits, engine = run_staged(steps=steps, k=k, gen_s=gen_s, train_s=train_s)
     # The schedule of the trainer publishing: step t from version max(0, t - 1 - k).
     assert [v for _, v, _ in rows] == [max(0, t - 1 - k) for t in range(1, steps + 1)]
     # Every version but the last applied once, in order, never while a rollout ran.
@@ -169,7 +169,7 @@ def test_the_rollout_thread_commits_each_version_just_before_the_rollout_that_ne
 def test_a_trainer_staging_never_waits_for_a_slow_rollout() -> None:
     """With k = 1 the trainer stages version t while step t + 1 is generated; before, its
     publish waited for that rollout to end."""
-    rows, waits, engine = run_staged(steps=6, k=1, gen_s=0.2, train_s=0.0)
+    _rows, waits, _engine = run_staged(steps=6, k=1, gen_s=0.2, train_s=0.0)
     assert max(waits) < 0.1, waits  # a rollout takes 0.2 s
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -204,6 +205,7 @@ class BackendWorker:
         self.backend: Any = None
         self.sender: Any = None
         self.group: Any = None
+        self._staged: dict[int, Future] = {}  # version -> its writing (publish_staged)
 
     def ready(self) -> str:
         return socket.gethostname()
@@ -279,6 +281,33 @@ class BackendWorker:
                 pass
             return {}
         return self.sender.publish(version, weights)
+
+    def publish_staged(self, version: int) -> Mapping[str, float]:
+        """Async RL's staged hand-over, for a transport that writes where the engines read
+        (delta): the weights as ``publish`` takes them, written by the sender in a thread
+        of its own (``publish_in_background``) while this actor trains on; returns at
+        once. :meth:`staged_result` waits for the writing."""
+        serving = self.backend.serving_weights if has(self.backend, QuantizedServing) else None
+        weights = serving() if serving is not None else self.backend.named_weights()
+        if self.sender is None:
+            for _ in weights:  # take part in the gather; rank 0 publishes
+                pass
+            return {}
+        t0 = time.perf_counter()
+        if hasattr(self.sender, "publish_in_background"):
+            self._staged[version] = self.sender.publish_in_background(version, weights)
+        else:  # written now
+            done: Future = Future()
+            done.set_result(self.sender.publish(version, weights))
+            self._staged[version] = done
+        return {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
+
+    def staged_result(self, version: int) -> Mapping[str, float]:
+        """The writing's metrics once ``version`` (from :meth:`publish_staged`) is written;
+        its error raised here. Runs in the actor's ``staged`` concurrency group, beside the
+        train step in progress."""
+        future = self._staged.pop(version, None)
+        return dict(future.result()) if future is not None else {}
 
     def endpoint(self) -> Any:
         return self.sender.endpoint()
@@ -477,12 +506,16 @@ class RaySync:
     def publish(self, version: int) -> dict[str, float]:
         return self.receive(version, self.send(version))
 
-    def send(self, version: int) -> Any:
+    def send(self, version: int, background: bool = False) -> Any:
         """The backend ranks' half of publishing ``version``, which leaves the engines alone
         (they may be generating): what :meth:`receive` needs. A collective transport sends
-        nothing here (both sides take part in the same collectives, in :meth:`receive`)."""
+        nothing here (both sides take part in the same collectives, in :meth:`receive`).
+        ``background`` (async RL's stage): a transport that writes where the engines read
+        (delta) writes in the backend actors' background, and :meth:`receive` waits for it."""
         if self.collective:
             return None
+        if background and not self.carries_payload and not self.rendezvous:
+            return ray_get([b.publish_staged.remote(version) for b in self.backends])[0], None, True
         if self.carries_payload:  # rank 0's payload, kept in the object store for the engines
             first = self.backends[0].publish.options(num_returns=2).remote(version)
             others = [b.publish.remote(version) for b in self.backends[1:]]
@@ -499,6 +532,10 @@ class RaySync:
             stats, received = dict(results[0]), results[len(self.backends):]
         else:
             stats, payload = dict(sent[0]), sent[1]
+            if len(sent) > 2:  # written in the backend actors' background: wait for it (beside their train step)
+                written = ray_get([b.staged_result.options(concurrency_group="staged").remote(version)
+                                   for b in self.backends])[0]
+                stats = {**written, **stats}
             if self.rendezvous and not self.connected:
                 endpoints = ray_get([b.endpoint.remote() for b in self.backends])
                 ray_get([e.connect.remote(endpoints) for e in self.engines])
@@ -519,11 +556,13 @@ class Actors:
     def __init__(self) -> None:
         self.started: list[tuple[list[Any], Any]] = []  # (actors, placement group)
 
-    def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0, concurrency: int = 1) -> list[Any]:
+    def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0, concurrency: int = 1,
+              groups: Mapping[str, int] | None = None) -> list[Any]:
         """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
         placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
         enough free ones to give each one: :func:`gpu_bundles`); waits until all are built.
-        ``concurrency`` > 1: a threaded actor serving that many calls at once."""
+        ``concurrency`` > 1: a threaded actor serving that many calls at once. ``groups``:
+        Ray concurrency groups (name: threads) whose calls run beside the others."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -539,7 +578,8 @@ class Actors:
                 f"[cluster]: Ray cannot place {n} {worker.__name__} actor(s) of {bundle} each "
                 f"(the cluster has {ray.cluster_resources()}): lower cpus_per_actor, trainer_ranks or engine_replicas"
             )
-        actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency)(worker)
+        actor_cls = ray.remote(num_cpus=cpus, num_gpus=gpus, max_concurrency=concurrency,
+                               **({"concurrency_groups": dict(groups)} if groups else {}))(worker)
         actors = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
@@ -609,9 +649,9 @@ class RayPlacement:
         generation in progress."""
         if self.sync is None:
             return {}
-        self._staged = (version, self.sync.send(version))
+        self._staged = (version, self.sync.send(version, background=True))
         sent = self._staged[1]
-        return dict(sent[0]) if sent is not None else {}  # the senders' metrics (delta: encode, write)
+        return dict(sent[0]) if sent is not None else {}  # the senders' metrics (delta: the snapshot)
 
     def commit_on_engine_side(self) -> bool:
         """EngineSideCommit: what stage() sent (delta: written; nixl: served; lora: in the
@@ -671,7 +711,8 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
     try:
         ranks = cluster.trainer_ranks
         backends = placement.actors.start(
-            BackendWorker, [(request, rank, ranks) for rank in range(ranks)], cpus=config.cpus_per_actor
+            BackendWorker, [(request, rank, ranks) for rank in range(ranks)], cpus=config.cpus_per_actor,
+            groups={"staged": 1},  # staged_result waits for a background write beside the train step
         )
         data_parallel = str(getattr(request.backend.config, "data_parallel", "none")) != "none"
         dp_address = ray_get(backends[0].address.remote()) if ranks > 1 or data_parallel else None

@@ -41,13 +41,15 @@ def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyr
     for r in rows:
         assert 0.0 <= r["engine_idle_fraction"] <= 1.0
         assert r["rollout_wait_time_s"] >= 0.0 and r["publish_wait_time_s"] >= 0.0
-        # Staged: the backend actor wrote version t in step t, while the engine actor generated.
-        assert r["sync_bytes"] > 0 and r["sync_publish_s"] > 0
-    # The driver's rollout thread had the engine actor fetch and apply version t - 1 between
-    # two rollouts, while the backend actor trained step t (row t reports it); the last
-    # version is written and never applied (no rollout needs it).
-    assert "sync_applied" not in rows[0]
+        # Staged: in step t the backend actor took a snapshot of version t and wrote it in
+        # its background, while it trained on and the engine actor generated.
+        assert r["sync_snapshot_s"] > 0
+    # The driver's rollout thread waited for version t - 1's writing and had the engine
+    # actor fetch and apply it between two rollouts, while the backend actor trained step t
+    # (row t reports both); the last version is written and never applied.
+    assert "sync_applied" not in rows[0] and "sync_bytes" not in rows[0]
     for r in rows[1:]:
+        assert r["sync_bytes"] > 0 and r["sync_publish_s"] > 0
         assert r["sync_applied"] == 1.0 and r["sync_fetch_s"] + r["sync_apply_s"] <= r["sync_pause_s"]
     # The trainer's weights moved past the engine's: the off-policy gap shows once stale.
     assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4

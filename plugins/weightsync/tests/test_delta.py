@@ -373,3 +373,35 @@ def test_a_sample_skips_the_sparse_scan_only_where_it_could_not_win(monkeypatch,
         manifest = json.loads(sender.store.read(f"e000/v{version:08d}/manifest.json"))
         assert manifest["tensors"][0]["encoding"] == encoding and len(scans) == scanned
         assert torch.equal(engine.weights["w"], changed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_publishing_in_the_background_sends_the_weights_of_the_call(uri, dtype) -> None:
+    """publish_in_background takes its snapshot before it returns: the trainer may change
+    the tensors at once (the next optimizer step) and the version is still the weights
+    as they were at the call, byte for byte; versions are written in the order called,
+    and a failed write is the future's error (the next version is whole again)."""
+    w = weights()
+    sender, receiver, engine = DeltaSender(uri, dtype=dtype, keyframe_every=0), DeltaReceiver(uri), Engine()
+    wire = getattr(torch, dtype)
+    expected = []
+    futures = []
+    for version in range(1, 4):
+        futures.append(sender.publish_in_background(version, w.items()))
+        expected.append({k: v.clone() for k, v in w.items()})
+        perturb(w, 0.5, seed=version, names=("layers.0.w", "layers.1.w"))  # at once, while it encodes
+        for t in w.values():
+            if t.is_floating_point():
+                t.mul_(1.001)
+    stats = [f.result(timeout=60) for f in futures]
+    assert [s["sync_version"] for s in stats] == [1.0, 2.0, 3.0] and all(s["sync_snapshot_s"] >= 0 for s in stats)
+    for version, want in enumerate(expected, start=1):
+        receiver.sync(engine, version)
+        assert same(engine, want, dtype=wire), version
+
+    # A version older than the last: refused by publish, raised by the future.
+    with pytest.raises(ValueError, match="not newer"):
+        sender.publish_in_background(2, w.items()).result(timeout=60)
+    sender.publish_in_background(4, w.items()).result(timeout=60)
+    receiver.sync(engine, 4)
+    assert same(engine, w, dtype=wire)

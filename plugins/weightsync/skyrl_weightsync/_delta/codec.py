@@ -219,6 +219,24 @@ def to_bytes(tensor: Any, dtype: str, name: str = "") -> tuple[np.ndarray, str, 
     return raw, name, shape
 
 
+def snapshot_tensor(tensor: Any, dtype: str, name: str = "") -> Any:
+    """A copy of ``tensor`` in host memory, in the wire dtype :func:`to_bytes` would send
+    (one copy: a conversion or a device-to-host move is that copy)."""
+    import torch
+
+    t = tensor.detach()
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and "@" not in name:
+        wire = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+        converted = t.to(wire)
+        copied = converted.data_ptr() != t.data_ptr() or t.numel() == 0
+        t = converted
+    else:
+        copied = False
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    return t.contiguous() if copied else t.clone(memory_format=torch.contiguous_format)
+
+
 def from_bytes(buf: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     import torch
 

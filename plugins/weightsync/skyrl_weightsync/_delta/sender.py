@@ -4,14 +4,23 @@ the bytes it last published and writes payloads, manifest and ``LATEST``."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 import zstandard
 
-from .codec import (SPARSE_MAX_FRACTION, checksum, scan, scan_buffers, sparse_blob, surely_dense, to_bytes,
-                    xor_payload)
+from .codec import (
+    SPARSE_MAX_FRACTION,
+    checksum,
+    scan,
+    scan_buffers,
+    snapshot_tensor,
+    sparse_blob,
+    surely_dense,
+    to_bytes,
+    xor_payload,
+)
 from .store import FORMAT, PayloadWrites, Store, parts_of, version_dir
 
 
@@ -32,6 +41,7 @@ class DeltaSender:
         self._bufs = scan_buffers()
         self._dense = np.empty(0, np.uint8)
         self._pool: ThreadPoolExecutor | None = None
+        self._encoder: ThreadPoolExecutor | None = None  # publish_in_background's one thread
 
     def _dense_buffer(self, n: int) -> np.ndarray:
         if self._dense.size < n:
@@ -56,6 +66,20 @@ class DeltaSender:
         np.copyto(last, src)
         words = xor[: n - n % 2].view(np.uint16)
         return payload, "xor", int(np.count_nonzero(words)) + int(n % 2 == 1 and xor[-1] != 0)
+
+    def publish_in_background(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> Future:
+        """Take a snapshot of the tensors now (a copy in the wire dtype, in host memory:
+        the caller may change them as soon as this returns) and :meth:`publish` it in a
+        thread of the sender's own; the future's result is publish's metrics plus
+        ``sync_snapshot_s`` (the time the caller was held), its exception publish's. Calls
+        publish in the order made. The price: one more copy of the weights in host memory
+        while a version is encoded."""
+        t0 = time.perf_counter()
+        snapshot = [(name, snapshot_tensor(tensor, self.dtype, name)) for name, tensor in named_tensors]
+        held = time.perf_counter() - t0
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(1, thread_name_prefix="delta-encode")
+        return self._encoder.submit(lambda: {**self.publish(version, snapshot), "sync_snapshot_s": held})
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> dict[str, float]:
         version = int(version)

@@ -4,6 +4,7 @@ a :class:`DeltaSender` and a :class:`DeltaReceiver` over one URL."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
 from skyrl_host.contracts import receives_in_workers, shares_trainer_tensors
@@ -25,6 +26,8 @@ class Delta:
         self._sender: DeltaSender | None = None
         self._receiver: DeltaReceiver | None = None
         self._prefetching: int | None = None  # the version stage() is fetching
+        self._staging: tuple[int, Future] | None = None  # (version, its write then fetch), from stage()
+        self._background: ThreadPoolExecutor | None = None
 
     def sender(self, **_context: Any) -> DeltaSender:
         c = self.config
@@ -41,8 +44,10 @@ class Delta:
         return stats
 
     def stage(self, backend: Any, engine: Any, version: int, prefetch: bool = True) -> dict[str, float]:
-        """StagedTransport: publish ``version``, and start fetching and verifying it in a
-        background thread while the engine keeps generating (``commit`` applies it)."""
+        """StagedTransport: take ``version`` from the backend (a snapshot), then publish it
+        and fetch and verify it in background threads while the trainer trains on and the
+        engine keeps generating (``commit`` applies it). ``prefetch=False``: publish now,
+        in this thread, and fetch nothing (:meth:`publish` receives next)."""
         if shares_trainer_tensors(engine, backend) and self.config.dtype != _param_dtype(backend):
             raise ValueError(
                 f"the delta transport ships weights as {self.config.dtype}, but the engine shares the trainer's "
@@ -51,22 +56,40 @@ class Delta:
             )
         if self._sender is None:
             self._sender, self._receiver = self.sender(), self.receiver()
-        stats = dict(self._sender.publish(version, weights_to_serve(backend)))
-        if prefetch and receives_in_workers(engine):  # the workers fetch it themselves, still generating
+        if not prefetch:  # publish(): written before the receive that follows
+            return dict(self._sender.publish(version, weights_to_serve(backend)))
+        # Staged: a snapshot now; encoding, writing and fetching run in the background while
+        # the trainer trains on and the engine generates. commit() waits for them.
+        t0 = time.perf_counter()
+        written = self._sender.publish_in_background(version, weights_to_serve(backend))
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="delta-stage")
+        self._staging = (version, self._background.submit(self._fetch_when_written, written, engine, version))
+        return {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
+
+    def _fetch_when_written(self, written: Future, engine: Any, version: int) -> dict[str, float]:
+        stats = dict(written.result())
+        if receives_in_workers(engine):  # the workers fetch it themselves, still generating
             engine.fetch_in_workers(self._receiver.worker_recipe(), version)
-        elif prefetch:
-            self._receiver.prefetch(version)
+        else:
+            self._receiver.fetch(version)
             self._prefetching = version
         return stats
 
     def commit(self, engine: Any, version: int) -> dict[str, float]:
-        """Apply the staged ``version``: only the apply pauses the engine (``sync_pause_s``)."""
+        """Apply the staged ``version``, once written and fetched: the engine pauses for
+        what of that is left and the apply (``sync_pause_s``). Returns the writing's
+        metrics and the receiving's."""
         t0 = time.perf_counter()
+        stats: dict[str, float] = {}
+        if self._staging is not None and self._staging[0] == version:
+            staging, self._staging = self._staging[1], None
+            stats.update(staging.result())  # the sender's or the fetch's error, raised here
         if self._prefetching == version:
             self._prefetching = None
-            stats = self._receiver.apply(engine)
+            stats.update(self._receiver.apply(engine))
         else:  # an engine whose workers receive weights themselves: they fetched it (or fetch it now), then apply
-            stats = self._receiver.sync(engine, version)
+            stats.update(self._receiver.sync(engine, version))
         stats["sync_pause_s"] = time.perf_counter() - t0
         return stats
 

@@ -60,8 +60,10 @@ def test_async_trains_each_step_on_weights_k_versions_old(skyrl_cli, skyrl_tiny_
     assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4
 
 
-def test_async_delta_sends_and_fetches_while_generating(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
-    """With the delta transport the trainer writes version v and the receiver fetches and
+@pytest.mark.parametrize("background", ["off", "on"])
+def test_async_delta_sends_and_fetches_while_generating(skyrl_cli, skyrl_tiny_rl_job, tmp_path, background) -> None:
+    """With the delta transport the trainer writes version v (``background = "on"``: from
+    a snapshot, in the sender's thread, while it trains on) and the receiver fetches and
     verifies it while the engine generates; the pause is the apply alone. Lossless
     float32 deltas: the same run as handing the tensors over in-process."""
     inproc_path, inproc_out = write_job(skyrl_tiny_rl_job, tmp_path, "inproc", steps=5, mode="async")
@@ -71,6 +73,7 @@ def test_async_delta_sends_and_fetches_while_generating(skyrl_cli, skyrl_tiny_rl
 transport = "delta"
 uri = "{(tmp_path / 'versions').as_uri()}"
 dtype = "float32"
+background = "{background}"
 """)
     for path in (inproc_path, delta_path):
         result = skyrl_cli("run", str(path))
@@ -82,6 +85,11 @@ dtype = "float32"
     # the pause) between two rollouts while the trainer trains on; row v + 1 reports it.
     # The last version is written, never applied (no rollout needs it).
     assert "sync_applied" not in rows[0] and [r["sync_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    if background == "on":  # the trainer was held for the snapshot; the writing is reported with the apply
+        assert all(r["sync_snapshot_s"] > 0 for r in rows) and "sync_bytes" not in rows[0]
+        assert all(r["sync_bytes"] > 0 for r in rows[1:])
+    else:
+        assert all(r["sync_bytes"] > 0 and "sync_snapshot_s" not in r for r in rows)
     for r in rows[1:]:
         assert r["sync_applied"] == 1.0 and "sync_fetch_s" not in r
         assert 0.0 < r["sync_pause_s"] and r["sync_apply_s"] <= r["sync_pause_s"]

@@ -284,23 +284,24 @@ class BackendWorker:
 
     def publish_staged(self, version: int) -> Mapping[str, float]:
         """Async RL's staged hand-over, for a transport that writes where the engines read
-        (delta): the weights as ``publish`` takes them, written by the sender in a thread
-        of its own (``publish_in_background``) while this actor trains on; returns at
-        once. :meth:`staged_result` waits for the writing."""
+        (delta): the weights as ``publish`` takes them, written now or, when the transport
+        says so (``writes_in_background``), by the sender in a thread of its own while this
+        actor trains on (it returns at once). :meth:`staged_result` waits for the writing."""
         serving = self.backend.serving_weights if has(self.backend, QuantizedServing) else None
         weights = serving() if serving is not None else self.backend.named_weights()
         if self.sender is None:
             for _ in weights:  # take part in the gather; rank 0 publishes
                 pass
             return {}
-        t0 = time.perf_counter()
-        if hasattr(self.sender, "publish_in_background"):
+        if hasattr(self.sender, "publish_in_background") and self.transport.writes_in_background(self.backend):
+            t0 = time.perf_counter()
             self._staged[version] = self.sender.publish_in_background(version, weights)
-        else:  # written now
-            done: Future = Future()
-            done.set_result(self.sender.publish(version, weights))
-            self._staged[version] = done
-        return {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
+            return {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
+        stats = dict(self.sender.publish(version, weights))  # written now
+        done: Future = Future()
+        done.set_result({})
+        self._staged[version] = done
+        return stats
 
     def staged_result(self, version: int) -> Mapping[str, float]:
         """The writing's metrics once ``version`` (from :meth:`publish_staged`) is written;

@@ -25,14 +25,15 @@ def run(skyrl_cli, make_job, tmp_path, name: str, weight_sync: dict, steps: int 
     return made.rows()
 
 
-def delta(tmp_path, name: str) -> dict:
-    return {"transport": "delta", "uri": f"file://{tmp_path}/{name}_weights", "dtype": "float32"}
+def delta(tmp_path, name: str, **options) -> dict:
+    return {"transport": "delta", "uri": f"file://{tmp_path}/{name}_weights", "dtype": "float32", **options}
 
 
 def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job,
                                                                  tmp_path) -> None:
-    rows = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "async1", delta(tmp_path, "async1"), steps=5, mode="async",
-               max_staleness=1)
+    # Written in the backend actor's background (auto would write in the foreground on CPU).
+    rows = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "async1", delta(tmp_path, "async1", background="on"), steps=5,
+               mode="async", max_staleness=1)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["weight_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0, 3.0]  # max(0, t - 2)
     assert [r["staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
@@ -95,8 +96,8 @@ def test_async_ray_with_nixl_stages_every_ranks_shards_while_the_engine_generate
     for r in rows[1:]:  # version t - 1 read and applied between two rollouts: only that pauses
         assert r["sync_bytes"] > 0 and r["sync_read_s"] + r["sync_apply_s"] <= r["sync_pause_s"]
     assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4
-    want = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "delta", delta(tmp_path, "delta"), steps=5, mode="async",
-               max_staleness=1)
+    want = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "delta", delta(tmp_path, "delta", background="on"), steps=5,
+               mode="async", max_staleness=1)
     assert [learning_metrics(r) for r in rows] == [learning_metrics(r) for r in want]
 
 

@@ -82,6 +82,10 @@ class DeltaConfig:
     keyframe_every: int = option(20, help="write a full version every N versions (0: only when needed)", validator=ge(0))
     level: int = option(1, help="zstd compression level", validator=in_interval(-7, 22))
     threads: int = option(2, help="zstd compression threads", validator=ge(0))
+    background: Literal["auto", "on", "off"] = option(
+        "auto", help="async RL's staged hand-over: encode and write each version in a thread of the sender's own "
+        "while the trainer trains on (a second host copy of the weights meanwhile); auto: when the trainer computes "
+        "on an accelerator (on CPU the thread would take the trainer's own cores)")
 
 
 def check(spec: Any) -> list[tuple[str, str]]:

@@ -29,6 +29,12 @@ class Delta:
         self._staging: tuple[int, Future] | None = None  # (version, its write then fetch), from stage()
         self._background: ThreadPoolExecutor | None = None
 
+    def writes_in_background(self, backend: Any) -> bool:
+        """``background``: on, off, or (auto) when the trainer computes on an accelerator."""
+        if self.config.background != "auto":
+            return self.config.background == "on"
+        return str(getattr(backend, "device", "cpu")).split(":")[0] != "cpu"
+
     def sender(self, **_context: Any) -> DeltaSender:
         c = self.config
         return DeltaSender(c.uri, storage_options=c.storage_options, dtype=c.dtype,
@@ -44,10 +50,11 @@ class Delta:
         return stats
 
     def stage(self, backend: Any, engine: Any, version: int, prefetch: bool = True) -> dict[str, float]:
-        """StagedTransport: take ``version`` from the backend (a snapshot), then publish it
-        and fetch and verify it in background threads while the trainer trains on and the
-        engine keeps generating (``commit`` applies it). ``prefetch=False``: publish now,
-        in this thread, and fetch nothing (:meth:`publish` receives next)."""
+        """StagedTransport: publish ``version`` and fetch and verify it in a background
+        thread while the engine keeps generating (``commit`` applies it); with
+        ``background`` the publish too, from a snapshot, while the trainer trains on.
+        ``prefetch=False``: publish now, in this thread, and fetch nothing (:meth:`publish`
+        receives next)."""
         if shares_trainer_tensors(engine, backend) and self.config.dtype != _param_dtype(backend):
             raise ValueError(
                 f"the delta transport ships weights as {self.config.dtype}, but the engine shares the trainer's "
@@ -58,8 +65,16 @@ class Delta:
             self._sender, self._receiver = self.sender(), self.receiver()
         if not prefetch:  # publish(): written before the receive that follows
             return dict(self._sender.publish(version, weights_to_serve(backend)))
-        # Staged: a snapshot now; encoding, writing and fetching run in the background while
-        # the trainer trains on and the engine generates. commit() waits for them.
+        if not self.writes_in_background(backend):  # written now; fetched while the engine generates
+            stats = dict(self._sender.publish(version, weights_to_serve(backend)))
+            if receives_in_workers(engine):  # the workers fetch it themselves, still generating
+                engine.fetch_in_workers(self._receiver.worker_recipe(), version)
+            else:
+                self._receiver.prefetch(version)
+                self._prefetching = version
+            return stats
+        # In the background: a snapshot now; encoding, writing and fetching run in threads
+        # while the trainer trains on and the engine generates. commit() waits for them.
         t0 = time.perf_counter()
         written = self._sender.publish_in_background(version, weights_to_serve(backend))
         if self._background is None:

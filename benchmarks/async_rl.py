@@ -13,13 +13,15 @@ The job is the quickstart's task (examples/quickstart.toml: the tiny Qwen3 prese
 learning reverse_digits of 3-5 digits with GRPO, lr 5e-4) at 8 prompts x 8
 samples and max_new_tokens = 16, chosen because there, on one core each, the engine's
 generation and the backend's training step cost about the same (``balance``: seconds per
-step of each, measured in the sync runs: 0.078 s and 0.082 s on a 2-core machine). That
-is where overlapping them can pay most: ``ideal_ratio`` = sync step time / max(gen, train)
-(about 2.4x there, the sync step also scoring, publishing and moving batches); the issue's
-goal is >= 1.6x at k = 1. With both cores busy the driver process (tokenizing, scoring,
-Ray's transfers) and Ray's own daemons compete with the actors, and each async step still
-holds the trainer for the delta publish and the engine's fetch + apply.
-As the policy learns to stop, responses shorten (about 11 -> 7 tokens) and generation
+step of each, measured in the sync runs: 0.078 s and 0.082 s on the 2-core machine of
+2026-12-02, 0.040 s and 0.050 s on that of 2026-12-05). That is where overlapping them can
+pay most: ``ideal_ratio`` = sync step time / max(gen, train) (2.0-2.4x, the sync step
+also scoring, publishing and moving batches); the issue's goal is >= 1.6x at k = 1. With
+both cores busy the driver process (tokenizing, scoring, Ray's transfers) and Ray's own
+daemons compete with the actors, and each async step still holds the trainer for the
+delta publish (the engine's fetch + apply run in the driver's rollout thread, between
+two generate calls, while the trainer trains on).
+As the policy learns to stop, responses shorten (about 11 -> 5 tokens) and generation
 gets cheaper, so the balance drifts toward training over a run. The quickstart's own
 batch (``--batch-size 32 --n-samples 16 --max-new-tokens 7``) is training-bound (about
 0.16 s of generation to 0.49 s of training), which caps what overlap can gain at about
@@ -32,7 +34,9 @@ Per run, over the steps that ended within ``--budget`` seconds of the first step
 fraction (1 - seconds inside the engine's ``generate`` / wall-clock, alike for both modes)
 and each step's reward_mean against wall-clock and against the step. ``reward`` compares
 the learning curves over the steps both modes reached: the mean reward of each mode over
-the last quarter of them, per seed.
+the last quarter of them, per seed. ``steps_per_s_ratio_per_seed``: each seed's async run
+against the same seed's sync run (run next to each other). ``--keep DIR`` keeps the runs'
+folders (metrics.jsonl per run) for a closer look.
 Repeat r runs every mode with seed ``--seed + r``, so the spread across repeats is the
 seed noise a curve has. The plot (``--plot``): reward (25-step moving mean) vs wall-clock
 and vs step, one line per mode and seed, in docs/images/async_rl.png.

@@ -65,22 +65,19 @@ class Delta:
             self._sender, self._receiver = self.sender(), self.receiver()
         if not prefetch:  # publish(): written before the receive that follows
             return dict(self._sender.publish(version, weights_to_serve(backend)))
-        if not self.writes_in_background(backend):  # written now; fetched while the engine generates
+        if self.writes_in_background(backend):  # a snapshot now; encoded and written while the trainer trains on
+            t0 = time.perf_counter()
+            written = self._sender.publish_in_background(version, weights_to_serve(backend))
+            stats = {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
+        else:  # written now
             stats = dict(self._sender.publish(version, weights_to_serve(backend)))
-            if receives_in_workers(engine):  # the workers fetch it themselves, still generating
-                engine.fetch_in_workers(self._receiver.worker_recipe(), version)
-            else:
-                self._receiver.prefetch(version)
-                self._prefetching = version
-            return stats
-        # In the background: a snapshot now; encoding, writing and fetching run in threads
-        # while the trainer trains on and the engine generates. commit() waits for them.
-        t0 = time.perf_counter()
-        written = self._sender.publish_in_background(version, weights_to_serve(backend))
+            written = Future()
+            written.set_result({})
+        # Fetched (and verified) in the background while the engine generates; commit() waits for it.
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="delta-stage")
         self._staging = (version, self._background.submit(self._fetch_when_written, written, engine, version))
-        return {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
+        return stats
 
     def _fetch_when_written(self, written: Future, engine: Any, version: int) -> dict[str, float]:
         stats = dict(written.result())

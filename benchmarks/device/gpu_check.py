@@ -1,6 +1,6 @@
 """GPU placement check (issue 13): the quickstart with the engine and the backend on CUDA,
 a tiny MoE job with routing replay + support replay on CUDA, FSDP2 over one GPU, a
-delta sync. Prints one JSON object; exits 2 at once when there is no CUDA device.
+delta sync, async RL with the delta written in the background. Prints one JSON object; exits 2 at once when there is no CUDA device.
 
     bash benchmarks/device/gpu_check.sh          # on a machine with one GPU (an H200: < 8 minutes)
 
@@ -22,13 +22,19 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA = ["engine.device=\"cuda\"", "backend.device=\"cuda\""]
+DELTA = ["weight_sync.transport=\"delta\"", "weight_sync.uri=\"file://{out}_weights\"", "weight_sync.dtype=\"float32\""]  # {out}: the check's folder
 CHECKS = {
     "quickstart_cuda": ("examples/quickstart.toml", ["job.steps=200", *CUDA]),
     "moe_r3_support_cuda": ("examples/replay_ablation.toml", ["job.steps=20", *CUDA]),
     "fsdp2_one_gpu": ("examples/quickstart.toml",
                       ["job.steps=20", *CUDA, "backend.data_parallel=\"fsdp2\"", "cluster.launcher=\"ray\"",
                        "weight_sync.transport=\"broadcast\""]),
-    "delta_sync_cuda": ("examples/quickstart.toml", ["job.steps=20", *CUDA, "weight_sync.transport=\"delta\""]),
+    "delta_sync_cuda": ("examples/quickstart.toml", ["job.steps=20", *CUDA, *DELTA]),
+    # Async RL on CUDA: delta's background = "auto" writes each version in the sender's thread
+    # (sync_snapshot_s in the summary) while the trainer trains on; the rollout thread commits.
+    "async_delta_background_cuda": ("examples/quickstart.toml",
+                                    ["job.steps=40", *CUDA, *DELTA, "job.mode=\"async\"",
+                                     "job.max_staleness=1", "engine.share_weights=false"]),
 }
 KEYS = ("reward", "time", "_s", "tokens", "gap", "sync")
 
@@ -49,7 +55,7 @@ def run_check(name: str, job: str, sets: list[str], work: pathlib.Path, timeout:
     cmd = [str(skyrl), "run", str(ROOT / job), "--overwrite",
            "--set", f"job.output_dir=\"{out_dir}\""]
     for s in sets:
-        cmd += ["--set", s]
+        cmd += ["--set", s.replace("{out}", str(out_dir))]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -63,7 +63,9 @@ class RolloutPipeline:
     ``rollout(step)`` returns whatever the trainer consumes (a tuple); ``saved`` maps
     steps to rollouts restored from a checkpoint (generated before the resume);
     ``on_start()`` runs first in the thread (per-thread settings, e.g. torch's thread count,
-    which a new thread does not inherit)."""
+    which a new thread does not inherit); ``commit(version)``: the engines' half of a staged
+    version, which the thread then runs before the first rollout that needs it (the trainer
+    calls :meth:`hand_over` instead of :meth:`publish`)."""
 
     def __init__(
         self, rollout: Callable[[int], Any], *, first: int, last: int, max_staleness: int, version: int,

@@ -1,7 +1,8 @@
 """The torch backend's train step vs a padded Hugging Face forward + backward, on a real-shaped checkpoint.
 
     python benchmarks/train_step.py [--sequences 12] [--repeats 3] [--threads 2]
-                                    [--micro-batch-tokens 4096] [--checkpoint DIR]
+                                    [--micro-batch-tokens 4096] [--checkpoint DIR] [--flat-rows MODE]
+    python benchmarks/train_step.py --kind tiny --sequences 64 --threads 1 --repeats 15
 
 The model: ``skyrl_models.checkpoints.build_checkpoint(DIR, "qwen3")``: Qwen3-0.6B's
 widths (hidden 1024, 16 heads x 128, 8 KV heads, FFN 3072, tied embeddings, a byte-level
@@ -11,7 +12,9 @@ a temporary folder unless ``--checkpoint`` names one already built).
 The batch is RL-shaped: ``--sequences`` sequences, prompts of 128-512 tokens (uniform),
 responses of 16-1024 tokens (log-normal around 300, capped at 1024 as a length limit
 would: a long tail, some at the cap), the loss on the response tokens, one advantage per
-sequence.
+sequence. ``--kind tiny``: the quickstart's 165k-parameter Qwen3 (``[model] preset = "tiny"``)
+on sequences like the quickstart's (prompts of 5-7 tokens, responses of 2-16), where the
+step costs tens of milliseconds and layout overheads show.
 
 Two run kinds, alternating A B A B (one warm-up round first, not timed), each training its
 own copy of the same initial model with AdamW (lr 1e-6), clipping at 1.0, float32, the same
@@ -55,12 +58,15 @@ from skyrl_host.rollout import RolloutBatch
 LR = 1e-6
 
 
-def rl_batch(n: int, vocab: int, seed: int = 0) -> tuple[RolloutBatch, np.ndarray]:
+def rl_batch(n: int, vocab: int, seed: int = 0, short: bool = False) -> tuple[RolloutBatch, np.ndarray]:
     rng = np.random.default_rng(seed)
     prompts, responses, lps = [], [], []
     for _ in range(n):
-        p = int(rng.integers(128, 513))
-        r = int(min(1024, max(16, rng.lognormal(np.log(300.0), 0.8))))
+        if short:  # the quickstart's: a 3-5 digit prompt with its ":" and BOS, up to 16 new tokens
+            p, r = int(rng.integers(5, 8)), int(rng.integers(2, 17))
+        else:
+            p = int(rng.integers(128, 513))
+            r = int(min(1024, max(16, rng.lognormal(np.log(300.0), 0.8))))
         prompts.append(rng.integers(3, vocab, p).tolist())
         responses.append(rng.integers(3, vocab, r).tolist())
         lps.append((-3.0 + 0.1 * rng.standard_normal(r)).tolist())
@@ -158,8 +164,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
-    ap.add_argument("--kind", default="qwen3", choices=("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3"),
-                    help="the real-shaped checkpoint's kind (build_checkpoint): dense Qwen3 or a MoE one")
+    ap.add_argument("--kind", default="qwen3", choices=("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "tiny"),
+                    help="the real-shaped checkpoint's kind (build_checkpoint): dense Qwen3 or a MoE one; or 'tiny': "
+                    "the quickstart's 165k-parameter Qwen3 preset on quickstart-shaped sequences (7-23 tokens; "
+                    "use --sequences 64 --threads 1, the async benchmark's batch and threads)")
+    ap.add_argument("--flat-rows", default="auto", choices=("auto", "long", "always", "never"),
+                    help="ours: the torch backend's [backend] flat_rows")
     ap.add_argument("--checkpoint", default=None, help="a folder build_checkpoint(..., KIND) wrote (default: build one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -168,18 +178,24 @@ def main() -> None:
 
     tmp = None
     path = args.checkpoint
-    if path is None or not os.path.isdir(path):
+    if args.kind == "tiny":
+        from skyrl_models.qwen import QwenConfig, make_family
+
+        base = make_family(QwenConfig(preset="tiny")).load(alphabet="0123456789", seed=0).model
+    elif path is None or not os.path.isdir(path):
         from skyrl_models.checkpoints import build_checkpoint
 
         if path is None:
             tmp = tempfile.TemporaryDirectory(prefix="skyrl-train-step-")
             path = tmp.name
         build_checkpoint(path, args.kind)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if args.kind != "tiny":
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     vocab = base.config.vocab_size
-    batch, adv = rl_batch(args.sequences, vocab)
+    batch, adv = rl_batch(args.sequences, vocab, short=args.kind == "tiny")
 
-    be = create(TorchBackendConfig(lr=LR, micro_batch_tokens=args.micro_batch_tokens, device="cpu"))
+    be = create(TorchBackendConfig(lr=LR, micro_batch_tokens=args.micro_batch_tokens, device="cpu",
+                                   flat_rows=args.flat_rows))
     be.start(LoadedModel(model=copy.deepcopy(base), tokenizer=None, stop_token_ids=[base.config.eos_token_id]),
              seed=0, total_steps=100, reference=False)
     algo = PolicyGradient()
@@ -212,8 +228,10 @@ def main() -> None:
     padded_tokens = sum(int(ids.numel()) for ids, *_ in padded.micros)
     out = {
         "config": {
-            "model": "%s real-shaped (2 layers, vocab %d), float32, sdpa" % (args.kind, vocab),
-            "flat_rows": str(be._segment_attention),
+            "model": (f"the quickstart's tiny Qwen3 (vocab {vocab}), float32, sdpa" if args.kind == "tiny"
+                      else f"{args.kind} real-shaped (2 layers, vocab {vocab}), float32, sdpa"),
+            "flat_rows": args.flat_rows, "flat_row_mode": str(be._segment_attention),
+            "flat_micro_batches": sum("skyrl_segments" in mb.model_kwargs for mini in be._plan(batch, adv) for mb in mini),
             "sequences": args.sequences, "tokens": batch.n_tokens, "loss_tokens": padded.n_loss,
             "seq_len_range": [int(batch.seq_lens.min()), int(batch.seq_lens.max())],
             "padded_tokens": padded_tokens, "padded_micro_batches": len(padded.micros),

@@ -50,17 +50,18 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     ``[count, H, length, D]`` views (no mask); returns ``[1, N, Hq, D]``."""
     segments: Segments = kwargs[SEGMENTS_KEY]
     gqa = query.shape[1] != key.shape[1]
+    sizes = [count * length for _, count, length in segments.groups]
+    # One split of each flat row (its backward: one cat), not a slice per group: the backward
+    # of ``x[0, :, a:b]`` is a zero tensor of x's whole size with the slice's gradient added
+    # in, so a slice per group cost a full-size fill and add per group and tensor.
+    q, k, v = (x[0].split(sizes, dim=1) for x in (query, key, value))
     outs = []
-    for offset, count, length in segments.groups:
-        n = count * length
-
-        def part(x: torch.Tensor) -> torch.Tensor:
-            return x[0, :, offset:offset + n].unflatten(1, (count, length)).transpose(0, 1)
-
+    for (_, count, length), *qkv in zip(segments.groups, q, k, v):
+        qg, kg, vg = (x.unflatten(1, (count, length)).transpose(0, 1) for x in qkv)  # [H, n, D] -> [count, H, L, D]
         o = torch.nn.functional.scaled_dot_product_attention(
-            part(query), part(key), part(value), dropout_p=dropout, scale=scaling, is_causal=length > 1, enable_gqa=gqa,
+            qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=length > 1, enable_gqa=gqa,
         )
-        outs.append(o.transpose(1, 2).reshape(n, o.shape[1], o.shape[-1]))  # [count, H, L, D] -> [count * L, H, D]
+        outs.append(o.transpose(1, 2).reshape(count * length, o.shape[1], o.shape[-1]))  # [count, H, L, D] -> [count * L, H, D]
     return torch.cat(outs).unsqueeze(0), None
 
 
@@ -272,11 +273,12 @@ def layout_flat(seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, Segments]
 
 def plan_mini_batches(
     batch: Any, advantages: np.ndarray, *, mini_batches: int, micro_batch_tokens: int, pack_length: int,
-    device: torch.device, segment_attention: str | bool = False,
+    device: torch.device, segment_attention: str | bool = False, flat_always: bool = False,
 ) -> list[list[MicroBatch]]:
     """The mini-batches of ``batch`` (this rank's share), each a list of packed
     micro-batches on ``device``. ``segment_attention``: a micro-batch with a sequence
-    longer than ``pack_length`` becomes one flat row with per-sequence attention."""
+    longer than ``pack_length`` (with ``flat_always``: every micro-batch) becomes one
+    flat row with per-sequence attention."""
     lens = batch.seq_lens
     positions = batch.positions()
     trains = (np.asarray(batch.loss_mask) != 0) & (positions > 0)  # a sequence's first token has no context
@@ -295,7 +297,7 @@ def plan_mini_batches(
                                 np.asarray(batch.logprobs)[idx[local]], seq_ids,
                                 int(len(np.unique(owner))), len(group), pack_length=pack_length, device=device,
                                 token_index=idx,
-                                segment_attention=segment_attention if int(lens[group].max()) > pack_length else False)
+                                segment_attention=segment_attention if flat_always or int(lens[group].max()) > pack_length else False)
             micro.batch_idx = idx[local]
             micro.batch = batch
             micros.append(micro)

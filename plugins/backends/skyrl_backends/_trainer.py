@@ -49,7 +49,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._one_sequence_per_row = False  # set by start() for models with recurrent layers
-        self._segment_attention = False  # set by start(): long sequences in flat rows, attention per sequence
+        self._segment_attention = False  # set by start(): micro-batches in flat rows, attention per sequence (flat_rows)
         self.replay: list[Any] = []  # ReplayStrategy objects (start(replay=...))
         self._scorer_strategy: Any = None  # the one that scores tokens (support), if any
         self._ddp: Any = None
@@ -100,6 +100,8 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
             code = {False: 0, "built": 1, "prepared": 2}[segments]
             flag = self._all_reduce(torch.tensor([code], dtype=torch.int64), dist.ReduceOp.MIN)
             segments = {0: False, 1: "built", 2: "prepared"}[int(flag[0])]
+        if getattr(cfg, "flat_rows", "long") == "never":
+            segments = False
         self._segment_attention = segments
         if reference and self.lora is None:
             ref = copy.deepcopy(model)
@@ -194,7 +196,18 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         cfg = self.config
         return plan_mini_batches(batch, advantages, mini_batches=cfg.mini_batches,
                                  micro_batch_tokens=cfg.micro_batch_tokens, pack_length=self._pack_length,
-                                 device=self.device, segment_attention=self._segment_attention)
+                                 device=self.device, segment_attention=self._segment_attention,
+                                 flat_always=self._flat_always)
+
+    @property
+    def _flat_always(self) -> bool:
+        """Every micro-batch in one flat row (``flat_rows``), not only those with a sequence
+        longer than ``pack_length``: on a CPU per-sequence attention beats shared rows at
+        every length measured (docs/backends.md)."""
+        mode = getattr(self.config, "flat_rows", "long")
+        if mode == "auto":
+            return self.device.type == "cpu"
+        return mode == "always"
 
     def _dummy(self) -> MicroBatch:
         """An empty micro-batch (one token, no loss): keeps the ranks' collectives in step."""

@@ -31,6 +31,13 @@ class TorchBackendConfig(TrainerOptions):
     data_parallel: Literal["none", "ddp", "fsdp2"] = option(
         "none", help="'ddp' or 'fsdp2' across the processes of an initialised torch.distributed group"
     )
+    flat_rows: Literal["auto", "long", "always", "never"] = option(
+        "auto",
+        help="when a micro-batch is laid out as one flat row with attention per sequence (no padding, no mask; "
+        "only on models the start-up probe accepts, else padded rows): 'long' when it holds a sequence longer "
+        "than pack_length, 'always', 'never', or 'auto' (= 'always' when the trainer computes on the CPU, "
+        "'long' on an accelerator)",
+    )
     lora_rank: int = option(
         0, help="LoRA rank: > 0 freezes the base weights and trains low-rank adapters on lora_targets; 0 = full fine-tuning",
         validator=ge(0),

@@ -53,18 +53,31 @@ def test_flat_row_gives_the_padded_rows_numbers(tiny, gradient_checkpointing) ->
         torch.testing.assert_close(flat_g[name], g, atol=1e-5, rtol=0, msg=name)
 
 
-def test_short_sequences_keep_rows_and_eager_attention_keeps_padding(tiny) -> None:
-    """Sequences that fit pack_length stay in shared rows (the quickstart's layout, bit
-    for bit); a model without sdpa attention never gets flat rows."""
+def test_flat_rows_chooses_which_micro_batches_go_flat_and_eager_attention_keeps_padding(tiny) -> None:
+    """``flat_rows``: 'long' keeps sequences that fit pack_length in shared rows (and
+    lays out only a micro-batch with a longer one flat); 'always' and 'auto' on a CPU
+    lay out every micro-batch flat; 'never' keeps rows even for a long sequence; a model
+    without sdpa attention never gets flat rows."""
     batch = tiny.tiny_batch(3, n=10)  # lengths 3-14
     adv = tiny.tiny_advantages(batch)
-    be = tiny.make_backend(pack_length=16)
-    be.start(tiny.loaded(0), seed=0, total_steps=10, reference=False)
-    assert be._segment_attention
-    [[mb]] = be._plan(batch, adv)
-    assert mb.model_kwargs == {} and mb.ids.shape[1] <= 16
+
+    def plan(**opts):
+        be = tiny.make_backend(**opts)
+        be.start(tiny.loaded(0), seed=0, total_steps=10, reference=False)
+        [[mb]] = be._plan(batch, adv)
+        return be, mb
+
+    be, mb = plan(pack_length=16, flat_rows="long")
+    assert be._segment_attention and mb.model_kwargs == {} and mb.ids.shape[1] <= 16  # shared rows
+    be, mb = plan(pack_length=4, flat_rows="long")
+    assert mb.ids.shape == (1, batch.n_tokens) and "skyrl_segments" in mb.model_kwargs  # a sequence over 4: flat
+    for mode in ("always", "auto"):  # the CPU: flat even though every sequence fits pack_length
+        be, mb = plan(pack_length=16, flat_rows=mode)
+        assert mb.ids.shape == (1, batch.n_tokens) and "skyrl_segments" in mb.model_kwargs, mode
+    be, mb = plan(pack_length=4, flat_rows="never")
+    assert not be._segment_attention and mb.model_kwargs == {} and mb.ids.numel() > batch.n_tokens  # padded rows
     assert not segment_attention_supported(tiny.tiny_model(0, attn="eager"), torch.device("cpu"))
-    be = tiny.make_backend(pack_length=4)
+    be = tiny.make_backend(pack_length=4, flat_rows="always")
     be.start(tiny.loaded(0, attn="eager"), seed=0, total_steps=10, reference=False)
     [[mb]] = be._plan(batch, adv)
     assert mb.model_kwargs == {} and mb.ids.shape[0] == batch.n_sequences

@@ -155,12 +155,13 @@ def test_pack_groups_keeps_order_and_whole_sequences() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pack_length_changes_speed_not_results(tiny, dtype) -> None:
     """The same micro-batch in one row or in rows of at most 32 tokens: the same
-    logprobs, loss, metrics, gradients (1e-6 in float32) and update."""
+    logprobs, loss, metrics, gradients (1e-6 in float32) and update. (flat_rows = "long":
+    the padded rows' layouts; "auto" on a CPU lays this batch out as one flat row.)"""
     batch = tiny.tiny_batch(3, n=24)
     adv = tiny.tiny_advantages(batch, seed=4)
     results = []
     for pack_length in (32, 4096):
-        be = start(tiny, micro_batch_tokens=4096, pack_length=pack_length, model_kw={"dtype": dtype})
+        be = start(tiny, micro_batch_tokens=4096, pack_length=pack_length, flat_rows="long", model_kw={"dtype": dtype})
         [(ids, _)] = packed_rows(be, batch, adv)
         grads = capture_grads(be)
         algo = tiny.TokenMean(metrics=True)

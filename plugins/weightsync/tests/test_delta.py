@@ -151,10 +151,69 @@ def test_corrupted_payload_byte_changes_nothing_and_names_the_file(tmp_path) -> 
     data = bytearray(open(payload, "rb").read())
     data[len(data) // 2] ^= 0x10
     open(payload, "wb").write(bytes(data))
-    with pytest.raises(DeltaError, match=rf"version 2: payload file://{tmp_path}/w/e000/v00000002/t00000\.zst \(tensor 'layers\.0\.w'\) fails its checksum"):
+    # The one changed tensor's payload is small: it went in the version's pack object.
+    with pytest.raises(DeltaError, match=rf"version 2: payload file://{tmp_path}/w/e000/v00000002/pack0000\.zst "
+                                         rf"bytes 0-{len(data)} \(tensor 'layers\.0\.w'\) fails its checksum"):
         receiver.sync(engine)
     assert engine.weight_version == 1 and receiver.version == 1 and engine.updates == 1
     assert all(torch.equal(engine.weights[k], before[k]) for k in before)
+
+
+def test_small_payloads_share_pack_objects_and_each_is_checked_on_its_own(tmp_path, monkeypatch) -> None:
+    """Payloads under PACK_BELOW go end to end into pack objects of about PACK_BYTES (one
+    write and one read each); larger ones keep an object of their own. A flipped byte in
+    the second payload of a pack names that tensor and its byte range; a version written
+    without packs (formats 1 and 2) still applies; a pack cut short fails its checksum."""
+    from skyrl_weightsync._delta import sender as sender_module
+    from skyrl_weightsync._delta import store
+
+    uri = f"file://{tmp_path}/w"
+    w = weights()
+    monkeypatch.setattr(sender_module, "PACK_BELOW", 20_000)  # layers.0.w's keyframe (~60 kB) goes alone
+    monkeypatch.setattr(store, "PACK_BYTES", 1)  # a pack per payload: they still share nothing
+    sender, receiver, engine = DeltaSender(uri, keyframe_every=0), DeltaReceiver(uri), Engine()
+    sender.publish(1, w.items())
+    v1 = sorted(os.listdir(f"{tmp_path}/w/e000/v00000001"))
+    assert v1 == ["manifest.json", "pack0000.zst", "pack0001.zst", "pack0002.zst", "t00000.zst"]
+    receiver.sync(engine)
+    assert same(engine, w)
+    monkeypatch.setattr(store, "PACK_BYTES", 8 << 20)
+    for name in ("layers.0.w", "layers.0.b", "layers.1.w"):
+        w[name] += 0.5  # every float tensor changes
+    sender.publish(2, w.items())
+    files = sorted(os.listdir(f"{tmp_path}/w/e000/v00000002"))
+    manifest = json.loads((tmp_path / "w/e000/v00000002/manifest.json").read_text())
+    assert manifest["format"] == 3
+    packed = [e for e in manifest["tensors"] if e.get("payload") == "pack0000.zst"]
+    assert [e["name"] for e in packed] == ["layers.0.b", "layers.1.w"] and "t00000.zst" in files
+    assert [e["payload_offset"] for e in packed] == [0, packed[0]["payload_bytes"]]
+    second = packed[1]
+    path = tmp_path / "w/e000/v00000002/pack0000.zst"
+    good = path.read_bytes()
+    assert len(good) == sum(e["payload_bytes"] for e in packed)
+    bad = bytearray(good)
+    bad[second["payload_offset"] + 3] ^= 0x01
+    path.write_bytes(bytes(bad))
+    a, b = second["payload_offset"], second["payload_offset"] + second["payload_bytes"]
+    with pytest.raises(DeltaError, match=rf"version 2: payload {uri}/e000/v00000002/pack0000\.zst bytes {a}-{b} "
+                                         r"\(tensor 'layers\.1\.w'\) fails its checksum"):
+        receiver.sync(engine)
+    path.write_bytes(good[:-1])  # cut short: the last payload's slice is one byte short
+    with pytest.raises(DeltaError, match=r"pack0000\.zst bytes .* \(tensor 'layers\.1\.w'\) fails its checksum"):
+        receiver.sync(engine)
+    assert engine.weight_version == 1 and receiver.version == 1
+    path.write_bytes(good)
+    receiver.sync(engine)
+    assert engine.weight_version == 2 and same(engine, w)
+    # Without packs (every payload an object of its own, as formats 1 and 2 wrote): the same bytes.
+    monkeypatch.setattr(sender_module, "PACK_BELOW", 0)
+    w["layers.0.b"] -= 0.25
+    sender.publish(3, w.items())
+    manifest = json.loads((tmp_path / "w/e000/v00000003/manifest.json").read_text())
+    assert all("payload_offset" not in e for e in manifest["tensors"])
+    assert sorted(os.listdir(f"{tmp_path}/w/e000/v00000003")) == ["manifest.json", "t00001.zst"]
+    receiver.sync(engine)
+    assert engine.weight_version == 3 and same(engine, w)
 
 
 def test_a_wrong_delta_is_undone(tmp_path) -> None:
@@ -172,7 +231,7 @@ def test_a_wrong_delta_is_undone(tmp_path) -> None:
     manifest = json.loads(open(manifest_path).read())
     manifest["tensors"][2]["result_xxh3"] = "0" * 16  # layers.1.w: applied after layers.0.w
     open(manifest_path, "w").write(json.dumps(manifest))
-    with pytest.raises(DeltaError, match=r"version 2: tensor 'layers\.1\.w' from .*e000/v00000002/t00002\.zst does not give the published bytes"):
+    with pytest.raises(DeltaError, match=r"version 2: tensor 'layers\.1\.w' from .*e000/v00000002/pack0000\.zst does not give the published bytes"):
         receiver.sync(engine)
     assert receiver.version == 1 and engine.weight_version == 1
     # Buffers were restored: a fresh, correct version 3 (a delta on 2) cannot apply, a keyframe can.

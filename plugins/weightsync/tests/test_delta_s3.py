@@ -51,11 +51,12 @@ def test_versions_over_s3(bucket) -> None:
     # A corrupted object on S3 is caught like a file's.
     w["b"] += 1
     sender.publish(4, w.items())
-    path = f"{uri.removeprefix('s3://')}/e000/v00000004/t00001.zst"
+    path = f"{uri.removeprefix('s3://')}/e000/v00000004/pack0000.zst"  # b's small payload went in the pack
     data = bytearray(sender.store.fs.cat_file(path))
     data[-1] ^= 1
     sender.store.fs.pipe_file(path, bytes(data))
-    with pytest.raises(DeltaError, match=rf"version 4: payload {uri}/e000/v00000004/t00001\.zst \(tensor 'b'\) fails its checksum"):
+    with pytest.raises(DeltaError, match=rf"version 4: payload {uri}/e000/v00000004/pack0000\.zst bytes 0-{len(data)} "
+                                         r"\(tensor 'b'\) fails its checksum"):
         receiver.sync(engine)
     assert engine.weight_version == 3
 
@@ -69,6 +70,7 @@ def test_big_tensors_go_as_parts_of_one_put_each(bucket, monkeypatch) -> None:
 
     import zstandard
 
+    from skyrl_weightsync._delta import sender as sender_module
     from skyrl_weightsync._delta import store
 
     # The real part size: even incompressible bytes, or the densest sparse payload, stay one PUT.
@@ -77,6 +79,7 @@ def test_big_tensors_go_as_parts_of_one_put_each(bucket, monkeypatch) -> None:
     assert worst < one_put and 8 + 6 * (store.PART_BYTES // 2) * 0.2 < one_put
 
     monkeypatch.setattr(store, "PART_BYTES", 16 << 10)  # 16 KiB parts: "a" (120,000 bf16 bytes) in 8
+    monkeypatch.setattr(sender_module, "PACK_BELOW", 0)  # (parts this small would share a pack object)
     uri, options = bucket
     g = torch.Generator().manual_seed(1)
     w = {"a": torch.randn(300, 200, generator=g), "b": torch.randn(50, generator=g)}

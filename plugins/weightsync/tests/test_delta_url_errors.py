@@ -135,10 +135,13 @@ def test_bad_storage_options_and_a_url_without_bucket(skyrl_cli, skyrl_tiny_rl_j
                                       "refuses these options: ")
 
 
-def test_writes_refused_midway_leave_no_version(skyrl_s3_server, bucket, auth) -> None:
+def test_writes_refused_midway_leave_no_version(skyrl_s3_server, bucket, auth, monkeypatch) -> None:
     """The first requests pass, then the credentials are refused while payloads are written:
     the publish fails with the user error, no manifest or LATEST names the version, a receiver
     sees none, and the next publish (credentials fixed) is a complete version."""
+    from skyrl_weightsync._delta import store
+
+    monkeypatch.setattr(store, "PACK_BYTES", 1)  # each small payload a pack object of its own: 6 writes
     uri = f"s3://{bucket}/weights"
     options = {"key": "wrong", "secret": "wrong", "client_kwargs": {"endpoint_url": skyrl_s3_server},
                "config_kwargs": FAST}

@@ -17,7 +17,8 @@ Layout under the URL::
     LATEST                          the newest complete version: {"epoch": 1, "version": 12}, written last
     e001/v00000012/manifest.json    version 12: base version, and per tensor name, dtype,
                                     shape, sizes, payload file, checksums
-    e001/v00000012/t00003.zst       one payload per changed tensor (unchanged: no file)
+    e001/v00000012/pack0000.zst     the small payloads (under 1 MiB), end to end, ~8 MiB a pack
+    e001/v00000012/t00003.zst       a larger payload, an object of its own (unchanged: no payload)
 
 An **epoch** is one publisher process: a publisher that starts (a new run, or a resumed
 one that publishes a version again) opens the next epoch with a keyframe, so version
@@ -43,7 +44,8 @@ engine keeps its last complete version.
 Speed (benchmarks/weight_sync.py): the sender reads each tensor's memory in place and
 compares it with its copy of the last version a cache-sized chunk at a time, writing
 back only the changed words (a failed publish XORs its payloads back out); payloads
-are written by threads while the next tensors are encoded, and read by threads.
+are written by threads while the next tensors are encoded, and read by threads; small
+payloads share pack objects (one write and one read for many tensors).
 Big buffers are reused across versions: fresh ones cost page faults.
 
 The modules import each other relatively, so a copy of this package from another

@@ -16,7 +16,7 @@ from skyrl_host.contracts import has
 from skyrl_host.interfaces import WorkerReceiving
 
 from .codec import checksum, fill, from_bytes, sparse_raw, xor_payload, xor_sparse
-from .store import DeltaError, Store, entry_parts, version_dir
+from .store import DeltaError, Store, entry_parts, payload_key, version_dir
 
 
 class DeltaReceiver:
@@ -71,34 +71,50 @@ class DeltaReceiver:
         fetched = []
         for m in self._plan(epoch, target):
             todo = [(e, p) for e in m["tensors"] for p in entry_parts(e) if "payload" in p]
-            if self.store.workers and len(todo) > 1:  # all at once, then the first failure in manifest order
+            files: dict[str, dict] = {}  # each object once (a pack holds many payloads), with its first tensor
+            for e, p in todo:
+                files.setdefault(p["payload"], e)
+            if self.store.workers and len(files) > 1:  # all at once, then the first failure in manifest order
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.store.workers, thread_name_prefix="delta-read")
-                got: Iterable[Any] = list(self._pool.map(lambda ep, m=m: self._read(m, *ep), todo))
+                got: Iterable[Any] = self._pool.map(lambda fe, m=m: self._read(m, *fe), files.items())
             else:
-                got = (self._read(m, e, p) for e, p in todo)
-            payloads: dict[str, bytes] = {}  # by payload file
-            for (_, part), data in zip(todo, got):
+                got = (self._read(m, f, e) for f, e in files.items())
+            objects = dict(zip(files, got))
+            payloads: dict[tuple[str, int], bytes] = {}  # by (object, offset)
+            for entry, part in todo:
+                data = objects[part["payload"]]
                 if isinstance(data, BaseException):
                     raise data
-                payloads[part["payload"]] = data
+                payloads[payload_key(part)] = self._check(m, entry, part, data)
             fetched.append((m, payloads))
         self._fetched = fetched
         return target
 
-    def _read(self, m: dict, entry: dict, part: Mapping[str, Any]) -> bytes | BaseException:
-        """A payload (``part`` of tensor ``entry``), checked against the manifest, or the error to raise."""
-        rel = f"{version_dir(m['epoch'], m['version'])}/{part['payload']}"
+    def _read(self, m: dict, file: str, entry: dict) -> bytes | BaseException:
+        """The object ``file`` of version ``m`` (holding a payload of tensor ``entry``), or the error to raise."""
+        rel = f"{version_dir(m['epoch'], m['version'])}/{file}"
         try:
-            data = self.store.read(rel)
+            return self.store.read(rel)
         except FileNotFoundError:
             return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
                               f"(tensor {entry['name']!r}) is missing")
         except Exception as exc:  # noqa: BLE001 - raised by fetch, in manifest order
             return exc
-        if len(data) != part["payload_bytes"] or checksum(data) != part["payload_xxh3"]:
-            return DeltaError(f"version {m['version']}: payload {self.store.url(rel)} "
-                              f"(tensor {entry['name']!r}) fails its checksum")
+
+    def _check(self, m: dict, entry: dict, part: Mapping[str, Any], data: bytes) -> bytes:
+        """``part``'s payload in the object ``data`` (all of it, or its slice of a pack),
+        checked against the manifest's size and checksum."""
+        url = self.store.url(version_dir(m["epoch"], m["version"]), part["payload"])
+        size = part["payload_bytes"]
+        if "payload_offset" in part:
+            at = part["payload_offset"]
+            if not isinstance(at, int) or at < 0:
+                raise DeltaError(f"version {m['version']}: manifest gives tensor {entry['name']!r} the offset {at!r} "
+                                 f"in {url}")
+            data, url = data[at:at + size], f"{url} bytes {at}-{at + size}"
+        if len(data) != size or checksum(data) != part["payload_xxh3"]:
+            raise DeltaError(f"version {m['version']}: payload {url} (tensor {entry['name']!r}) fails its checksum")
         return data
 
     def prefetch(self, target: int | None = None) -> None:
@@ -143,14 +159,14 @@ class DeltaReceiver:
                         if enc != "full":
                             raise DeltaError(f"version {version}: keyframe tensor {name!r} has encoding {enc!r}")
                         if view.size:
-                            self._decompress_into(payloads[part["payload"]], view, m, entry, part)
+                            self._decompress_into(payloads[payload_key(part)], view, m, entry, part)
                         continue
                     if enc == "unchanged":
                         continue
                     file = self.store.url(version_dir(epoch, version), part.get("payload", "?"))
                     if enc not in ("xor", "sparse_xor"):
                         raise DeltaError(f"version {version}: tensor {name!r} has unknown encoding {enc!r}")
-                    payload = payloads[part["payload"]]
+                    payload = payloads[payload_key(part)]
                     if enc == "xor":
                         xor = self._scratch_buffer(view.size)
                         self._decompress_into(payload, xor, m, entry, part)

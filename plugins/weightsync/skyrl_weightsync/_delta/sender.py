@@ -21,7 +21,7 @@ from .codec import (
     to_bytes,
     xor_payload,
 )
-from .store import FORMAT, PayloadWrites, Store, parts_of, version_dir
+from .store import FORMAT, PACK_BELOW, Packs, PayloadWrites, Store, parts_of, version_dir
 
 
 class DeltaSender:
@@ -101,6 +101,7 @@ class DeltaSender:
         if self.store.workers and self._pool is None:
             self._pool = ThreadPoolExecutor(self.store.workers, thread_name_prefix="delta-write")
         writes = PayloadWrites(self.store, self._pool)
+        packs = Packs(writes, version_dir(epoch, version))
         encoding_into: np.ndarray | None = None
         try:
             for i, (name, tensor) in enumerate(named_tensors):
@@ -137,13 +138,15 @@ class DeltaSender:
                             undo.append((buf[a:b], encoding, payload))
                     part: dict[str, Any] = {"offset": a, "nbytes": b - a, "encoding": encoding}
                     if payload is not None:
-                        suffix = f".p{k:04d}.zst" if len(spans) > 1 else ".zst"
-                        rel = f"{version_dir(epoch, version)}/t{i:05d}{suffix}"
-                        w0 = time.perf_counter()
-                        writes.submit(rel, payload)  # may wait for earlier writes: not encoding time
+                        w0 = time.perf_counter()  # a write may wait for earlier writes: not encoding time
+                        if len(payload) < PACK_BELOW:
+                            file, offset = packs.add(payload)
+                            part["payload_offset"] = offset
+                        else:
+                            file = f"t{i:05d}" + (f".p{k:04d}.zst" if len(spans) > 1 else ".zst")
+                            writes.submit(f"{version_dir(epoch, version)}/{file}", payload)
                         encode_s -= time.perf_counter() - w0
-                        part.update(payload=rel.rsplit("/", 1)[1], payload_bytes=len(payload),
-                                    payload_xxh3=checksum(payload))
+                        part.update(payload=file, payload_bytes=len(payload), payload_xxh3=checksum(payload))
                         payload_total += len(payload)
                     parts.append(part)
                 encoding_into = None
@@ -160,6 +163,7 @@ class DeltaSender:
             if not keyframe and set(self._last) - seen:  # type: ignore[arg-type]
                 missing = sorted(set(self._last) - seen)  # type: ignore[arg-type]
                 raise ValueError(f"tensor {missing[0]!r} of version {self._last_version} is missing from version {version}")
+            packs.flush()
             writes.wait()
             manifest = {
                 "format": FORMAT, "epoch": epoch, "version": version, "base": None if keyframe else self._last_version,

@@ -16,8 +16,10 @@ import fsspec
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.remote_errors import endpoint_of, remote_error
 
-FORMAT = 2  # format 2 adds tensors in parts; format 1 (every tensor one payload) reads the same way
-READABLE_FORMATS = (1, 2)
+# Format 3 packs small payloads into shared objects (``payload_offset``); format 2 added
+# tensors in parts; formats 1 and 2 (every payload an object of its own) read the same way.
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 LATEST = "LATEST"
 _INFLIGHT_BYTES = 256 << 20  # payload bytes a sender may have queued for writing
 # Tensor bytes per payload object. Every object then stays below the size at which fsspec
@@ -27,6 +29,12 @@ _INFLIGHT_BYTES = 256 << 20  # payload bytes a sender may have queued for writin
 # (s3fs: 15 s) and cannot be retried once the server consumed it: moto takes ~17 s to
 # complete 1 GiB, and a slow S3-compatible store can too.
 PART_BYTES = 64 << 20
+# Payloads under PACK_BELOW bytes (norms, biases, small matrices: half the tensors of a
+# real model, all of a tiny one) share pack objects of about PACK_BYTES: one write and one
+# read each instead of one per tensor (on local disk a write is a create, write and rename;
+# on an object store, a request's round trip).
+PACK_BELOW = 1 << 20
+PACK_BYTES = 8 << 20
 
 
 def parts_of(nbytes: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
@@ -155,6 +163,37 @@ class Store:
         ``LATEST`` naming it."""
         self.write(f"{version_dir(epoch, version)}/manifest.json", json.dumps(manifest).encode())
         self.write(LATEST, json.dumps({"epoch": epoch, "version": version}).encode())
+
+
+def payload_key(part: Mapping[str, Any]) -> tuple[str, int]:
+    """Where a part's payload lies: (object, byte offset in it; 0 for an object of its own)."""
+    return part["payload"], int(part.get("payload_offset", 0))
+
+
+class Packs:
+    """The small payloads of one version, concatenated into pack objects
+    ``pack0000.zst``, ``pack0001.zst``, ... (each payload a whole zstd frame): ``add``
+    returns (object name, offset) and hands a pack to ``writes`` once it holds
+    ``PACK_BYTES``; ``flush`` hands over the last one."""
+
+    def __init__(self, writes: PayloadWrites, folder: str, pack_bytes: int | None = None):
+        self.writes, self.folder = writes, folder
+        self.pack_bytes = PACK_BYTES if pack_bytes is None else pack_bytes
+        self.index, self.size = 0, 0
+        self.chunks: list[bytes] = []
+
+    def add(self, payload: bytes) -> tuple[str, int]:
+        where = (f"pack{self.index:04d}.zst", self.size)
+        self.chunks.append(payload)
+        self.size += len(payload)
+        if self.size >= self.pack_bytes:
+            self.flush()
+        return where
+
+    def flush(self) -> None:
+        if self.chunks:
+            self.writes.submit(f"{self.folder}/pack{self.index:04d}.zst", b"".join(self.chunks))
+            self.index, self.size, self.chunks = self.index + 1, 0, []
 
 
 class PayloadWrites:

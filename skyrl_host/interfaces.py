@@ -11,7 +11,7 @@ tensors are typed ``Any`` and documented by shape.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -904,6 +904,20 @@ class EngineSideCommit(Protocol):
 
     def commit_on_engine_side(self) -> bool:
         """True when the staged versions' commits need nothing more from the trainer."""
+        ...
+
+
+@runtime_checkable
+class OrderedTrainStep(Protocol):
+    """A :class:`Backend` (a launcher's handle on remote ranks) whose calls run in the order
+    they are made, so a train step can be started now and waited for later: a call made in
+    between (a placement's :meth:`~StagedPlacement.stage`) runs right after the step, with
+    no round trip to the driver between them. Async RL stages each version so."""
+
+    def start_train_step(self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float,
+                         max_new_tokens: int) -> Callable[[], tuple[Mapping[str, float], float]]:
+        """Start :meth:`Backend.train_step`; returns ``finish()``, which waits for it and
+        returns its metrics and the seconds from the start to the step's end."""
         ...
 
 

@@ -30,6 +30,7 @@ from skyrl_host.interfaces import (
     AdapterTraining,
     CharacterAlphabet,
     EngineSideCommit,
+    OrderedTrainStep,
     PlacementRequest,
     RewardKL,
     RewardMetrics,
@@ -508,6 +509,8 @@ class RLDriver:
                     np.minimum.at(lo, seq, v[on])
                     np.maximum.at(hi, seq, v[on])
                     metrics["mixed_version_fraction"] = float(np.mean(hi > lo))
+        staging = self.pipeline is not None and getattr(self.pipeline, "commit_fn", None) is not None
+        staged = None  # (sync, waited) when the version was staged behind the train step
         if batch.n_sequences > 0 and self.kl_in_reward:
             # KL against the reference policy as a reward penalty (instead of a loss term).
             ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)
@@ -517,26 +520,35 @@ class RLDriver:
         if batch.n_sequences > 0:
             advantages = np.asarray(self.algorithm.advantages(batch, rewards), dtype=np.float32)
             t_train = time.perf_counter()
-            train = self.backend.train_step(
-                batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=max_len
-            )
-            train_time = time.perf_counter() - t_train
+            if staging and has(self.backend, OrderedTrainStep):
+                # Stage right behind the train step: sent while it runs (once the engines hold
+                # the previous version), run by the backend as soon as the step ends.
+                finish = self.backend.start_train_step(
+                    batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=max_len
+                )
+                staged = self.pipeline.hand_over(step, self.placement.stage)
+                train, train_time = finish()
+            else:
+                train = self.backend.train_step(
+                    batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=max_len
+                )
+                train_time = time.perf_counter() - t_train
             # The backend's own timings are superseded by the driver's, measured alike for every backend.
             metrics.update({k: float(v) for k, v in train.items() if k not in ("tokens_per_s", "step_time_s")})
             metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
         if self.pipeline is None:
             sync = self._publish(step)
-        elif getattr(self.pipeline, "commit_fn", None) is not None:
+        elif staging:
             # Staged now; the rollout thread commits it just before the first rollout that needs
             # it. ``sync``: this version's stage and the previous version's commit (sync_pause_s, ...).
-            sync, waited = self.pipeline.hand_over(step, self.placement.stage)
+            sync, waited = staged if staged is not None else self.pipeline.hand_over(step, self.placement.stage)
             metrics["publish_wait_time_s"] = waited
         elif has(self.placement, StagedPlacement):
             # Send (and, for delta, fetch and verify) while the engine still generates; the
             # apply, once the engine is idle, is the only pause.
-            staged = dict(self.placement.stage(step))
+            sent = dict(self.placement.stage(step))
             sync, waited = self.pipeline.publish(step, self.placement.commit)
-            sync = {**staged, **sync}
+            sync = {**sent, **sync}
             metrics["publish_wait_time_s"] = waited
         else:
             sync, waited = self.pipeline.publish(step, self._publish)

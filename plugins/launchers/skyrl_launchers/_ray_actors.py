@@ -35,7 +35,7 @@ import os
 import socket
 import time
 from concurrent.futures import Future
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -385,8 +385,18 @@ class RemoteBackend:
 
     def train_step(self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float,
                    max_new_tokens: int) -> Mapping[str, float]:
-        """Each data-parallel index trains on its share of the sequences; the ranks of one
-        index (a model-parallel backend's tensor-parallel ranks) all get the same share."""
+        return self.start_train_step(batch, advantages, algorithm, temperature=temperature,
+                                     max_new_tokens=max_new_tokens)()[0]
+
+    def start_train_step(self, batch: Any, advantages: Any, algorithm: Any, *, temperature: float,
+                         max_new_tokens: int) -> Callable[[], tuple[Mapping[str, float], float]]:
+        """OrderedTrainStep: send the step to the ranks and return ``finish()`` (its
+        metrics, and the seconds until rank 0's result arrived). An actor runs the calls
+        it gets in order (its default concurrency group), so a call sent before ``finish``
+        (async RL's stage) runs right after the step. Each data-parallel index trains on
+        its share of the sequences; the ranks of one index (a model-parallel backend's
+        tensor-parallel ranks) all get the same share."""
+        t0 = time.perf_counter()
         advantages = np.asarray(advantages)
         if self._layout is None:
             self._layout = [tuple(x) for x in ray_get([a.data_parallel.remote() for a in self.actors])]
@@ -403,7 +413,14 @@ class RemoteBackend:
                 tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)
                 adv = advantages[tokens]
             calls.append(actor.train_step.remote(dict(part.to_arrays()), adv, temperature, max_new_tokens))
-        return ray_get(calls)[0]
+        ended: list[float] = []
+        calls[0].future().add_done_callback(lambda _: ended.append(time.perf_counter()))
+
+        def finish() -> tuple[Mapping[str, float], float]:
+            metrics = ray_get(calls)[0]
+            return metrics, (ended[0] if ended else time.perf_counter()) - t0
+
+        return finish
 
     def reference_logprobs(self, batch: Any, *, temperature: float) -> Any:
         import ray

@@ -54,6 +54,18 @@ def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyr
         assert r["sync_applied"] == 1.0 and r["sync_fetch_s"] + r["sync_apply_s"] <= r["sync_pause_s"]
     # The trainer's weights moved past the engine's: the off-policy gap shows once stale.
     assert rows[0]["logprob_diff_max"] < 1e-4 and rows[3]["logprob_diff_max"] > 1e-4
+    # The driver sent each stage while the backend actor still trained (OrderedTrainStep: the
+    # actor ran it right after the step); the local launcher trains, then stages: the same run.
+    local = skyrl_tiny_rl_job(tmp_path, "local1", job={"steps": 5, "mode": "async", "max_staleness": 1, "threads": 1},
+                              engine={"dtype": "float32", "share_weights": False}, weight_sync=delta(tmp_path, "local1"))
+    result = skyrl_cli("run", str(local.path))
+    assert result.exit_code == 0, result.stderr
+    # (logprob_diff_mean differs between the launchers in the 8th digit from step 1 on, before
+    # any weights move; loss, grad norm, entropy and the ratios are equal: the same weights.)
+    def same_weights(rs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in learning_metrics(r).items() if k != "logprob_diff_mean"} for r in rs]
+
+    assert same_weights(rows) == same_weights(local.rows())
 
     sync = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "sync", delta(tmp_path, "sync"))
     async0 = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "async0", delta(tmp_path, "async0"), mode="async",

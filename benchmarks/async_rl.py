@@ -14,7 +14,7 @@ learning reverse_digits of 3-5 digits with GRPO, lr 5e-4) at 8 prompts x 8
 samples and max_new_tokens = 16, chosen because there, on one core each, the engine's
 generation and the backend's training step cost about the same (``balance``: seconds per
 step of each, measured in the sync runs: 0.078 s and 0.082 s on the 2-core machine of
-2026-12-02, 0.040 s and 0.050 s on that of 2026-12-05). That is where overlapping them can
+2026-12-02, 0.040 s and 0.050 s on that of 2026-12-05, 0.038 s and 0.037 s there at 12ebb79). That is where overlapping them can
 pay most: ``ideal_ratio`` = sync step time / max(gen, train) (2.0-2.4x, the sync step
 also scoring, publishing and moving batches); the issue's goal is >= 1.6x at k = 1. With
 both cores busy the driver process (tokenizing, scoring, Ray's transfers) and Ray's own

@@ -297,11 +297,7 @@ class BackendWorker:
             t0 = time.perf_counter()
             self._staged[version] = self.sender.publish_in_background(version, weights)
             return {"sync_version": float(version), "sync_snapshot_s": time.perf_counter() - t0}
-        stats = dict(self.sender.publish(version, weights))  # written now
-        done: Future = Future()
-        done.set_result({})
-        self._staged[version] = done
-        return stats
+        return dict(self.sender.publish(version, weights))  # written now: nothing for staged_result to wait for
 
     def staged_result(self, version: int) -> Mapping[str, float]:
         """The writing's metrics once ``version`` (from :meth:`publish_staged`) is written;
@@ -550,7 +546,9 @@ class RaySync:
             stats, received = dict(results[0]), results[len(self.backends):]
         else:
             stats, payload = dict(sent[0]), sent[1]
-            if len(sent) > 2:  # written in the backend actors' background: wait for it (beside their train step)
+            # Written in the backend actors' background (stage returned after the snapshot):
+            # wait for it, beside their train step; written in the foreground: no call at all.
+            if len(sent) > 2 and "sync_snapshot_s" in stats:
                 written = ray_get([b.staged_result.options(concurrency_group="staged").remote(version)
                                    for b in self.backends])[0]
                 stats = {**written, **stats}

@@ -9,7 +9,9 @@ activation by its fake-quantized value, each through a straight-through function
 forward computes with exactly the quantized numbers, the backward hands the gradient to
 the master weight (and the input) unchanged. The parameters themselves (names, dtype,
 optimizer state) are untouched, so checkpoints, data parallelism and weight sync see
-the master weights.
+the master weights. Layers that compute with torchao's real low-precision kernels
+instead (``[precision] kernels``, :mod:`skyrl_precisions._kernels`) get no hooks;
+stacked experts always do.
 
 Fake-quantized weights are cached per parameter, so the micro-batches of a step quantize
 each weight once: the owner calls :meth:`FakeQuantHooks.invalidate` after every
@@ -19,7 +21,7 @@ parameter's storage or version counter changed.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import torch
 
@@ -134,11 +136,14 @@ def remove(model: torch.nn.Module) -> int:
 
 
 def install(model: torch.nn.Module, fmt: Format, *, keep: Sequence[str] = DEFAULT_KEEP, weights: bool = True,
-            activations: bool = True) -> tuple[list[str], list[FakeQuantHooks]]:
-    """Fake-quantize the chosen modules of ``model`` (in place); returns the names of the
-    weights that are quantized (``<module path>.<parameter>``) and the hooks."""
+            activations: bool = True, skip: Collection[str] = ()) -> tuple[list[str], list[FakeQuantHooks]]:
+    """Fake-quantize the chosen modules of ``model`` (in place), except those at the
+    paths in ``skip`` (they compute with real low-precision kernels); returns the names
+    of the weights that are fake-quantized (``<module path>.<parameter>``) and the hooks."""
     names, installed = [], []
     for path, params in chosen(model, fmt, keep):
+        if path in skip:
+            continue
         module = model.get_submodule(path)
         hooks = FakeQuantHooks(fmt, params, weights=weights, activations=activations)
         module.register_forward_pre_hook(hooks.pre)

@@ -11,6 +11,13 @@ stacked experts ``[experts, out, in]``); leading dimensions are independent matr
   block is quantized as if zero-padded. Equal bit for bit to torchao's
   ``Float8Tensor.from_hp(..., granularity=PerBlock(...))`` where torchao accepts the
   shape (every dimension a multiple of the block).
+- ``fp8_rowwise``: e4m3 values with one float32 scale per row (the last dimension is
+  the row: a weight's output row over its input dimension, an activation's token over
+  its features), the numerics of torchao's rowwise float8 training recipe
+  (``Float8LinearConfig.from_recipe_name("rowwise")``): ``amax`` clamped below at 1e-12,
+  ``448 / amax`` computed in float64, rounded to float32 and then down to a power of two,
+  values saturated to +-448. The wire carries the reciprocal (the value to multiply the
+  payload by, as for ``fp8``); it is a power of two, so it is exact.
 - ``mxfp8``: e4m3 values in 32-element blocks along the last dimension with an e8m0
   (power-of-two) scale each: torchao's ``MXTensor.to_mx`` (weights and activations).
 - ``int4``: group-wise symmetric int4 in groups of 32 along the last dimension, one
@@ -78,6 +85,29 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     b, shape = _blocks(q.float(), *block)
     out = _unblock(b * scale.float().unsqueeze(-1).unsqueeze(-3), shape).to(dtype)
     return out.squeeze(0) if flat else out
+
+
+# -- fp8 rowwise -------------------------------------------------------------------------
+
+ROWWISE_EPS = 1e-12  # the smallest amax a row is scaled for (an all-zero row gets zeros)
+
+
+def fp8_rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qdata e4m3 with ``x``'s shape, float32 power-of-two scales ``x.shape[:-1]``), one
+    scale per row along the last dimension, as torchao's rowwise recipe computes them
+    (its multiplier ``448 / amax``, rounded down to a power of two; we keep its
+    reciprocal). ``x`` is scaled in float32, whatever its dtype."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True)
+    # float64 for the division and float32 for the power-of-two rounding, as torchao does,
+    # so the exponents agree bit for bit (log2 of a float32 near a power of two decides it).
+    multiplier = (FP8_MAX / amax.to(torch.float64).clamp(min=ROWWISE_EPS)).to(torch.float32)
+    multiplier = torch.exp2(torch.floor(torch.log2(multiplier)))
+    q = (x.float() * multiplier).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, multiplier.reciprocal().squeeze(-1)
+
+
+def fp8_rowwise_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
 # -- mxfp8 ------------------------------------------------------------------------------
@@ -201,6 +231,22 @@ class FP8Blockwise(Format):
         return fp8_dequantize(q, s, x.dtype, (1, FP8_BLOCK)).reshape(x.shape)
 
 
+class FP8Rowwise(Format):
+    """``[precision] name = "fp8"`` with ``scaling = "rowwise"``: weights and activations
+    alike, one scale per row (see the module docstring)."""
+
+    name = "fp8_rowwise"
+
+    def pack(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8_rowwise_quantize(w)
+
+    def unpack(self, payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return fp8_rowwise_dequantize(payload, scale, dtype)
+
+    def fake_activation(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_rowwise_dequantize(*fp8_rowwise_quantize(x), x.dtype)
+
+
 class MXFP8(Format):
     name = "mxfp8"
     scale_dtype = torch.float8_e8m0fnu
@@ -239,7 +285,8 @@ class Int4(Format):
         return int4_dequantize(*int4_quantize(w), w.dtype)
 
 
-FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in (FP8Blockwise(), MXFP8(), Int4())})  # read-only
+FORMATS: Mapping[str, Format] = MappingProxyType(  # read-only
+    {f.name: f for f in (FP8Blockwise(), FP8Rowwise(), MXFP8(), Int4())})
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -50,6 +50,54 @@ def test_fp8_ragged_blocks_are_zero_padded_blocks() -> None:
     assert torch.equal(F.fp8_quantize(torch.zeros(128, 128))[0].float(), torch.zeros(128, 128))  # no NaN from 0/0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rowwise_equals_torchaos_rowwise_recipe_bit_for_bit(dtype) -> None:
+    """Scales and payload as torchao's rowwise float8 recipe computes them (axiswise amax,
+    e4m3, power-of-two scales): one scale per row, over the last dimension."""
+    from torchao.float8.config import Float8LinearConfig, ScalingGranularity
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+
+    recipe = Float8LinearConfig.from_recipe_name("rowwise")
+    cast = recipe.cast_config_weight
+    assert cast.scaling_granularity is ScalingGranularity.AXISWISE and recipe.round_scales_to_power_of_2
+    w = (randn(96, 384, seed=6) * torch.logspace(-3, 2, 96)[:, None]).to(dtype)  # rows over five decades
+    w[3] = 0  # an all-zero row: zeros, no NaN
+    q, s = F.fp8_rowwise_quantize(w)
+    # torchao scales a weight along its input dimension (the rows of weight.t(), axis 0)
+    ref = hp_tensor_to_float8_dynamic(w.t(), cast.target_dtype, LinearMMConfig(),
+                                      scaling_granularity=cast.scaling_granularity, axiswise_dim=0,
+                                      round_scales_to_power_of_2=True)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (96,)
+    assert torch.equal(q.view(torch.uint8), ref._data.t().view(torch.uint8))
+    assert torch.equal(s, ref._scale.reshape(96).reciprocal())  # we ship what the payload is multiplied by
+    mant, _ = torch.frexp(s)
+    assert torch.all(mant == 0.5)  # every scale a power of two
+    assert torch.equal(F.fp8_rowwise_dequantize(q, s)[3], torch.zeros(384))
+    # Activations: the same function, a scale per token (torchao: axiswise_dim = -1 of the input).
+    x = (randn(2, 5, 384, seed=7) * 40).to(dtype)
+    qx, sx = F.fp8_rowwise_quantize(x)
+    ref_x = hp_tensor_to_float8_dynamic(x, cast.target_dtype, LinearMMConfig(),
+                                        scaling_granularity=cast.scaling_granularity, axiswise_dim=-1,
+                                        round_scales_to_power_of_2=True)
+    assert sx.shape == (2, 5) and torch.equal(qx.view(torch.uint8), ref_x._data.view(torch.uint8))
+    assert torch.equal(sx, ref_x._scale.squeeze(-1).reciprocal())
+
+
+def test_fp8_rowwise_round_trips_through_the_wire_and_unpack() -> None:
+    from skyrl_precisions._precision import SEP, unpack_named
+
+    fmt = F.FORMATS["fp8_rowwise"]
+    w = randn(3, 64, 256, seed=8)  # stacked experts: a scale per expert row
+    payload, scale = fmt.pack(w)
+    assert payload.shape == w.shape and scale.shape == (3, 64)
+    back = dict(unpack_named([("w", payload), (f"w{SEP}fp8_rowwise", scale)], torch.float32))["w"]
+    assert torch.equal(back, fmt.fake_weight(w))
+    assert torch.equal(fmt.fake_weight(back), back)  # quantizing the quantized weight changes nothing
+    rel = (back - w).abs() / w.abs().amax(-1, keepdim=True)
+    assert float(rel.max()) <= 2 ** -4 * 2  # e4m3 keeps 3 mantissa bits; a power-of-two scale can halve the range used
+
+
 def test_mxfp8_equals_torchao_and_has_power_of_two_scales() -> None:
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
@@ -81,8 +129,11 @@ def test_int4_groups_equal_torchao_and_pack_two_per_byte() -> None:
 
 
 # Bits per element on the wire: the values plus the scales (fp8: one float32 per 128x128
-# block; mxfp8: one byte per 32 elements; int4: one float32 per 32).
-@pytest.mark.parametrize(("name", "bound", "bits"), [("fp8", 0.035, 8 + 32 / 16384), ("mxfp8", 0.045, 8.25), ("int4", 0.16, 5)])
+# block; fp8_rowwise: one float32 per row of 512; mxfp8: one byte per 32 elements; int4:
+# one float32 per 32).
+@pytest.mark.parametrize(("name", "bound", "bits"), [
+    ("fp8", 0.035, 8 + 32 / 16384), ("fp8_rowwise", 0.035, 8 + 32 / 512), ("mxfp8", 0.045, 8.25), ("int4", 0.16, 5),
+])
 def test_error_bounds_and_wire_size(name: str, bound: float, bits: float) -> None:
     fmt = F.FORMATS[name]
     w = randn(512, 512, seed=5)

@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pack-length", type=int, default=256, help="both backends' pack_length (default: theirs)")
+    parser.add_argument("--device", default="auto", help="both backends' [backend] device: auto, cpu, cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from skyrl_backends.megatron import MegatronBackendConfig
@@ -94,8 +95,10 @@ def main() -> None:
     from skyrl_backends.torch import TorchBackendConfig
     from skyrl_backends.torch import create as plain
 
-    out: dict = {"threads": args.threads, "repeats": args.repeats, "pack_length": args.pack_length, "models": {}}
-    options = dict(lr=1e-6, micro_batch_tokens=4096, pack_length=args.pack_length)
+    out: dict = {"threads": args.threads, "repeats": args.repeats, "pack_length": args.pack_length,
+                 "device": torch.cuda.get_device_name(0) if args.device != "cpu" and torch.cuda.is_available() else "cpu",
+                 "models": {}}
+    options = dict(lr=1e-6, micro_batch_tokens=4096, pack_length=args.pack_length, device=args.device)
     for name in args.models.split(","):
         make, (batch, adv) = model_of(name)
         backends = {"torch": plain(TorchBackendConfig(**options)), "megatron": megatron(MegatronBackendConfig(**options))}
@@ -128,6 +131,8 @@ def main() -> None:
             "megatron_over_torch": statistics.median(ratios),
             "warmup_loss": warm["torch"]["loss"],
             "warmup_grad_norm": warm["torch"]["grad_norm"],
+            "warmup_loss_diff": abs(warm["torch"]["loss"] - warm["megatron"]["loss"]),
+            "warmup_grad_norm_diff": abs(warm["torch"]["grad_norm"] - warm["megatron"]["grad_norm"]),
         }
     print(json.dumps(out, indent=2))
 

@@ -28,6 +28,7 @@ copy of a trained model computes with the emulated numbers and its quantized wei
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 from typing import Any, Iterable
 
 import torch
@@ -38,13 +39,13 @@ TORCHAO, EMULATED = "torchao", "emulated"
 KERNELS = ("auto", TORCHAO, EMULATED)
 
 # The smallest CUDA compute capability with the format's tensor-core matmuls.
-MIN_CAPABILITY = {"fp8_rowwise": (8, 9), "fp8": (9, 0), "mxfp8": (10, 0)}
-_GPU = {
+MIN_CAPABILITY = MappingProxyType({"fp8_rowwise": (8, 9), "fp8": (9, 0), "mxfp8": (10, 0)})
+_GPU = MappingProxyType({
     "fp8_rowwise": "a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell)",
     "fp8": "a Hopper-class CUDA GPU (SM90 or newer) and triton",
     "mxfp8": "a Blackwell GPU (SM100)",
-}
-_LABEL = {"fp8_rowwise": "rowwise FP8", "fp8": "blockwise FP8", "mxfp8": "MXFP8"}
+})
+_LABEL = MappingProxyType({"fp8_rowwise": "rowwise FP8", "fp8": "blockwise FP8", "mxfp8": "MXFP8"})
 _MARK = "_skyrl_torchao_kernels"  # on a swapped module: the attribute names the swap added
 
 

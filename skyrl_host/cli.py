@@ -93,7 +93,8 @@ def make_cli(host: PluginHost) -> click.Group:
         k = spec.kind
         click.echo(f"{job_file}: valid {k.name!r} job ({k.origin}), {spec.job.steps} steps, seed {spec.job.seed}")
         for choice in spec.choices():
-            click.echo(f"  {'[' + choice.slot + ']':<14}{choice.name:<16} {choice.registration.origin}")
+            chosen = f" ({choice.chosen_by})" if getattr(choice, "chosen_by", None) else ""
+            click.echo(f"  {'[' + choice.slot + ']':<14}{choice.name:<16} {choice.registration.origin}{chosen}")
         click.echo(f"  [cluster] launcher = {spec.cluster.launcher!r}")
         click.echo(f"  output: {spec.output_dir}")
         if explain:

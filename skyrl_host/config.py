@@ -55,6 +55,7 @@ class PluginChoice:
     slot: str
     registration: Registration
     config: Any
+    chosen_by: str | None = None  # why the host chose it for a table that names none (``claims``)
 
     @property
     def name(self) -> str:
@@ -579,11 +580,42 @@ def _resolve(host: PluginHost, kind: str, name: str, key: str, out: Located) -> 
         return None
 
 
+def _claimed(host: PluginHost, slot: Slot, section: Mapping[str, Any], out: Located) -> tuple[str | None, str | None]:
+    """A table that names no plugin: the plugin of the slot's kind that claims it
+    highest (``register(..., claims=...)``), and why; (None, None) when none does. Two
+    equal highest claims are an error naming both ((None, "tie"))."""
+    bids: list[tuple[int, str, str]] = []
+    for reg in host.registry.entries(slot.kind):
+        if reg.claims is None:
+            continue
+        try:
+            bid = reg.claims(section)
+        except Exception:  # noqa: BLE001 - a plugin's bug: it simply does not claim the table
+            continue
+        if bid is not None:
+            priority, why = bid if isinstance(bid, tuple) else (bid, "")
+            bids.append((int(priority), reg.name, str(why)))
+    if not bids:
+        return None, None
+    bids.sort(key=lambda b: (-b[0], b[1]))
+    if len(bids) > 1 and bids[0][0] == bids[1][0]:
+        out.add(f"{slot.table}.{slot.selector}", f"missing; both {KINDS[slot.kind].noun} {bids[0][1]!r} and "
+                f"{bids[1][1]!r} could take this table: set {slot.selector} to one of them")
+        return None, "tie"
+    priority, name, why = bids[0]
+    return name, f"{slot.selector} {name!r} chosen: {why}" if why else f"{slot.selector} {name!r} chosen"
+
+
 def _choose(
     host: PluginHost, slot: Slot, section: Mapping[str, Any], default: str | None, out: Located
 ) -> PluginChoice | tuple[PluginChoice, ...] | None:
     selector_path = f"{slot.table}.{slot.selector}"
     selected = section.get(slot.selector, list(default) if isinstance(default, (list, tuple)) else default)
+    chosen_by = None
+    if selected is None and not slot.many and section:
+        selected, chosen_by = _claimed(host, slot, section, out)
+        if selected is None and chosen_by is not None:  # claimed by two alike: said so
+            return None
     if selected is None:
         out.add(selector_path, f"missing required key (the {KINDS[slot.kind].noun} to use)")
         for key in section:
@@ -598,7 +630,7 @@ def _choose(
         if reg is None:
             return None
         config = _plugin_config(reg, section, slot.table, [slot.selector], out)
-        return PluginChoice(slot.table, reg, config) if config is not _INVALID else None
+        return PluginChoice(slot.table, reg, config, chosen_by) if config is not _INVALID else None
 
     if not (isinstance(selected, list) and all(isinstance(s, str) for s in selected)):
         out.add(selector_path, f"expected an array of {KINDS[slot.kind].noun} names, found {_found(selected)}")

@@ -148,6 +148,10 @@ class LoadedModel:
     # The family's ``precision_keep``: module-path components a quantized precision keeps
     # in high precision (output head, embeddings, routers; norms always stay).
     precision_keep: Sequence[str] = ()
+    # Router-shaped modules the family found but cannot describe as a RouterInfo (their
+    # weights follow another rule): {module path: why}, for the message of whoever needs
+    # routers (r3, routing capture).
+    router_problems: Mapping[str, str] = attrs.Factory(dict)
 
 
 @attrs.frozen

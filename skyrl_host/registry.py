@@ -52,6 +52,10 @@ class Registration:
     # Job-level consistency check: check(spec) -> [(key path, message), ...]; run by
     # load_job once every plugin is resolved (skyrl validate, skyrl run).
     check: Callable[[Any], Any] | None = None
+    # For a table that names no plugin: claims(table) -> (priority, why) or None. The host
+    # picks the highest claim (e.g. a [model] table with only a path: the family that
+    # covers its config.json's model_type).
+    claims: Callable[[Mapping[str, Any]], Any] | None = None
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
         """Call the factory (this is where heavy imports may happen); its product is
@@ -72,6 +76,7 @@ class Register(Protocol):
         override: bool = False,
         slots: Mapping[str, Any] | None = None,
         check: Callable[[Any], Any] | None = None,
+        claims: Callable[[Mapping[str, Any]], Any] | None = None,
     ) -> None: ...
 
 
@@ -87,6 +92,7 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
         override: bool = False,
         slots: Mapping[str, Any] | None = None,
         check: Callable[[Any], Any] | None = None,
+        claims: Callable[[Mapping[str, Any]], Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"invalid {KINDS[kind].noun} name {name!r}: use letters, digits, '_', '-', '.'")
@@ -98,6 +104,8 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
             raise ValueError(f"{KINDS[kind].noun} {name!r}: description must be one non-empty line")
         if check is not None and not callable(check):
             raise TypeError(f"{KINDS[kind].noun} {name!r}: check must be callable, got {check!r}")
+        if claims is not None and not callable(claims):
+            raise TypeError(f"{KINDS[kind].noun} {name!r}: claims must be callable, got {claims!r}")
         if slots is not None and kind != "jobs":
             raise TypeError(f"{KINDS[kind].noun} {name!r}: only job kinds take slots")
         if kind == "jobs":
@@ -113,6 +121,7 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
                 override=bool(override),
                 slots=dict(slots or {}),
                 check=check,
+                claims=claims,
             )
         )
 

@@ -75,6 +75,7 @@ def describe_spec(spec: JobSpec) -> dict[str, Any]:
             "distribution": choice.registration.origin.distribution,
             "version": choice.registration.origin.version,
             "config": conv.unstructure(choice.config) if choice.config is not None else {},
+            **({"chosen_by": choice.chosen_by} if choice.chosen_by else {}),
         }
 
     plugins: dict[str, Any] = {}

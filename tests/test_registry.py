@@ -153,3 +153,57 @@ def test_conflict_among_three_plugins(skyrl_empty_host) -> None:
         "error: dataset 'squares' is registered by plugin 'a', plugin 'b' and plugin 'c' and 2 pass override=True; "
         "block all but one with SKYRL_DISABLE_PLUGINS, or let exactly one register with override=True"
     )
+
+
+def test_a_table_without_its_selector_goes_to_the_plugin_that_claims_it_highest(skyrl_host, skyrl_plugin, skyrl_cli,
+                                                                                  tmp_path) -> None:
+    import attrs
+
+    from skyrl_host import hookimpl
+
+    @attrs.frozen
+    class Opts:
+        path: str = ""
+
+    def claim(priority):
+        def claims(table):
+            if table.get("path", "").startswith("acme:"):
+                return priority, f"{table['path']!r} is acme's at {priority}"
+            return None
+        return claims
+
+    def broken(table):
+        raise RuntimeError("a plugin's bug")
+
+    class Plugin:
+        @hookimpl
+        def skyrl_register_models(self, register):
+            register("acme-specific", object, config=Opts, description="claims at 3", claims=claim(3))
+            register("acme-generic", object, config=Opts, description="claims at 1", claims=claim(1))
+            register("acme-broken", object, config=Opts, description="raises", claims=broken)
+
+    skyrl_plugin(Plugin())
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nkind = "rl"\nsteps = 1\n[model]\npath = "acme:x"\n[dataset]\nname = "reverse_digits"\n')
+    from skyrl_host.config import load_job
+
+    spec = load_job(job, skyrl_host, [])
+    assert spec.plugins["model"].name == "acme-specific"
+    assert spec.plugins["model"].chosen_by == "family 'acme-specific' chosen: 'acme:x' is acme's at 3"
+    out = skyrl_cli("validate", str(job))
+    assert out.exit_code == 0 and "(family 'acme-specific' chosen: 'acme:x' is acme's at 3)" in out.stdout
+
+    class Rival:
+        @hookimpl
+        def skyrl_register_models(self, register):
+            register("acme-rival", object, config=Opts, description="claims at 3 too", claims=claim(3))
+
+    skyrl_plugin(Rival())
+    out = skyrl_cli("validate", str(job))
+    assert out.exit_code == 2
+    assert ("model.family: missing; both model family 'acme-rival' and 'acme-specific' could take this table: "
+            "set family to one of them") in out.stderr
+    # Nobody claims it: the plain "missing" message, as before.
+    job.write_text('[job]\nkind = "rl"\nsteps = 1\n[model]\npath = "elsewhere"\n[dataset]\nname = "reverse_digits"\n')
+    out = skyrl_cli("validate", str(job))
+    assert out.exit_code == 2 and "model.family: missing required key (the model family to use)" in out.stderr

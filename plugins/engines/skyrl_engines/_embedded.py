@@ -194,6 +194,12 @@ class EmbeddedEngine:
                 hooks.remove()
         self._hooks = self._indexers = None
         if self.config.return_routed_experts:
+            if not self.routers and loaded.router_problems:
+                from skyrl_host.errors import UserError
+
+                path, why = next(iter(loaded.router_problems.items()))
+                raise UserError(f"engine.return_routed_experts: this model's routers cannot be recorded as experts "
+                                f"and weights r3 replays ({path}: {why})")
             if not self.routers:
                 raise ValueError(
                     "engine.return_routed_experts is set, but the model has no MoE routers "

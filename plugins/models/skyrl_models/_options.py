@@ -70,3 +70,27 @@ class PresetOrPath:
     @property
     def resolved_path(self) -> str | None:
         return None if self.path is None else os.path.abspath(os.path.expanduser(self.path))
+
+
+def claims_model_types(model_types: Iterable[str], family: str) -> Any:
+    """``claims`` of a family's registration: a ``[model]`` table without ``family``
+    whose ``path`` holds a config.json of one of ``model_types`` is this family's, ahead
+    of the generic ``hf`` (priority 2 against its 1)."""
+    types_ = frozenset(model_types)
+
+    def claims(section: Any) -> tuple[int, str] | None:
+        import json
+
+        path = section.get("path")
+        if not isinstance(path, str):
+            return None
+        try:
+            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        model_type = data.get("model_type") if isinstance(data, dict) else None
+        if model_type in types_:
+            return 2, f"config.json's model_type {model_type!r} is one of family {family!r}'s"
+        return None
+
+    return claims

@@ -25,7 +25,10 @@ from skyrl_host import hookimpl
 # alphabet; `show` sizes them for this one (reverse_digits': 16 characters + 3 specials).
 DEFAULT_ALPHABET = "0123456789reverse :"
 
-FAMILIES = ("qwen", "glm", "kimi", "nemotron")  # module names under skyrl_models
+FAMILIES = ("qwen", "glm", "kimi", "nemotron", "hf")  # module names under skyrl_models
+
+
+IMPL = {"hf": "_generic_impl"}  # a family's implementation module, where not ``_<family>_impl``
 
 
 def _family_presets(family: str) -> Iterator[tuple[str, str, bool]]:
@@ -36,10 +39,10 @@ def _family_presets(family: str) -> Iterator[tuple[str, str, bool]]:
             yield name, mod.PRESET_MODEL_TYPES[name], True
         for name, (model_type, _) in mod.FULL_PRESETS.items():
             yield name, model_type, False
-    elif family == "glm":
+    elif family in ("glm", "hf"):
         for name, (model_type, _) in mod.PRESETS.items():
             yield name, model_type, True
-        for name, (model_type, _) in mod.FULL_PRESETS.items():
+        for name, (model_type, _) in getattr(mod, "FULL_PRESETS", {}).items():
             yield name, model_type, False
     elif family == "kimi":
         for name in mod.PRESETS:
@@ -84,8 +87,9 @@ def hf_config(family: str, name: str, has_weights: bool, alphabet: str) -> Any:
         from skyrl_models import _hf
 
         mod = importlib.import_module(f"skyrl_models.{family}")
-        impl = importlib.import_module(f"skyrl_models._{family}_impl")
-        config_cls = {"qwen": "QwenConfig", "glm": "GlmConfig", "kimi": "KimiConfig", "nemotron": "NemotronConfig"}
+        impl = importlib.import_module(f"skyrl_models.{IMPL.get(family, f'_{family}_impl')}")
+        config_cls = {"qwen": "QwenConfig", "glm": "GlmConfig", "kimi": "KimiConfig", "nemotron": "NemotronConfig",
+                      "hf": "HfConfig"}
         options = getattr(mod, config_cls[family])(preset=name)
         tokenizer = _hf.char_tokenizer(alphabet, model_max_length=512)
         return impl.preset_config(options, tokenizer)

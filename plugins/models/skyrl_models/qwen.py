@@ -31,7 +31,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import OptionError, gt, option
-from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
+from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text")
 """The transformers ``model_type`` values this family loads from a path (``qwen3_5_moe``:
@@ -343,4 +343,5 @@ def skyrl_register_models(register: Any) -> None:
         config=QwenConfig,
         description="Qwen3 dense and MoE, Qwen3-Next, Qwen3.5 dense and Qwen3.5-MoE models (qwen3, qwen3_moe, "
         "qwen3_next, qwen3_5_text, qwen3_5_moe): tiny presets or a local Hugging Face folder",
+        claims=claims_model_types(MODEL_TYPES, "qwen"),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from skyrl_models import glm, kimi, nemotron, qwen
+from skyrl_models import glm, hf, kimi, nemotron, qwen
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3] / "tests"))
 from test_light_imports import heavy_modules_after  # noqa: E402
@@ -16,8 +16,9 @@ def test_list_has_tiny_and_full_size_presets_of_every_family(skyrl_cli) -> None:
     assert got.exit_code == 0, got.stderr
     lines = {line.split()[0]: line for line in got.stdout.splitlines()[1:]}
     expected = {*qwen.PRESETS, *qwen.FULL_PRESETS, *glm.PRESETS, *glm.FULL_PRESETS, *kimi.PRESETS,
-                *kimi.FULL_PRESETS, *nemotron.PRESETS, *nemotron.FULL_CONFIGS}
+                *kimi.FULL_PRESETS, *nemotron.PRESETS, *nemotron.FULL_CONFIGS, *hf.PRESETS}
     assert set(lines) == expected
+    assert lines["tiny-mixtral"].split()[1:3] == ["hf", "mixtral"] and "random (tiny)" in lines["tiny-mixtral"]
     assert lines["tiny"].split()[1:3] == ["qwen", "qwen3"] and "random (tiny)" in lines["tiny"]
     assert lines["kimi-k2.6"].split()[1:3] == ["kimi", "deepseek_v3"] and "config only" in lines["kimi-k2.6"]
     rows = {r["name"]: r for r in json.loads(skyrl_cli("models", "list", "--json").stdout)}

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from skyrl_host.interfaces import RouterInfo
-from skyrl_models import _hf, glm, kimi, nemotron, qwen
+from skyrl_models import _hf, glm, hf, kimi, nemotron, qwen
 
 ALPHABET = "0123456789reverse :"
 
@@ -21,12 +21,14 @@ CASES = (  # (family, tiny MoE preset): every MoE preset of every family, from t
     + [("glm", p) for p in glm.PRESETS]
     + [("kimi", p) for p in kimi.PRESETS]
     + [("nemotron", p) for p in nemotron.PRESETS]
+    + [("hf", p) for p in hf.MOE_PRESETS]
 )
 MODULES = {  # family -> (registered module, its options class)
     "qwen": (qwen, qwen.QwenConfig),
     "glm": (glm, glm.GlmConfig),
     "kimi": (kimi, kimi.KimiConfig),
     "nemotron": (nemotron, nemotron.NemotronConfig),
+    "hf": (hf, hf.HfConfig),
 }
 
 

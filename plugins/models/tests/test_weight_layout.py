@@ -8,13 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from skyrl_models import glm, kimi, nemotron, qwen
+from skyrl_models import glm, hf, kimi, nemotron, qwen
 
 CASES = (
     [("qwen", p) for p in qwen.PRESETS]
     + [("glm", p) for p in glm.PRESETS]
     + [("kimi", p) for p in kimi.PRESETS]
     + [("nemotron", p) for p in nemotron.PRESETS]
+    + [("hf", p) for p in hf.PRESETS]
 )
 
 

@@ -32,6 +32,12 @@ class RoutingReplay:
 
     def bind(self, model: Any, loaded: LoadedModel) -> None:
         routers = list(loaded.routers)
+        if not routers and loaded.router_problems:
+            from skyrl_host.errors import UserError
+
+            path, why = next(iter(loaded.router_problems.items()))
+            raise UserError(f"replay strategy 'r3' cannot replay this model's routers ({path}: {why}); "
+                            "remove 'r3' from replay.strategies")
         if not routers:
             raise ValueError(
                 f"replay strategy 'r3' needs a mixture-of-experts model, but model family {loaded.family or '?'!r} "

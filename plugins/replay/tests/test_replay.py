@@ -98,6 +98,8 @@ MOE_PRESETS = [
     ("kimi", "tiny-kimi"),
     ("nemotron", "tiny-nemotron-h"),
     ("nemotron", "tiny-nemotron-3-super"),
+    ("hf", "tiny-mixtral"),  # the generic family: routers found by probing
+    ("hf", "tiny-qwen2-moe"),
 ]
 
 

@@ -195,8 +195,6 @@ class EmbeddedEngine:
         self._hooks = self._indexers = None
         if self.config.return_routed_experts:
             if not self.routers and loaded.router_problems:
-                from skyrl_host.errors import UserError
-
                 path, why = next(iter(loaded.router_problems.items()))
                 raise UserError(f"engine.return_routed_experts: this model's routers cannot be recorded as experts "
                                 f"and weights r3 replays ({path}: {why})")

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from skyrl_host.contracts import has
+from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel, ReplayView, VocabShard
 from skyrl_host.rollout import CSR
 from skyrl_host.routing import INDEXER_CHANNEL, IndexerHooks, RouterHooks, indexer_paths
@@ -33,8 +34,6 @@ class RoutingReplay:
     def bind(self, model: Any, loaded: LoadedModel) -> None:
         routers = list(loaded.routers)
         if not routers and loaded.router_problems:
-            from skyrl_host.errors import UserError
-
             path, why = next(iter(loaded.router_problems.items()))
             raise UserError(f"replay strategy 'r3' cannot replay this model's routers ({path}: {why}); "
                             "remove 'r3' from replay.strategies")

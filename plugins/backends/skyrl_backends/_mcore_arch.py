@@ -8,7 +8,9 @@ from typing import Any
 
 import attrs
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "llama", "mistral", "qwen2")
+# Dense GQA decoders without q/k norms: Llama (and SmolLM), Mistral, Qwen2 / Qwen2.5 (biases on q, k and v).
+_PLAIN_DENSE = ("llama", "mistral", "qwen2")
 
 
 class NotExpressible(ValueError):
@@ -94,7 +96,10 @@ def describe(config: Any) -> Architecture:
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     if getattr(cfg, "attention_bias", False) and mt != "glm4_moe":
         raise NotExpressible(f"{mt}: attention_bias = true (the mapped layers have no biases)")
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+    if getattr(cfg, "mlp_bias", False):
+        raise NotExpressible(f"{mt}: mlp_bias = true (the mapped MLPs have no biases)")
+    window = getattr(cfg, "sliding_window", None)
+    if window and (getattr(cfg, "use_sliding_window", False) or (mt == "mistral" and window < int(cfg.max_position_embeddings))):
         raise NotExpressible(f"{mt}: sliding-window attention (megatron-core's local attention has no window)")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -109,6 +114,8 @@ def describe(config: Any) -> Architecture:
     )
     if mt == "qwen3":
         return Architecture(ffn=int(cfg.intermediate_size), **common)
+    if mt in _PLAIN_DENSE:  # no q/k norms; Qwen2's q, k and v projections carry biases
+        return Architecture(ffn=int(cfg.intermediate_size), qk_norm=False, qkv_bias=mt == "qwen2", **common)
     if mt == "glm4_moe":
         return _glm4_moe(cfg, rope, common)
     if mt == "deepseek_v3":

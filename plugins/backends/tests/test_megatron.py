@@ -119,6 +119,10 @@ def generate(loaded, *, routes: bool = True, sampler=None, seed: int = 1):
     # which each token uses 2, each scored by its best 2 experts (megatron-core's own rule
     # would take top_k / 2 = 1: the backend's router replay object scores them as the model does)
     ("kimi:tiny-kimi", {}),
+    # The generic family's dense GQA decoders: Llama (no q/k norms), Qwen2 (biases on q, k and v), Mistral
+    ("hf:tiny-llama", {}),
+    ("hf:tiny-qwen2", {}),
+    ("hf:tiny-mistral", {}),
 ])
 def test_ten_steps_equal_the_torch_backend(skyrl_host, preset: str, options: dict) -> None:
     """Per step: loss, entropy, grad norm and logprobs within 1e-5, and the weights (by
@@ -506,6 +510,9 @@ def test_an_unmapped_model_is_refused_with_what_is_missing(skyrl_host) -> None:
 
     with pytest.raises(UserError, match=r"cannot build this model: model_type 'qwen3_next' is not mapped"):
         backend(skyrl_host, "megatron", load(skyrl_host, "tiny-qwen3-next"))
+    # The generic family: what megatron-core's GPT model cannot express is named.
+    with pytest.raises(UserError, match=r"model_type 'phi3' is not mapped onto megatron-core"):
+        backend(skyrl_host, "megatron", load(skyrl_host, "hf:tiny-phi3"))
 
 
 

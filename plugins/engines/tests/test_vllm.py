@@ -564,7 +564,9 @@ def test_an_update_lands_inside_a_generation(engine, loaded, tmp_path, abort):
     for s in range(batch.n_sequences):
         a, p, b = int(batch.cu_seqlens[s]), int(batch.prompt_lens[s]), int(batch.cu_seqlens[s + 1])
         v = tv[a + p : b]
-        assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {1, 2} and tv[a] == 1  # prefilled by version 1
+        # prefilled by the version that sampled its first token: version 1, or on a loaded machine,
+        # for a request still queued at the update, version 2 (CI once saw one such request)
+        assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {1, 2} and tv[a] == v[0]
         if v[0] == 1 and v[-1] == 2:
             spanning += 1
             assert batch.versions[s] == 1  # a sample is as old as its oldest token

@@ -24,7 +24,7 @@ from skyrl_host.errors import UserError
 
 CHECKPOINTS = "checkpoints"
 JOB_RECORD = "job.json"  # in the output folder (the run's job) and in each checkpoint (the job that wrote it)
-BACKEND_STATE = "backend.pt"
+BACKEND_STATE = "backend.safetensors"  # skyrl_host.statefile: no pickle, nothing in it runs on --resume
 BACKEND_SHARDS = "backend"  # the folder a ShardedCheckpoints backend's ranks write into
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -166,20 +166,46 @@ def save_backend_state(folder: pathlib.Path, backend: Any) -> None:
     """The backend's training state into the checkpoint being written in ``folder``: a
     :class:`~skyrl_host.interfaces.ShardedCheckpoints` backend's ranks each write their
     own shards into ``folder/backend/``, any other backend's ``state_dict`` goes to
-    ``folder/backend.pt``."""
+    ``folder/backend.safetensors`` (:mod:`skyrl_host.statefile`)."""
     if _sharded(backend):
         (folder / BACKEND_SHARDS).mkdir(exist_ok=True)
         backend.save_checkpoint(str(folder / BACKEND_SHARDS))
         return
-    import torch
+    from skyrl_host.statefile import save_state
 
-    torch.save(backend.state_dict(), folder / BACKEND_STATE)
+    save_state(backend.state_dict(), folder / BACKEND_STATE)
+
+
+def read_state(folder: pathlib.Path, stem: str) -> Any:
+    """``folder/<stem>.safetensors`` (:func:`skyrl_host.statefile.load_state`); a checkpoint
+    written before that format (``<stem>.pt``) through torch's weights-only loader, which
+    rebuilds tensors and plain values and refuses anything else. Unreadable: a user error
+    naming the file."""
+    import pickle
+
+    from skyrl_host.statefile import load_state
+
+    path = folder / f"{stem}.safetensors"
+    legacy = folder / f"{stem}.pt"
+    if not path.is_file() and legacy.is_file():
+        import torch
+
+        try:
+            return torch.load(legacy, weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+            raise UserError(
+                f"--resume: cannot read {legacy} (a checkpoint of an older skyrl-host, read with torch's weights-only "
+                f"loader, since pickle from a file could run code): {_first_lines(str(exc))}") from None
+    try:
+        return load_state(path)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--resume: cannot read checkpoint {folder}: {_first_lines(str(exc))}") from None
 
 
 def load_backend_state(folder: pathlib.Path, backend: Any, state: Any = None) -> None:
     """Restore the backend's state from the checkpoint in ``folder``: its ``backend/``
     shards (a :class:`~skyrl_host.interfaces.ShardedCheckpoints` backend), else
-    ``backend.load_state_dict`` of its ``backend.pt`` (or of ``state``, already read
+    ``backend.load_state_dict`` of its ``backend.safetensors`` (or of ``state``, already read
     from it). A state the backend refuses (missing or unexpected keys, shape mismatches,
     another format) is a user error naming the checkpoint folder."""
     shards = folder / BACKEND_SHARDS
@@ -194,14 +220,7 @@ def load_backend_state(folder: pathlib.Path, backend: Any, state: Any = None) ->
             raise UserError(f"--resume: checkpoint {folder} does not fit this job's backend: {what}") from None
         return
     if state is None:
-        import pickle
-
-        import torch
-
-        try:
-            state = torch.load(folder / BACKEND_STATE, weights_only=False)
-        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:  # missing or not torch's
-            raise UserError(f"--resume: cannot read checkpoint {folder}: {_first_lines(str(exc))}") from None
+        state = read_state(folder, "backend")
     if not isinstance(state, Mapping):
         raise UserError(f"--resume: checkpoint {folder} holds no backend state ({BACKEND_STATE} holds a {type(state).__name__})")
     try:

@@ -12,6 +12,7 @@ once as a :class:`~skyrl_host.errors.UserError`.
 from __future__ import annotations
 
 import collections.abc
+import math
 import pathlib
 import re
 import tomllib
@@ -207,11 +208,13 @@ def read_toml(path: str | pathlib.Path) -> tuple[dict[str, Any], str]:
     if p.is_dir():
         raise UserError(Problem("is a folder, expected a TOML job file", file=str(path)))
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark some editors write is not TOML
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(Problem(f"cannot read: {exc}", file=str(path))) from None
     try:
         return tomllib.loads(text), text
+    except RecursionError:
+        raise UserError(Problem("invalid TOML: arrays or tables nested too deep", file=str(path))) from None
     except tomllib.TOMLDecodeError as exc:
         msg = str(exc)
         m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
@@ -287,12 +290,15 @@ def make_converter() -> cattrs.Converter:
     """A cattrs converter that never coerces: "1" is not an int, 1.5 is not an int."""
     conv = cattrs.Converter(forbid_extra_keys=True)
     conv.register_structure_hook(bool, _strict(lambda v: isinstance(v, bool), bool))
-    conv.register_structure_hook(int, _strict(lambda v: isinstance(v, int) and not isinstance(v, bool), int))
+    # Numbers reach tensors, seeds and loops: an int fits 64 bits, a float is finite.
+    conv.register_structure_hook(int, _strict(lambda v: isinstance(v, int) and not isinstance(v, bool)
+                                              and -(2**63) <= v < 2**63, int))
     conv.register_structure_hook(
-        float, _strict(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), float)
+        float, _strict(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                       and math.isfinite(v), float)
     )
-    conv.register_structure_hook(str, _strict(lambda v: isinstance(v, str), str))
-    conv.register_structure_hook(pathlib.Path, _strict(lambda v: isinstance(v, str), pathlib.Path))
+    conv.register_structure_hook(str, _strict(lambda v: isinstance(v, str) and "\0" not in v, str))  # NUL: no path, no text
+    conv.register_structure_hook(pathlib.Path, _strict(lambda v: isinstance(v, str) and "\0" not in v, pathlib.Path))
 
     # cattrs would turn the string "+-" into ["+", "-"]; only a TOML array is an array.
     def is_sequence(tp: Any) -> bool:
@@ -393,6 +399,12 @@ def structure_table(
             hint = ""
             if typing.get_origin(tp) is Literal and isinstance(value, str):
                 hint = did_you_mean(value, [str(a) for a in typing.get_args(tp)])
+            if isinstance(value, float) and not math.isfinite(value):
+                hint = " (a finite number is needed)"
+            elif isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+                hint = " (it does not fit a 64-bit integer)"
+            elif isinstance(value, str) and "\0" in value:
+                hint = " (it holds a NUL character)"
             out.add(path, f"expected {describe_type(tp)}, found {_found(value)}{hint}")
     if len(out.problems) > before:
         return None

@@ -275,8 +275,8 @@ try:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=float(group_timeout)))
     result = getattr(module, function)(rank, world, *args)
-    torch.save(result, out + ".tmp")
-    os.replace(out + ".tmp", out)
+    from skyrl_host.statefile import save_state
+    save_state(result, out)
     if barrier == "1":
         dist.barrier()
         dist.destroy_process_group()
@@ -295,8 +295,8 @@ def run_gloo_ranks(path: str | os.PathLike[str], function: str, world: int = 2, 
                    group_timeout: float = 60, barrier: bool = True) -> list[Any]:
     """Run ``function(rank, world, *args)`` from the Python file ``path`` in ``world``
     fresh processes (one torch thread each) joined in one gloo process group (a file
-    store), and return what each rank returned, in rank order (``torch.save`` in the
-    rank, ``torch.load`` here).
+    store), and return what each rank returned, in rank order (a state file,
+    :mod:`skyrl_host.statefile`: plain values, tensors, arrays and rollout batches).
 
     After the function returns, each rank waits for the others (``barrier``) and leaves
     the group; with ``barrier=False`` it exits at once (for a test in which a rank dies on
@@ -308,7 +308,7 @@ def run_gloo_ranks(path: str | os.PathLike[str], function: str, world: int = 2, 
         logs = [open(os.path.join(d, f"rank{r}.log"), "w+") for r in range(world)]
         procs = [
             subprocess.Popen([sys.executable, "-c", _RANK_MAIN, path, function, str(r), str(world),
-                              os.path.join(d, "store"), os.path.join(d, f"rank{r}.pt"), str(group_timeout),
+                              os.path.join(d, "store"), os.path.join(d, f"rank{r}.state"), str(group_timeout),
                               "1" if barrier else "0", *args], stdout=logs[r], stderr=subprocess.STDOUT)
             for r in range(world)
         ]
@@ -335,7 +335,7 @@ def run_gloo_ranks(path: str | os.PathLike[str], function: str, world: int = 2, 
         if failed is not None or any(p.returncode != 0 for p in procs):
             why = f"rank {failed} failed" if failed is not None else f"the ranks ran past {timeout:g} s"
             pytest.fail(f"{why}:\n" + "\n".join(output), pytrace=False)
-        import torch
+        from skyrl_host.statefile import load_state
 
-        return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False)
-                if os.path.exists(os.path.join(d, f"rank{r}.pt")) else None for r in range(world)]
+        return [load_state(os.path.join(d, f"rank{r}.state"))
+                if os.path.exists(os.path.join(d, f"rank{r}.state")) else None for r in range(world)]

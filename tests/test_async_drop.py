@@ -16,9 +16,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 from skyrl_host import hookimpl
+from skyrl_host.statefile import load_state
 from skyrl_host.testing import step_rows
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def test_drop_resume_after_kill_trains_every_prompt_once(skyrl_tiny_rl_job, tmp_
         time.sleep(0.05)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
-    saved = torch.load(ckpt / "rollouts.pt", weights_only=False)
+    saved = load_state(ckpt / "rollouts.safetensors")
     assert saved["stale_samples"] == "drop"
     trained = {r["dataset_position"] for r in step_rows(out) if r["step"] <= 4}
     # The checkpoint accounts for every position not trained by step 4: buffered, to generate again, or new.

@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-import torch
 
+from skyrl_host.statefile import load_state
 from skyrl_host.testing import learning_metrics, step_rows
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_async_resume_after_kill_reproduces_the_uninterrupted_run(skyrl_tiny_rl_
     killed.wait()
     # The checkpoint holds the rollouts generated but not trained: steps 5 and 6 (made with
     # versions 2 and 3, which the resumed run cannot remake), perhaps 7 (version 4).
-    saved = torch.load(ckpt / "rollouts.pt", weights_only=False)
+    saved = load_state(ckpt / "rollouts.safetensors")
     assert saved["steps"][:2] == [5, 6] and set(saved["steps"]) <= {5, 6, 7}
     resumed = subprocess.run([SKYRL, "run", str(path), "--resume"], capture_output=True, text=True, timeout=600,
                              cwd=ROOT)

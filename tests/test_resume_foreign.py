@@ -161,11 +161,14 @@ def test_a_state_the_backend_refuses_is_a_user_error_naming_the_checkpoint(tmp_p
 def test_backend_state_files_that_are_not_ours(tmp_path) -> None:
     import torch
 
-    torch.save(torch.zeros(3), tmp_path / "backend.pt")
+    from skyrl_host.statefile import save_state
+
+    save_state(torch.zeros(3), tmp_path / "backend.safetensors")
     with pytest.raises(UserError) as info:
         load_backend_state(tmp_path, Refuses(RuntimeError("unreached")))
-    assert info.value.render() == f"error: --resume: checkpoint {tmp_path} holds no backend state (backend.pt holds a Tensor)"
-    (tmp_path / "backend.pt").write_bytes(b"garbage")
+    assert info.value.render() == (
+        f"error: --resume: checkpoint {tmp_path} holds no backend state (backend.safetensors holds a Tensor)")
+    (tmp_path / "backend.safetensors").write_bytes(b"garbage")
     with pytest.raises(UserError) as info:
         load_backend_state(tmp_path, Refuses(RuntimeError("unreached")))
     assert info.value.render().startswith(f"error: --resume: cannot read checkpoint {tmp_path}: ")
@@ -199,7 +202,7 @@ def test_a_sharded_backend_writes_and_reads_its_own_folder(tmp_path) -> None:
     be = Shards()
     save_backend_state(tmp_path, be)
     assert be.calls == [("save", str(tmp_path / "backend"))] and (tmp_path / "backend").is_dir()
-    assert not (tmp_path / "backend.pt").exists()
+    assert not (tmp_path / "backend.safetensors").exists()
     load_backend_state(tmp_path, be)
     assert be.calls[-1] == ("load", str(tmp_path / "backend"))
     # A backend without the capability cannot read it; a refused folder names the checkpoint.

@@ -14,6 +14,7 @@ import pytest
 
 from skyrl_host import hookimpl
 from skyrl_host.interfaces import Task
+from skyrl_host.statefile import load_state
 from skyrl_host.testing import learning_metrics, step_rows
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def test_rl_job_runs_and_saves_a_loadable_model(skyrl_cli, skyrl_tiny_rl_job, tm
     model = transformers.AutoModelForCausalLM.from_pretrained(final)
     tok = transformers.AutoTokenizer.from_pretrained(final)
     ids = torch.tensor([tok.encode("reverse 123:")])
-    ckpt = torch.load(sorted((out / "checkpoints").iterdir())[-1] / "backend.pt", weights_only=False)
+    ckpt = load_state(sorted((out / "checkpoints").iterdir())[-1] / "backend.safetensors")
     state = {k: v for k, v in ckpt["model"].items()} if "model" in ckpt else None
     assert state is not None
     ref = transformers.AutoModelForCausalLM.from_pretrained(final)

@@ -8,21 +8,30 @@ from typing import Any, Mapping, Protocol
 
 
 def save_rng(path: pathlib.Path) -> None:
-    """torch's, Python's and numpy's global random state, to ``path``."""
+    """torch's, Python's and numpy's global random state, to ``path`` (a state file:
+    :mod:`skyrl_host.statefile`)."""
     import numpy as np
     import torch
 
-    torch.save({"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+    from skyrl_host.statefile import save_state
+
+    save_state({"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                 "numpy_rng": np.random.get_state()}, path)
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: Any, where: pathlib.Path) -> None:
+    """Set the random states :func:`save_rng` saved; a state that does not fit is a user error."""
     import numpy as np
     import torch
 
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    np.random.set_state(state["numpy_rng"])
+    from skyrl_host.errors import UserError
+
+    try:
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise UserError(f"--resume: the random states in {where} do not fit ({type(exc).__name__}: {exc})") from None
 
 
 class StepDriver(Protocol):

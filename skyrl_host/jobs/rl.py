@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, save_backend_state
+from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, read_state, save_backend_state
 from skyrl_host.contracts import has, shares_trainer_tensors
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
@@ -69,9 +69,9 @@ SLOTS = {
 
 @attrs.frozen
 class RLConfig:
-    batch_size: int = option(32, help="prompts per step (groups)", validator=gt(0))
-    n_samples: int = option(8, help="responses sampled per prompt (the group size)", validator=gt(0))
-    max_new_tokens: int = option(16, help="new-token limit per response", validator=gt(0))
+    batch_size: int = option(32, help="prompts per step (groups)", validator=in_interval(1, 1 << 20))
+    n_samples: int = option(8, help="responses sampled per prompt (the group size)", validator=in_interval(1, 1 << 16))
+    max_new_tokens: int = option(16, help="new-token limit per response", validator=in_interval(1, 1 << 24))
     checkpoint_every: int = option(50, help="steps between checkpoints (0: only at the end)", validator=ge(0))
     keep_checkpoints: int = option(2, help="checkpoints kept on disk", validator=gt(0))
     save_final: bool = option(True, help="write the final model as a Hugging Face folder in <output_dir>/final")
@@ -564,38 +564,32 @@ class RLDriver:
     # -- checkpoints ----------------------------------------------------------------
 
     def _save_checkpoint(self, step: int) -> None:
-        import torch
+        from skyrl_host.statefile import save_state
 
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
             save_backend_state(folder, self.backend)
-            save_rng(folder / "rng.pt")
+            save_rng(folder / "rng.safetensors")
             (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
             if self.pipeline is not None and self.cfg.stale_samples == "drop":
                 # By dataset position, with the versions that made them; and the positions not generated yet.
                 pending = self.pipeline.pending()
-                torch.save({"stale_samples": "drop", "positions": sorted(pending["ready"]),
+                save_state({"stale_samples": "drop", "positions": sorted(pending["ready"]),
                             "rollouts": {p: r for p, (_, r) in pending["ready"].items()},
                             "versions": {p: v for p, (v, _) in pending["ready"].items()},
                             "regenerate": pending["todo"], "next_position": pending["next_position"]},
-                           folder / "rollouts.pt")
+                           folder / "rollouts.safetensors")
             elif self.pipeline is not None:  # generated, not trained yet: made with weights a resume cannot remake
                 pending = self.pipeline.pending(through=step + self.cfg.max_staleness)
-                torch.save({"steps": sorted(pending), "rollouts": pending}, folder / "rollouts.pt")
+                save_state({"steps": sorted(pending), "rollouts": pending}, folder / "rollouts.safetensors")
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:
-        import torch
-
-        try:
-            rng = torch.load(folder / "rng.pt", weights_only=False)
-        except (OSError, RuntimeError) as exc:
-            raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
+        rng = read_state(folder, "rng")
         load_backend_state(folder, self.backend)
-        restore_rng(rng)
-        if self.cfg.mode == "async" and (folder / "rollouts.pt").is_file():
-            try:
-                saved = torch.load(folder / "rollouts.pt", weights_only=False)
-            except (OSError, RuntimeError) as exc:
-                raise UserError(f"--resume: cannot read checkpoint {folder / 'rollouts.pt'}: {exc}") from None
+        restore_rng(rng, folder)
+        if self.cfg.mode == "async" and any((folder / f"rollouts.{x}").is_file() for x in ("safetensors", "pt")):
+            saved = read_state(folder, "rollouts")
+            if not isinstance(saved, dict):
+                raise UserError(f"--resume: {folder}'s rollouts hold a {type(saved).__name__}, not what this job wrote")
             written = saved.get("stale_samples", "wait")
             if written != self.cfg.stale_samples:
                 raise UserError(f"--resume: checkpoint {folder} was written with [job] stale_samples = \"{written}\", "

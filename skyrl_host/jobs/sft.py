@@ -32,7 +32,7 @@ from typing import Any, Literal, Mapping, Sequence
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, save_backend_state
+from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, read_state, save_backend_state
 from skyrl_host.config import locate_keys
 from skyrl_host.contracts import has
 from skyrl_host.errors import Problem, UserError
@@ -469,14 +469,12 @@ class SFTDriver:
     def _save_checkpoint(self, step: int) -> None:
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
             save_backend_state(folder, self.backend)
-            save_rng(folder / "rng.pt")
+            save_rng(folder / "rng.safetensors")
             (folder / "driver.json").write_text(json.dumps(self._driver_state(step)))
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:
-        import torch
-
+        rng = read_state(folder, "rng")
         try:
-            rng = torch.load(folder / "rng.pt", weights_only=False)
             driver = json.loads((folder / "driver.json").read_text())
         except (OSError, RuntimeError, ValueError) as exc:
             raise UserError(f"--resume: cannot read checkpoint {folder}: {exc}") from None
@@ -486,7 +484,7 @@ class SFTDriver:
             )
         load_backend_state(folder, self.backend)
         self.data.load_state_dict(driver)
-        restore_rng(rng)
+        restore_rng(rng, folder)
 
     def _save_final(self) -> None:
         self.placement.save_final(str(self.run_.output_dir / "final"))

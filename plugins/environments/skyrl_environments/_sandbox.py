@@ -15,8 +15,13 @@ new PID namespace, which:
   RLIMIT_NOFILE, RLIMIT_FSIZE, RLIMIT_CORE = 0), drops to a fresh unprivileged uid
   and gid (random, unused by anything else: no capabilities left, and the process
   count limit counts this run's processes only), sets no_new_privs (setuid programs
-  in /usr cannot give root back) and execs ``python -I -S -B /code/main.py`` with a
-  minimal environment.
+  in /usr cannot give root back), installs a seccomp filter under which the kernel's
+  key management (``add_key``, ``request_key``, ``keyctl``: the caller's session
+  keyring is inherited across fork) fails with EPERM, and execs
+  ``python -I -S -B /code/main.py`` with a minimal environment.
+
+The tmpfs is bounded in bytes (``disk_bytes``) and in files (``disk_files`` inodes, plus
+the ~20 the setup uses): empty files cost kernel memory, not bytes.
 
 The network namespace has only a loopback device, down: no connection can leave,
 not even to the host's 127.0.0.1. When the first process of the PID namespace ends
@@ -61,11 +66,12 @@ class SandboxLimits:
     max_processes: int = 16  # RLIMIT_NPROC, for the run's uid (this run only)
     output_bytes: int = 64 * 2**10  # kept per stream (stdout, stderr)
     disk_bytes: int = 32 * 2**20  # the tmpfs holding /work and /tmp
+    disk_files: int = 4096  # inodes of that tmpfs (files, folders, links): kernel memory stays bounded too
     open_files: int = 64
 
     def __post_init__(self):
         for name in ("wall_seconds", "cpu_seconds", "memory_bytes", "max_processes",
-                     "output_bytes", "disk_bytes", "open_files"):
+                     "output_bytes", "disk_bytes", "disk_files", "open_files"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -135,7 +141,7 @@ def run_python(code: str, *, stdin: str = "", limits: SandboxLimits | None = Non
             "exe": exe, "prefix": prefix, "uid": uid, "root": mountpoint, "status_fd": status_w,
             "wall": float(limits.wall_seconds),
             "cpu": int(limits.cpu_seconds), "memory": int(limits.memory_bytes),
-            "nproc": int(limits.max_processes), "disk": int(limits.disk_bytes),
+            "nproc": int(limits.max_processes), "disk": int(limits.disk_bytes), "inodes": int(limits.disk_files),
             "nofile": int(limits.open_files), "fsize": int(limits.disk_bytes),
         }).encode()
         payload = b"".join(struct.pack("<Q", len(part)) + part
@@ -307,8 +313,8 @@ def _libc():
     def unshare(flags):
         check(libc.unshare(ctypes.c_int(flags)), "unshare")
 
-    def prctl(option, arg):
-        check(libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0),
+    def prctl(option, arg, arg2=0):
+        check(libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(arg2),
                          ctypes.c_ulong(0), ctypes.c_ulong(0)), f"prctl {option}")
 
     return mount, unshare, prctl
@@ -397,7 +403,9 @@ def _setup_child(request, code, stdin_data, mount, prctl):
 
     root, prefix, uid = request["root"], request["prefix"], request["uid"]
     mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={request['disk']},mode=755")
+    # the setup's own files and folders (/usr, /dev, /code, ...) need ~20 inodes beyond the code's
+    mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV,
+          f"size={request['disk']},nr_inodes={request['inodes'] + 64},mode=755")
 
     def bind_ro(src, dst, device=False):
         if device:
@@ -448,6 +456,51 @@ def _setup_child(request, code, stdin_data, mount, prctl):
     prctl(_PR_SET_NO_NEW_PRIVS, 1)
     if os.getuid() != uid or os.geteuid() != uid:
         raise OSError("could not drop to the sandbox uid")
+    _deny_keyrings(prctl)
+
+
+# The kernel's key management (add_key, request_key, keyctl) reaches the caller's session
+# keyring, which a fork inherits, and keeps keyrings after the run: the code gets EPERM.
+_KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO, _SECCOMP_RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_EPERM = 1
+
+
+def _deny_keyrings(prctl):
+    """A seccomp filter (after no_new_privs, before exec; it survives exec and fork): the
+    key syscalls fail with EPERM; a syscall of another architecture than this one kills
+    the process (a 32-bit syscall table would number the key syscalls differently)."""
+    import ctypes
+    import platform
+
+    machine = platform.machine()
+    if machine not in _KEY_SYSCALLS:
+        raise OSError(f"no seccomp filter for this architecture ({machine})")
+    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    calls = _KEY_SYSCALLS[machine]
+    n = len(calls)
+    # 0 arch?  2 kill  3 nr  4 x32 (nr >= 2**30 on x86-64)?  5.. key calls?  5+n allow  6+n EPERM  7+n kill
+    prog = [(ld_abs, 0, 0, 4),  # seccomp_data.arch
+            (jeq, 1, 0, _AUDIT_ARCH[machine]),
+            (ret, 0, 0, _SECCOMP_RET_KILL_PROCESS),
+            (ld_abs, 0, 0, 0),  # seccomp_data.nr
+            (jge, n + 2, 0, 0x40000000)]
+    for i, nr in enumerate(calls):
+        prog.append((jeq, n - i, 0, nr))
+    prog += [(ret, 0, 0, _SECCOMP_RET_ALLOW), (ret, 0, 0, _SECCOMP_RET_ERRNO | _EPERM),
+             (ret, 0, 0, _SECCOMP_RET_KILL_PROCESS)]
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(prog))(*[Filter(*f) for f in prog])
+    program = Prog(len(prog), ctypes.cast(filters, ctypes.POINTER(Filter)))
+    prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(program))
 
 
 if __name__ == "__main__":

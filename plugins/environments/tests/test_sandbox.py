@@ -334,3 +334,51 @@ def test_limits_are_checked():
         SandboxLimits(wall_seconds=0)
     with pytest.raises(ValueError, match="memory_bytes must be > 0"):
         SandboxLimits(memory_bytes=-1)
+
+
+def test_the_callers_keyrings_are_out_of_reach_and_none_is_left():
+    """keyctl / add_key / request_key fail with EPERM inside (on 82d5798 model-written code
+    read, added to and cleared the trainer's session keyring, and runs left keyrings)."""
+    import platform
+
+    calls = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[platform.machine()]
+    code = textwrap.dedent(f"""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        add_key, request_key, keyctl = {calls}
+        out = []
+        # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, 1), add_key("user", "x", "v", 1, @s)
+        for nr, args in ((keyctl, (0, -3, 1)), (add_key, (b"user", b"x", b"v", 1, -3)),
+                         (request_key, (b"user", b"x", None, 0))):
+            ret = libc.syscall(nr, *args)
+            out.append((ret, os.strerror(ctypes.get_errno())))
+        print(out)
+    """)
+    keys_before = Path("/proc/keys").read_text().count("\n") if Path("/proc/keys").exists() else None
+    result = run_python(code)
+    assert result.ok, result.stderr
+    assert result.stdout.strip() == str([(-1, "Operation not permitted")] * 3)
+    if keys_before is not None:  # nothing new in the kernel's key list (as far as this namespace sees)
+        assert Path("/proc/keys").read_text().count("\n") <= keys_before
+    assert_host_fine()
+
+
+def test_files_are_bounded_by_count_as_well_as_bytes():
+    """Empty files cost no bytes but kernel memory: the tmpfs has an inode limit (on
+    82d5798 650k empty files cost 642 MiB)."""
+    code = textwrap.dedent("""
+        import os
+        made = 0
+        try:
+            for i in range(100_000):
+                open(f"f{i}", "w").close()
+                made += 1
+        except OSError as e:
+            print(made, e.strerror)
+    """)
+    result = run_python(code, limits=SandboxLimits(disk_files=500))
+    assert result.ok, result.stderr
+    made, reason = result.stdout.split(" ", 1)
+    assert 450 <= int(made) <= 500 + 64 and reason.strip() == "No space left on device", result.stdout  # + the setup's
+    with pytest.raises(ValueError, match="disk_files"):
+        SandboxLimits(disk_files=0)

@@ -47,6 +47,7 @@ OPEN_ROUTES = {"/api/v1/healthz"}
 
 
 KEEP_SECONDS = 900.0  # a finished future's result stays retrievable this long (the SDK retries a lost poll)
+MAX_SEQ_AHEAD = 1 << 20  # how far past the last seq_id run a model's next request may be
 
 
 class Future:
@@ -147,6 +148,14 @@ class App(SamplingRoutes):
                 return web.json_response({"error": f"{exc.reason}: {request.method} {request.path}"}, status=exc.status)
             raise
 
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object: at most ``max_json_bytes`` (413), parsed in a thread when large."""
+        raw = await request.read()
+        limit = int(self.spec.server.max_json_bytes)
+        if len(raw) > limit:
+            raise BadRequest(f"the body has {len(raw)} bytes, more than the {limit} a JSON request may have", status=413)
+        return _body_json(raw) if len(raw) <= 1 << 16 else await asyncio.to_thread(_body_json, raw)
+
     async def _compute(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
 
@@ -223,6 +232,9 @@ class App(SamplingRoutes):
             queue = self.queues.setdefault(model_id, ModelQueue(self.spec.server.order_wait_seconds))
             if seq_id <= queue.last:
                 raise BadRequest(f"seq_id {seq_id} arrived after seq_id {queue.last} of model {model_id!r} ran")
+            if seq_id > queue.last + MAX_SEQ_AHEAD:  # the SDK counts up from 1; a leap would strand later calls
+                raise BadRequest(f"seq_id {seq_id} is more than {MAX_SEQ_AHEAD} past the last one of model "
+                                 f"{model_id!r} that ran ({queue.last})")
         request_id, future = self._new_future()
         record = Record(request_id, model_id, seq_id)
         if seq_id is None:
@@ -245,7 +257,7 @@ class App(SamplingRoutes):
         return web.json_response({})
 
     async def create_session(self, request: web.Request) -> web.Response:
-        _body_json(await request.read())
+        (await self._json(request))
         session_id = uuid.uuid4().hex
         await self._compute(lambda: self.store.add_session(session_id))
         self.sessions[session_id] = {"finished": False}
@@ -257,13 +269,13 @@ class App(SamplingRoutes):
         return self.sessions[session_id]
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        session = self._session(_body_json(await request.read()).get("session_id"))
+        session = self._session((await self._json(request)).get("session_id"))
         if session["finished"]:
             raise BadRequest("session finished", status=410)
         return web.json_response({"type": "session_heartbeat"})
 
     async def telemetry(self, request: web.Request) -> web.Response:
-        _body_json(await request.read())
+        (await self._json(request))
         return web.json_response({"status": "accepted"})
 
     async def finish(self, request: web.Request) -> web.Response:
@@ -280,7 +292,7 @@ class App(SamplingRoutes):
     # -- training ---------------------------------------------------------------------
 
     async def create_model(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
+        body = (await self._json(request))
         session_id = _get(body, "session_id", str)
         self._session(session_id)
         model_seq_id = _get(body, "model_seq_id", int)
@@ -324,7 +336,7 @@ class App(SamplingRoutes):
         return {"request_id": request_id, "model_id": model_id}
 
     async def get_info(self, request: web.Request) -> web.Response:
-        model_id = _get(_body_json(await request.read()), "model_id", str)
+        model_id = _get((await self._json(request)), "model_id", str)
         tm = self.service.model(model_id)
         return web.json_response({
             "type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": tm.rank, "model_name": tm.base,
@@ -332,7 +344,7 @@ class App(SamplingRoutes):
         })
 
     async def unload_model(self, request: web.Request) -> web.Response:
-        model_id = _get(_body_json(await request.read()), "model_id", str)
+        model_id = _get((await self._json(request)), "model_id", str)
         self.service.model(model_id)
 
         def run(record: Record) -> dict[str, Any]:
@@ -343,11 +355,13 @@ class App(SamplingRoutes):
         return web.json_response(self._model_future(model_id, None, "json", run))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
-        raw = _wire.decompress(await request.read(), request.headers.get("Content-Encoding"))
         if _wire.PROTOBUF not in request.headers.get("Content-Type", ""):
             raise BadRequest(f"forward_backward takes a protobuf ForwardBackwardRequest (Content-Type: {_wire.PROTOBUF})",
                              status=415)
-        req = _wire.forward_backward_request(raw)
+        body, encoding = await request.read(), request.headers.get("Content-Encoding")
+        limit = int(self.spec.server.max_body_bytes)
+        # off the event loop: inflating and parsing a large body must not stall every other client
+        req = await asyncio.to_thread(lambda: _wire.forward_backward_request(_wire.decompress(body, encoding, limit)))
         if not req["data"]:
             raise BadRequest("data: no datum")
 
@@ -361,7 +375,7 @@ class App(SamplingRoutes):
         return web.json_response(self._model_future(req["model_id"], req["seq_id"] or None, "proto", run))
 
     async def optim_step(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
+        body = (await self._json(request))
         model_id = _get(body, "model_id", str)
         seq_id = _get(body, "seq_id", int, required=False)
         params = _get(body, "optim_params", dict, required=False) or _get(body, "adam_params", dict)
@@ -405,7 +419,7 @@ class App(SamplingRoutes):
         self.service.restore_model(model_id, tm.base, tm.rank, tm.seed, self.durable.get(model_id), grads_lost, tm.parts)
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
+        body = (await self._json(request))
         model_id = _get(body, "model_id", str)
         seq_id = _get(body, "seq_id", int, required=False)
         name = _get(body, "path", str, required=False)
@@ -430,7 +444,7 @@ class App(SamplingRoutes):
         return web.json_response(self._model_future(model_id, seq_id, "json", run))
 
     async def save_weights(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
+        body = (await self._json(request))
         model_id = _get(body, "model_id", str)
         seq_id = _get(body, "seq_id", int, required=False)
         name = _get(body, "path", str, required=False) or f"state-{uuid.uuid4().hex[:12]}"
@@ -444,7 +458,7 @@ class App(SamplingRoutes):
         return web.json_response(self._model_future(model_id, seq_id, "json", run))
 
     async def load_weights(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
+        body = (await self._json(request))
         path = _get(body, "path", str)
         optimizer = _get(body, "optimizer", bool, required=False, default=False)
         model_id = _get(body, "model_id", str, required=False)
@@ -480,7 +494,7 @@ class App(SamplingRoutes):
     # -- futures ------------------------------------------------------------------------
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
-        request_id = _get(_body_json(await request.read()), "request_id", str)
+        request_id = _get((await self._json(request)), "request_id", str)
         future = self.futures.get(request_id)
         if future is None:
             started = self.past_boots.get(request_id[:len(self.boot)])
@@ -510,7 +524,7 @@ STATE = web.AppKey("state", App)
 
 def make_app(spec: Any, service: Service, store: Store, loaded: Loaded) -> web.Application:
     state = App(spec, service, store, loaded)
-    app = web.Application(middlewares=[state.middleware], client_max_size=_wire.MAX_BODY)
+    app = web.Application(middlewares=[state.middleware], client_max_size=int(spec.server.max_body_bytes))
     app[STATE] = state
     post, get = web.post, web.get
     v1 = "/api/v1"

@@ -77,6 +77,14 @@ class ServerSection:
         1 << 22, help="admission control: past this many tokens (prompt + max_tokens) of sampling requests queued or "
         "decoding, asample answers 429", validator=gt(0),
     )
+    max_json_bytes: int = option(
+        8 << 20, help="the largest JSON request body (413 past it); bodies over 64 KiB are parsed off the event loop",
+        validator=gt(0),
+    )
+    max_body_bytes: int = option(
+        256 << 20, help="the largest forward_backward body, decompressed (a zstd body that would inflate past it is "
+        "refused with 413 before it is); decompressed and parsed off the event loop", validator=gt(0),
+    )
     route_cache_bytes: int = option(
         1 << 30, help="bound of what sampling requests with record_stability_info keep for replay (routes of MoE "
         "bases, kept sets): past it the least recently used sequences are evicted and score without replay",

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping
 
 from skyrl_server._errors import BadRequest
 
 
+def _no_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
 def _body_json(raw: bytes) -> dict[str, Any]:
     try:
-        value = json.loads(raw or b"{}")
+        value = json.loads(raw or b"{}", parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"the body is not JSON ({exc})") from None
+    except RecursionError:
+        raise BadRequest("the body is JSON nested too deep") from None
     if not isinstance(value, dict):
         raise BadRequest("the body must be a JSON object")
     return value
@@ -31,4 +38,9 @@ def _get(body: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, re
     if not isinstance(value, kind):
         names = "/".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise BadRequest(f"{key}: expected {names}, found {type(value).__name__}")
+    # Numbers reach tensors, stores and generators: a 64-bit integer, a finite float.
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        raise BadRequest(f"{key}: {value} does not fit a 64-bit integer")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"{key}: expected a finite number, found {value}")
     return value

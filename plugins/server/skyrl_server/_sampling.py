@@ -119,7 +119,11 @@ class SamplingMixin:
         if stop_strings and base.loaded.tokenizer is None:
             raise BadRequest("sampling_params.stop: stop strings need a tokenizer, and this model has none")
         temperature, top_k, top_p = _sampling_values(params)
+        if top_k >= base.vocab:  # keeps every token: the same as off (and no top-k over more than the vocabulary)
+            top_k = 0
         seed = params.get("seed")
+        if seed is not None and not 0 <= int(seed) < 2**63:
+            raise BadRequest(f"sampling_params.seed must be in [0, 2**63), found {seed}")
         seed = int(seed) if seed is not None else int(np.random.default_rng().integers(0, 2**31 - 1))
         batcher = self.batcher(base)
         limit = int(self.spec.server.max_queued_tokens)

@@ -9,7 +9,6 @@ import numpy as np
 
 from skyrl_server._errors import BadRequest
 
-MAX_BODY = 1 << 30  # the largest (decompressed) body accepted
 
 PROTOBUF = "application/x-protobuf"
 
@@ -20,8 +19,11 @@ def _pb() -> Any:
     return tinker_public_pb2
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
-    """The body as sent before ``Content-Encoding`` (zstd or none)."""
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body as sent before ``Content-Encoding`` (zstd or none), at most ``limit`` bytes
+    (413 past it: a small zstd frame can claim gigabytes)."""
+    if len(body) > limit:
+        raise BadRequest(f"the body has {len(body)} bytes, more than the {limit} this server takes", status=413)
     if not encoding or encoding == "identity":
         return body
     if encoding != "zstd":
@@ -29,9 +31,22 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     import zstandard
 
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY)
+        params = zstandard.get_frame_parameters(body)
     except zstandard.ZstdError as exc:
         raise BadRequest(f"the zstd body does not decompress: {exc}") from None
+    if params.content_size > limit:  # 0 or -1 when the frame does not say: the streaming bound below holds
+        raise BadRequest(f"the zstd body inflates to {params.content_size} bytes, more than the {limit} this server "
+                         "takes", status=413)
+    out = bytearray()
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        while chunk := reader.read(1 << 20):
+            out += chunk
+            if len(out) > limit:
+                raise BadRequest(f"the zstd body inflates past the {limit} bytes this server takes", status=413)
+    except zstandard.ZstdError as exc:
+        raise BadRequest(f"the zstd body does not decompress: {exc}") from None
+    return bytes(out)
 
 
 def _array(msg: Any, what: str) -> np.ndarray:

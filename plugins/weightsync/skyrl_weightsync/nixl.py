@@ -148,9 +148,10 @@ class NixlInWorkers:
 
     def connect(self, endpoints: Any) -> None:
         import base64
-        import pickle
 
-        raw = [e if isinstance(e, (bytes, bytearray)) else pickle.dumps(dict(e)) for e in endpoints]
+        from skyrl_host.statefile import dumps_state
+
+        raw = [e if isinstance(e, (bytes, bytearray)) else dumps_state(dict(e)) for e in endpoints]
         self.recipe = {"factory": "skyrl_weightsync._nixl.receiver:worker_receiver",
                        "kwargs": {"endpoints": [base64.b64encode(bytes(e)).decode() for e in raw],
                                   "backend": self.config.backend, "timeout_s": self.config.timeout_s}}

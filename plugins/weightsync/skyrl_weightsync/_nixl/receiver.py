@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import base64
 import math
-import pickle
 import time
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from skyrl_host.statefile import loads_state
 
 from .agent import NixlError, agent_name, make_agent, memory_of
 from .sender import FORMAT, HEADER_BYTES
@@ -68,7 +69,13 @@ class NixlReceiver:
         """Take every trainer rank's ``endpoint()`` and prepare the reads this engine rank
         needs (again: after a trainer restarted, or to change peers)."""
         self._disconnect()
-        eps = [pickle.loads(e) if isinstance(e, (bytes, bytearray)) else dict(e) for e in endpoints]
+        try:  # a state file's bytes (no pickle: an endpoint can come from another process)
+            eps = [loads_state(e, "a trainer rank's endpoint") if isinstance(e, (bytes, bytearray)) else dict(e)
+                   for e in endpoints]
+        except ValueError as exc:
+            raise NixlError(f"connect: {exc}") from None
+        if not all(isinstance(ep, dict) for ep in eps):
+            raise NixlError("connect: an endpoint is not a mapping")
         if not eps:
             raise NixlError("connect: no endpoints")
         for ep in eps:

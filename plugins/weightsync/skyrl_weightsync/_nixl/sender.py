@@ -5,12 +5,13 @@ where everything is (imports torch; NIXL when the sender starts)."""
 from __future__ import annotations
 
 import math
-import pickle
 import time
 import types
 from typing import Any, Iterable
 
 import torch
+
+from skyrl_host.statefile import dumps_state
 
 from .agent import NixlError, Poller, agent_name, make_agent, memory_of
 from .shards import ALIGN, align_up, placement_of, storage_key
@@ -131,11 +132,12 @@ class NixlSender:
                 "sync_publish_s": time.perf_counter() - t0}
 
     def endpoint(self) -> bytes:
-        """What receivers need to read from this rank (picklable bytes; valid after the first publish)."""
+        """What receivers need to read from this rank (the bytes of a state file,
+        :func:`skyrl_host.statefile.dumps_state`: no pickle; valid after the first publish)."""
         if self._plan is None:
             raise NixlError("endpoint() before the first publish: the layout and the buffers come with it")
         if self._endpoint is None:
-            self._endpoint = pickle.dumps({
+            self._endpoint = dumps_state({
                 "format": FORMAT, "agent": self.agent_name, "metadata": self.agent.get_agent_metadata(),
                 "rank": self.rank, "world": self.world, "dtype": self.dtype,
                 "header": {"addr": self._header.data_ptr(), "nbytes": HEADER_BYTES, "dev": 0, "mem": "DRAM"},

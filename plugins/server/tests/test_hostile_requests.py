@@ -1,0 +1,150 @@
+"""Requests a careless or hostile key holder sends (SECURITY.md): each is answered by
+itself with a 4xx and one line, and every other client's requests finish as if it had
+not been sent. Each case failed on 82d5798 (issue 35: a top_k of 1e21 failed the shared
+decode batch for everyone; a 30 KB zstd body inflated to gigabytes on the event loop;
+JSON nested 100k deep answered 500; a seq_id of 2**70 stranded its model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import zstandard
+
+aiohttp = pytest.importorskip("aiohttp")
+
+BASE = "skyrl/qwen-tiny"
+KEY = "tml-hostile-key"
+PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    from skyrl_server.testing import serving
+
+    folder = tmp_path_factory.mktemp("hostile")
+    with serving(folder, f"""
+[server]
+api_keys = ["{KEY}"]
+storage = "{folder / 'storage'}"
+max_lora_rank = 4
+poll_seconds = 2
+order_wait_seconds = 0.2
+max_json_bytes = 65536
+max_body_bytes = 1048576
+
+[models."{BASE}"]
+family = "qwen"
+preset = "tiny"
+alphabet = "0123456789:"
+""") as served:
+        yield f"{served.url}/api/v1"
+
+
+async def post(s, url, route, data, headers=None):
+    body = data if isinstance(data, (bytes, str)) else json.dumps(data)
+    async with s.post(f"{url}/{route}", data=body, headers={"Content-Type": "application/json", "X-API-Key": KEY,
+                                                             **(headers or {})}) as r:
+        raw = await r.read()
+        value = json.loads(raw) if r.content_type == "application/json" else raw
+        return r.status, value
+
+
+async def result(s, url, reply):
+    for _ in range(200):
+        status, value = await post(s, url, "retrieve_future", {"request_id": reply["request_id"]})
+        if not (isinstance(value, dict) and value.get("type") == "try_again"):
+            return status, value
+    raise AssertionError("no result")
+
+
+def sample(**params):
+    return {"base_model": BASE, "num_samples": 2, "prompt": PROMPT,
+            "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 1, **params}}
+
+
+def test_odd_sampling_numbers_fail_alone_and_the_batch_goes_on(url) -> None:
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            normal = [await post(s, url, "asample", sample(seed=i)) for i in range(6)]
+            odd = {
+                "top_k 1e21": sample(top_k=10**21),       # past int64: refused at the route
+                "top_k past the vocabulary": sample(top_k=2**40),  # keeps every token: served as top_k off
+                "seed 2**70": sample(seed=2**70),
+                "negative seed": sample(seed=-5),
+                "NaN temperature": json.dumps(sample()).replace('"temperature": 1.0', '"temperature": NaN'),
+                "inf top_p": json.dumps(sample()).replace('"temperature": 1.0', '"top_p": Infinity'),
+                "max_tokens 2**62": sample(max_tokens=2**62),
+            }
+            answers = {name: await post(s, url, "asample", body) for name, body in odd.items()}
+            more = [await post(s, url, "asample", sample(seed=10 + i)) for i in range(6)]
+            outcomes = {}
+            for name, (status, value) in answers.items():
+                if status == 200:
+                    status, value = await result(s, url, value)
+                outcomes[name] = (status, value if isinstance(value, dict) else "result")
+            finished = [await result(s, url, v) for st, v in normal + more if st == 200]
+            return normal + more, finished, outcomes
+
+    sent, finished, outcomes = asyncio.run(main())
+    assert all(st == 200 for st, _ in sent) and len(finished) == 12
+    assert all(st == 200 and isinstance(v, bytes) for st, v in finished)  # every other request sampled
+    assert outcomes["top_k past the vocabulary"] == (200, "result")
+    for name in ("top_k 1e21", "seed 2**70", "negative seed", "NaN temperature", "inf top_p", "max_tokens 2**62"):
+        status, value = outcomes[name]
+        assert 400 <= status < 500 and "\n" not in value["error"], (name, outcomes[name])
+    assert "does not fit a 64-bit integer" in outcomes["top_k 1e21"][1]["error"]
+    assert "seed must be in [0, 2**63)" in outcomes["seed 2**70"][1]["error"]
+
+
+def test_big_bombed_and_deep_bodies_are_refused_without_stalling_others(url) -> None:
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            deep = "[" * 100_000 + "]" * 100_000
+            big = json.dumps({"tags": ["x" * 70_000], "sdk_version": "0.38.0"})
+            bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))  # 64 MiB of zeros in ~2 KB
+            t0 = time.monotonic()
+            answers = {
+                "deep JSON": await post(s, url, "create_session", deep),
+                "JSON over max_json_bytes": await post(s, url, "create_session", big),
+                "zstd bomb": await post(s, url, "forward_backward", bomb,
+                                        {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}),
+                "gzip": await post(s, url, "forward_backward", b"x",
+                                   {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"}),
+            }
+            elapsed = time.monotonic() - t0
+            fine = await post(s, url, "create_session", {"tags": [], "sdk_version": "0.38.0"})
+            return answers, elapsed, fine, len(bomb)
+
+    answers, elapsed, fine, bomb_bytes = asyncio.run(main())
+    assert bomb_bytes < 10_000
+    assert answers["deep JSON"][0] == 400 and "nested too deep" in answers["deep JSON"][1]["error"]
+    assert answers["JSON over max_json_bytes"][0] == 413
+    assert answers["zstd bomb"][0] == 413 and "inflates" in answers["zstd bomb"][1]["error"]
+    assert answers["gzip"][0] == 415
+    assert fine[0] == 200
+    assert elapsed < 30  # nothing inflated to its claimed size (64 MiB of JSON parsing would take far longer)
+
+
+def test_a_seq_id_leap_is_refused_and_the_model_keeps_serving(url) -> None:
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            _, created = await post(s, url, "create_session", {"tags": [], "sdk_version": "0.38.0"})
+            lora = {"session_id": created["session_id"], "model_seq_id": 0, "base_model": BASE,
+                    "lora_config": {"rank": 2, "seed": 1}}
+            _, fut = await post(s, url, "create_model", lora)
+            await result(s, url, fut)
+            mid = fut["model_id"]
+            adam = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+            huge = await post(s, url, "optim_step", {"model_id": mid, "seq_id": 2**70, "adam_params": adam})
+            leap = await post(s, url, "optim_step", {"model_id": mid, "seq_id": 2**62, "adam_params": adam})
+            ok = await post(s, url, "optim_step", {"model_id": mid, "seq_id": 1, "adam_params": adam})
+            done = await result(s, url, ok[1])
+            return huge, leap, done
+
+    huge, leap, done = asyncio.run(main())
+    assert huge[0] == 400 and "does not fit a 64-bit integer" in huge[1]["error"]
+    assert leap[0] == 400 and "past the last one" in leap[1]["error"]
+    assert done[0] == 200 and done[1].get("type") != "try_again" and "error" not in done[1], done

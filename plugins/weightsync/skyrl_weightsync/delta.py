@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.options import ge, in_interval, option
+from skyrl_host.options import ge, gt, in_interval, option
 from skyrl_weightsync import lazy_exports, wire_dtype_problem
 
 
@@ -80,6 +80,9 @@ class DeltaConfig:
     )
     dtype: Literal["bfloat16", "float32"] = option("bfloat16", help="dtype of the weights on the wire (and in the engine)")
     keyframe_every: int = option(20, help="write a full version every N versions (0: only when needed)", validator=ge(0))
+    max_bytes: int = option(
+        1 << 40, help="the most tensor bytes a version read from the store may claim (a manifest claiming more is "
+        "refused before anything is read or allocated)", validator=gt(0))
     level: int = option(1, help="zstd compression level", validator=in_interval(-7, 22))
     threads: int = option(2, help="zstd compression threads", validator=ge(0))
     background: Literal["auto", "on", "off"] = option(

@@ -16,15 +16,16 @@ from skyrl_host.contracts import has
 from skyrl_host.interfaces import WorkerReceiving
 
 from .codec import checksum, fill, from_bytes, sparse_raw, xor_payload, xor_sparse
-from .store import DeltaError, Store, entry_parts, payload_key, version_dir
+from .store import DEFAULT_MAX_BYTES, DeltaError, Store, entry_parts, payload_key, version_dir
 
 
 class DeltaReceiver:
     """The engine's half: ``fetch()`` (may run while the engine generates), then
     ``apply(engine)`` at a safe point; ``sync(engine)`` does both."""
 
-    def __init__(self, uri: str, *, storage_options: Mapping[str, Any] | None = None):
-        self.store = Store(uri, storage_options)
+    def __init__(self, uri: str, *, storage_options: Mapping[str, Any] | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
+        self.store = Store(uri, storage_options, max_bytes)  # every manifest is checked (store.manifest_problem)
         self.version: int | None = None
         self.epoch: int | None = None
         self._bufs: dict[str, np.ndarray] = {}  # the current bytes of every tensor
@@ -139,6 +140,8 @@ class DeltaReceiver:
         keyframe = m["base"] is None
         if not keyframe and (m["base"] != self.version or epoch != self.epoch):
             raise DeltaError(f"version {version}: based on version {m['base']}, but the receiver has {self.version}")
+        if not keyframe and {e["name"] for e in m["tensors"]} != set(self._bufs):
+            raise DeltaError(f"version {version}: its tensors are not those of version {self.version} it is based on")
         new_bufs: dict[str, np.ndarray] = {}
         try:
             for entry in m["tensors"]:
@@ -267,7 +270,8 @@ class DeltaReceiver:
         """How an engine's own worker processes build this receiver (see
         :class:`skyrl_host.interfaces.WorkerReceiving`)."""
         return {"factory": "skyrl_weightsync.delta:DeltaReceiver",
-                "kwargs": {"uri": self.store.uri, "storage_options": self.storage_options}}
+                "kwargs": {"uri": self.store.uri, "storage_options": self.storage_options,
+                           "max_bytes": self.store.max_bytes}}
 
     def sync(self, engine: Any, target: int | None = None) -> dict[str, float]:
         """Fetch and apply ``target``; an engine whose workers receive weights themselves

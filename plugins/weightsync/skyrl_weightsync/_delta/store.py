@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
@@ -35,6 +36,7 @@ PART_BYTES = 64 << 20
 # on an object store, a request's round trip).
 PACK_BELOW = 1 << 20
 PACK_BYTES = 8 << 20
+DEFAULT_MAX_BYTES = 1 << 40  # a version's tensors, together (1 TiB: a 500B-parameter model in bf16)
 
 
 def parts_of(nbytes: int, part_bytes: int | None = None) -> list[tuple[int, int]]:
@@ -66,8 +68,9 @@ def version_dir(epoch: int, version: int) -> str:
 class Store:
     """The fsspec target: ``uri`` plus options; writes whole objects, atomically."""
 
-    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None):
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
         self.uri = uri.rstrip("/")
+        self.max_bytes = int(max_bytes)  # the most tensor bytes a manifest read from here may claim
         self.endpoint = endpoint_of(dict(storage_options or {}))
         try:
             self.fs, root = fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
@@ -153,9 +156,13 @@ class Store:
             raise DeltaError(f"version {version}: manifest {self.url(rel)} is missing") from None
         except ValueError as exc:
             raise DeltaError(f"version {version}: manifest {self.url(rel)} is not valid JSON ({exc})") from None
-        if data.get("format") not in READABLE_FORMATS or data.get("version") != version or data.get("epoch") != epoch:
-            raise DeltaError(f"version {version}: manifest {self.url(rel)} has format {data.get('format')!r}, "
-                             f"version {data.get('version')!r}")
+        if (not isinstance(data, dict) or data.get("format") not in READABLE_FORMATS or data.get("version") != version
+                or data.get("epoch") != epoch):
+            got = data if not isinstance(data, dict) else {k: data.get(k) for k in ("format", "version", "epoch")}
+            raise DeltaError(f"version {version}: manifest {self.url(rel)} is not this format's manifest of it ({got!r})")
+        problem = manifest_problem(data, self.max_bytes)
+        if problem:
+            raise DeltaError(f"version {version}: manifest {self.url(rel)}: {problem}")
         return data
 
     def commit(self, epoch: int, version: int, manifest: Mapping[str, Any]) -> None:
@@ -163,6 +170,72 @@ class Store:
         ``LATEST`` naming it."""
         self.write(f"{version_dir(epoch, version)}/manifest.json", json.dumps(manifest).encode())
         self.write(LATEST, json.dumps({"epoch": epoch, "version": version}).encode())
+
+
+# The names a sender gives payload objects: a tensor's own (``t00012.zst``, a part of it
+# ``t00012.p0003.zst``) or a pack (``pack0001.zst``). Nothing else is read: no folder, no ``..``.
+_PAYLOAD_NAME = re.compile(r"^(t\d{5,9}(\.p\d{4,9})?|pack\d{4,9})\.zst$")
+_ENCODINGS = ("full", "xor", "sparse_xor", "unchanged")
+
+
+def _dtype_size(name: Any) -> int | None:
+    import torch
+
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else None
+
+
+def manifest_problem(m: Mapping[str, Any], max_bytes: int) -> str | None:
+    """What is wrong with a manifest read from a store (None: nothing), checked before any
+    payload is read or any buffer allocated: every name, dtype, shape and size well formed
+    and consistent (a tensor's bytes = its shape times its dtype's size; its parts cover them
+    in order; payload names only as a sender writes them; compressed sizes no larger than
+    zstd can make them), and all tensors together at most ``max_bytes``."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
+
+    tensors = m.get("tensors")
+    if not isinstance(tensors, list) or "base" not in m or (m["base"] is not None and not is_int(m["base"])):
+        return "its tensor list or base version is malformed"
+    total, names = 0, set()
+    for i, e in enumerate(tensors):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not 0 < len(e["name"]) <= 1024 \
+                or "\0" in e["name"] or e["name"] in names:
+            return f"tensor {i} has no name, a malformed one or a repeated one"
+        name = e["name"]
+        names.add(name)
+        size = _dtype_size(e.get("dtype"))
+        shape = e.get("shape")
+        if size is None or not isinstance(shape, list) or len(shape) > 16 or not all(is_int(d) for d in shape):
+            return f"tensor {name!r} has dtype {str(e.get('dtype'))[:40]!r} and shape {str(shape)[:80]}"
+        count = 1
+        for d in shape:
+            count *= d
+        if not is_int(e.get("nbytes")) or e["nbytes"] != count * size:
+            return f"tensor {name!r} claims {e.get('nbytes')!r} bytes, its shape and dtype make {count * size}"
+        if not isinstance(e.get("result_xxh3"), str):
+            return f"tensor {name!r} has no checksum of its result"
+        total += e["nbytes"]
+        if total > max_bytes:
+            return f"its tensors hold more than the {max_bytes} bytes a version may have ([weight_sync] max_bytes)"
+        at = 0
+        for part in entry_parts(e):
+            if not isinstance(part, dict) or part.get("offset") != at or not is_int(part.get("nbytes")) \
+                    or part.get("encoding") not in _ENCODINGS:
+                return f"tensor {name!r} has a malformed part"
+            at += part["nbytes"]
+            if "payload" in part:
+                if not isinstance(part["payload"], str) or not _PAYLOAD_NAME.match(part["payload"]):
+                    return f"tensor {name!r} names payload {str(part['payload'])[:80]!r}, not a payload's name"
+                limit = part["nbytes"] + part["nbytes"] // 64 + 4096  # zstd's worst case is ~1/255 larger
+                if not is_int(part.get("payload_bytes")) or part["payload_bytes"] > limit \
+                        or not is_int(part.get("payload_offset", 0)) or not isinstance(part.get("payload_xxh3"), str):
+                    return f"tensor {name!r} has a payload of {part.get('payload_bytes')!r} bytes for {part['nbytes']}"
+            elif part["encoding"] != "unchanged":
+                return f"tensor {name!r} has a {part['encoding']} part without a payload"
+        if at != e["nbytes"]:
+            return f"the parts of tensor {name!r} do not cover its {e['nbytes']} bytes"
+    return None
 
 
 def payload_key(part: Mapping[str, Any]) -> tuple[str, int]:

@@ -41,7 +41,8 @@ class Delta:
                            keyframe_every=c.keyframe_every, level=c.level, threads=c.threads)
 
     def receiver(self, **_context: Any) -> DeltaReceiver:
-        return DeltaReceiver(self.config.uri, storage_options=self.config.storage_options)
+        return DeltaReceiver(self.config.uri, storage_options=self.config.storage_options,
+                             max_bytes=self.config.max_bytes)
 
     def publish(self, backend: Any, engine: Any, version: int) -> Mapping[str, float]:
         """One process: publish the backend's weights, then bring the engine up to date."""

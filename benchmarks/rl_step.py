@@ -27,6 +27,14 @@ step, one optimizer update per batch) and gradient checkpointing off or on; ever
   the chat template (``add_generation_prompt``; ~100 prompt tokens), reward
   ``math_format`` (math-verify); at most 32 new tokens; lr 1e-6. Random weights score 0,
   so the advantages are 0; the work per step is the same as with a trained model.
+- ``smollm2`` / ``smollm2-bf16``: SmolLM2-135M-Instruct, a real pretrained model (the
+  folder ``skyrl models smollm2`` makes; family ``hf``), on ``examples/real_model.toml``'s
+  task: ``chat_arithmetic`` single-digit additions as chats (ChatML template), at most 48
+  new tokens, lr 1e-5; ``8x8`` is the example's batch. ``smollm2`` runs float32 on both
+  sides; ``smollm2-bf16`` as the example does: ours samples from a bf16 copy (``[engine]
+  dtype``) and trains under bf16 autocast (``[backend] compute_dtype``) on float32
+  masters, TRL with ``bf16=True`` (accelerate's bf16 autocast around the model's forward,
+  which ``generate`` calls too). Default rounds: 5 clean of 1 step, at most 8, 1 warm-up.
 
 Both sides get the same everything:
 

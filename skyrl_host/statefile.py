@@ -28,7 +28,7 @@ import json
 import math
 import os
 import pathlib
-from typing import Any
+from typing import Any, Mapping
 
 FORMAT = "skyrl-state/1"
 MAX_DEPTH = 64  # nesting of the tree: state dicts nest 4-6 deep
@@ -107,7 +107,7 @@ def _encode(obj: Any) -> tuple[dict[str, Any], dict[str, str]]:
             return {"l": [enc(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, tuple):
             return {"t": [enc(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(x)]}
-        if isinstance(x, dict):
+        if isinstance(x, Mapping):  # dicts, and read-only mappings (read back as dicts)
             return {"d": [[_enc_key(k, path), enc(v, f"{path}[{k!r}]", depth + 1)] for k, v in x.items()]}
         raise TypeError(f"{path}: a value of type {type(x).__module__}.{type(x).__qualname__} cannot be stored "
                         "(plain values, lists, tuples, dicts, tensors, numpy arrays and rollout batches can)")

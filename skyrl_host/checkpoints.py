@@ -202,6 +202,52 @@ def read_state(folder: pathlib.Path, stem: str) -> Any:
         raise UserError(f"--resume: cannot read checkpoint {folder}: {_first_lines(str(exc))}") from None
 
 
+# What a torch.distributed.checkpoint ``.metadata`` pickle may name: its own dataclasses and
+# enums, torch.Size, dtypes, layouts and memory formats, paths. Anything else (a function, a class
+# that runs code when built) means the file was made to run code when unpickled.
+_DCP_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "TensorWriteData", "WriteItem", "WriteItemType", "LoadPlan", "ReadItem", "LoadItemType"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # the checkpoint_id it was saved to
+}
+
+
+def dcp_metadata_problem(path: pathlib.Path) -> str | None:
+    """None when ``path`` (a ``.metadata`` file of torch.distributed.checkpoint, which
+    torch reads with plain pickle) names only the classes such metadata holds; else what it
+    names. Read with an unpickler that builds nothing else, so a planted file runs nothing
+    here and is refused before torch unpickles it."""
+    import pickle
+
+    import torch
+
+    class Restricted(pickle.Unpickler):  # noqa: the one unpickler: find_class allows only the names above
+        def find_class(self, module: str, name: str) -> Any:
+            value = getattr(torch, name, None) if module == "torch" else None
+            if (module == "torch" and (name == "Size" or isinstance(value, (torch.dtype, torch.layout,
+                                                                               torch.memory_format)))) \
+                    or name in _DCP_ALLOWED.get(module, ()):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+        def persistent_load(self, pid: Any) -> Any:
+            raise pickle.UnpicklingError("it refers to persistent objects")
+
+    try:
+        with open(path, "rb") as f:
+            Restricted(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def load_backend_state(folder: pathlib.Path, backend: Any, state: Any = None) -> None:
     """Restore the backend's state from the checkpoint in ``folder``: its ``backend/``
     shards (a :class:`~skyrl_host.interfaces.ShardedCheckpoints` backend), else
@@ -213,6 +259,10 @@ def load_backend_state(folder: pathlib.Path, backend: Any, state: Any = None) ->
         if not _sharded(backend):
             raise UserError(f"--resume: checkpoint {folder} holds a sharded backend state ({shards}/), which this "
                             f"job's backend cannot read (was it written by another backend?)")
+        for meta in sorted(shards.rglob(".metadata")):  # torch.distributed.checkpoint unpickles these
+            problem = dcp_metadata_problem(meta)
+            if problem:
+                raise UserError(f"--resume: {meta} is not a distributed checkpoint's metadata: {problem}")
         try:
             backend.load_checkpoint(str(shards))
         except (KeyError, ValueError, RuntimeError, OSError) as exc:

@@ -191,3 +191,43 @@ def test_resume_from_a_checkpoint_with_a_planted_backend_state_exits_2_and_runs_
     assert resumed.returncode == 2, resumed.stderr
     assert "Traceback" not in resumed.stderr and "weights-only loader" in resumed.stderr
     assert not marker.exists()
+
+
+def test_a_planted_distributed_checkpoint_metadata_is_refused_before_torch_reads_it(tmp_path) -> None:
+    """A sharded backend's checkpoint (megatron-core's distributed checkpoint) keeps
+    torch.distributed.checkpoint's ``.metadata``, which torch reads with plain pickle:
+    resume checks it names only what such metadata holds, and refuses it otherwise before
+    the backend is asked to load anything."""
+    import torch.distributed.checkpoint as dcp
+
+    shards = tmp_path / "backend"
+    dcp.save({"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, checkpoint_id=str(shards),
+             no_dist=True)
+
+    class Sharded:
+        def __init__(self):
+            self.loaded = []
+
+        def save_checkpoint(self, folder):
+            raise AssertionError("not called")
+
+        def load_checkpoint(self, folder):
+            self.loaded.append(folder)
+
+        def state_dict(self):
+            raise AssertionError("not called")
+
+        def load_state_dict(self, state):
+            raise AssertionError("not called")
+
+    ok = Sharded()
+    load_backend_state(tmp_path, ok)  # the real metadata passes
+    assert ok.loaded == [str(shards)]
+    marker = tmp_path / "pwned"
+    (shards / ".metadata").write_bytes(__import__("pickle").dumps(Evil(marker)))
+    planted = Sharded()
+    with pytest.raises(UserError) as info:
+        load_backend_state(tmp_path, planted)
+    assert info.value.render() == (f"error: --resume: {shards / '.metadata'} is not a distributed checkpoint's "
+                                   "metadata: it names subprocess.call")
+    assert not marker.exists() and planted.loaded == []

@@ -59,6 +59,19 @@ def le(limit: float) -> Callable[[Any, Any, Any], None]:
     return _bound("<=", limit, lambda v: v <= limit)
 
 
+def gt_le(low: float, high: float) -> Callable[[Any, Any, Any], None]:
+    """``low < value <= high``, each end with its own message (a count that must be positive
+    and stay below what would hang or overflow a run)."""
+    above, below = gt(low), le(high)
+
+    def check(inst: Any, attr: Any, value: Any) -> None:
+        above(inst, attr, value)
+        below(inst, attr, value)
+
+    check.__doc__ = f"> {low}, <= {high}"
+    return check
+
+
 def in_interval(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Callable[..., None]:
     """``low <= value <= high``, with either end open: ``in_interval(0, 1, low_open=True)`` is (0, 1]."""
     text = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from skyrl_host.options import ge, gt, in_interval, option
+from skyrl_host.options import ge, gt, gt_le, option
 
 
 @attrs.frozen
@@ -16,7 +16,7 @@ class JobSection:
 
     kind: str = option(help="the job kind to run (a registered job plugin)")
     seed: int = option(0, help="seed for every random choice of the job", validator=ge(0))
-    steps: int = option(100, help="number of steps to run", validator=in_interval(1, 1 << 40))
+    steps: int = option(100, help="number of steps to run", validator=gt_le(0, 1 << 40))
     output_dir: str | None = option(None, help="folder for metrics, plots and checkpoints (default: runs/<name>)")
     name: str | None = option(None, help="run name (default: the job file's stem)")
     tensorboard: bool = option(False, help="also write TensorBoard event files to <output_dir>/tensorboard")

@@ -43,10 +43,10 @@ def one_message(err: str) -> bool:
     ("seed = 2**64", lambda t: t.replace("seed = 3", "seed = 18446744073709551616"), "does not fit a 64-bit integer"),
     ("a NUL in output_dir", lambda t: t.replace('output_dir = "', 'output_dir = "a\\u0000'), "NUL character"),
     ("batch_size = 2**63-1", lambda t: t.replace("batch_size = 8", "batch_size = 9223372036854775807"),
-     "expected a value in [1, 1048576]"),
+     "expected a value <= 1048576"),
     ("steps = 1e32", lambda t: t.replace("steps = 3", "steps = 1e32"), "expected an integer, found float 1e+32"),
     ("steps = 2**62", lambda t: t.replace("steps = 3", "steps = 4611686018427387904"),
-     "expected a value in [1, 1099511627776]"),
+     "expected a value <= 1099511627776"),
 ])
 def test_job_files_that_crashed_or_hung_get_one_message_and_exit_2(tmp_path, host, capsys, name, edit, found) -> None:
     job = tiny_rl_job(tmp_path, "job")

@@ -444,7 +444,7 @@ CASES = [
         [dataset]
         name = "letter_count"
         """,
-        ["error: {path}:3: job.max_shuffled_reward: expected a value > 0, found nan"],
+        ["error: {path}:3: job.max_shuffled_reward: expected a number, found float nan (a finite number is needed)"],
     ),
     case(
         "partial-credit-out-of-range",
@@ -1029,7 +1029,7 @@ def test_explain_lists_keys_with_type_default_and_description(skyrl_cli: Any) ->
     for text in [
         "  job.kind: a string; default (required); value 'reward_check'\n"
         "      the job kind to run (a registered job plugin)  [host]\n",
-        "  job.steps: an integer; default 100; value 20\n      number of steps to run (> 0)  [host]\n",
+        "  job.steps: an integer; default 100; value 20\n      number of steps to run (> 0, <= 1099511627776)  [host]\n",
         "  job.seed: an integer; default 0; value 1\n",
         "  job.batch_size: an integer; default 64; value 64\n"
         "      prompts drawn from the dataset per step (> 0)  [plugin 'reward_check' (skyrl-host ",

@@ -41,7 +41,7 @@ from skyrl_host.interfaces import (
 )
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
 from skyrl_host.multiturn import SingleTurn
-from skyrl_host.options import ge, gt, in_interval, option
+from skyrl_host.options import ge, gt, gt_le, in_interval, option
 
 
 def one_of(*choices: str) -> Any:
@@ -69,9 +69,9 @@ SLOTS = {
 
 @attrs.frozen
 class RLConfig:
-    batch_size: int = option(32, help="prompts per step (groups)", validator=in_interval(1, 1 << 20))
-    n_samples: int = option(8, help="responses sampled per prompt (the group size)", validator=in_interval(1, 1 << 16))
-    max_new_tokens: int = option(16, help="new-token limit per response", validator=in_interval(1, 1 << 24))
+    batch_size: int = option(32, help="prompts per step (groups)", validator=gt_le(0, 1 << 20))
+    n_samples: int = option(8, help="responses sampled per prompt (the group size)", validator=gt_le(0, 1 << 16))
+    max_new_tokens: int = option(16, help="new-token limit per response", validator=gt_le(0, 1 << 24))
     checkpoint_every: int = option(50, help="steps between checkpoints (0: only at the end)", validator=ge(0))
     keep_checkpoints: int = option(2, help="checkpoints kept on disk", validator=gt(0))
     save_final: bool = option(True, help="write the final model as a Hugging Face folder in <output_dir>/final")

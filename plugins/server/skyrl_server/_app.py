@@ -18,6 +18,14 @@ error saying so, and the same ``(model_id, seq_id)`` sent again runs it. Gradien
 acknowledged forward_backward calls are not persisted: after a restart the model's next
 optim_step fails with a user error (409) saying they were lost (it never steps with
 part of them). Sampling futures and sampling sessions live in memory only.
+
+Tenants: each API key is a tenant, or belongs to the ``[tenants.NAME]`` group that lists it.
+A session belongs to the tenant that created it; its models, their checkpoints and sampler
+weights, sampling sessions and every future belong to the same tenant. Another tenant's
+session, model, checkpoint, sampler or request id is answered 404 as if it did not exist;
+a checkpoint its tenant published (the SDK's ``publish_checkpoint_from_tinker_path``) can
+be read (sampled from, loaded into a new model) by every tenant. Each tenant holds at most
+``max_models`` loaded models (403 past it) and ``max_in_flight`` unfinished futures (429).
 """
 
 from __future__ import annotations
@@ -51,18 +59,24 @@ MAX_SEQ_AHEAD = 1 << 20  # how far past the last seq_id run a model's next reque
 
 
 class Future:
-    __slots__ = ("event", "kind", "value", "finished_at")
+    __slots__ = ("event", "kind", "value", "finished_at", "tenant", "on_finish")
 
-    def __init__(self) -> None:
+    def __init__(self, tenant: str | None = None) -> None:
         self.event = asyncio.Event()
         self.kind = ""  # "json" | "proto" | "error"
         self.value: Any = None
         self.finished_at = 0.0
+        self.tenant = tenant  # who may retrieve it
+        self.on_finish: Callable[[], None] | None = None
 
     def finish(self, kind: str, value: Any) -> None:
+        if self.event.is_set():
+            return
         self.kind, self.value = kind, value
         self.finished_at = time.monotonic()
         self.event.set()
+        if self.on_finish is not None:
+            self.on_finish()
 
 
 class ModelQueue:
@@ -107,8 +121,19 @@ class App(SamplingRoutes):
         self.store = store
         self.boot = loaded.boot  # request ids start with it
         self.past_boots = {b: t for b, t in loaded.boots.items() if b != loaded.boot}
-        self.keys = [k.encode() for k in spec.api_keys]
-        self.sessions: dict[str, dict[str, Any]] = {sid: {"finished": done} for sid, done in loaded.sessions.items()}
+        from skyrl_server._config import key_tenant
+
+        of_key = dict(spec.tenants.of_key) or {k: key_tenant(k) for k in spec.api_keys}
+        self.keys = [(k.encode(), tenant) for k, tenant in of_key.items()]
+        self.sessions: dict[str, dict[str, Any]] = {
+            sid: {"finished": done, "tenant": tenant} for sid, (done, tenant) in loaded.sessions.items()
+        }
+        # Every model ever made (unloaded ones too: their checkpoints outlive them) -> its tenant.
+        self.owners: dict[str, str | None] = {
+            row["id"]: self.sessions.get(row["session_id"], {}).get("tenant") for row in loaded.models
+        }
+        self.checkpoints: dict[str, tuple[str, bool]] = dict(loaded.checkpoints)  # path -> (model_id, public)
+        self.in_flight: dict[str, int] = {}  # tenant -> its unfinished futures
         self.futures: dict[str, Future] = {}
         self.seen: dict[tuple[str, int], str] = {}  # (model_id, seq_id) -> request_id
         self.queues: dict[str, ModelQueue] = {}
@@ -117,7 +142,7 @@ class App(SamplingRoutes):
         self.creating: set[str] = set()
         now, wall = time.monotonic(), time.time()
         for f in loaded.futures:
-            future = Future()
+            future = Future(f["tenant"])
             future.finish(f["kind"], f["value"])
             future.finished_at = now - max(0.0, wall - f["finished"])
             self.futures[f["request_id"]] = future
@@ -131,14 +156,21 @@ class App(SamplingRoutes):
 
     # -- plumbing ----------------------------------------------------------------
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _tenant_of(self, request: web.Request) -> str | None:
+        """The tenant of the request's key (every key compared in constant time), or None."""
         key = request.headers.get("X-API-Key", "").encode()
-        return any(hmac.compare_digest(key, k) for k in self.keys)
+        found = None
+        for k, tenant in self.keys:
+            if hmac.compare_digest(key, k):
+                found = tenant
+        return found
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.path not in OPEN_ROUTES and not self._authorized(request):
+        tenant = self._tenant_of(request)
+        if request.path not in OPEN_ROUTES and tenant is None:
             return web.json_response({"error": "missing or wrong X-API-Key"}, status=401)
+        request["tenant"] = tenant
         try:
             return await handler(request)
         except BadRequest as exc:
@@ -159,13 +191,52 @@ class App(SamplingRoutes):
     async def _compute(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
 
-    def _new_future(self) -> tuple[str, Future]:
+    def _room(self, tenant: str) -> None:
+        """429 when ``tenant`` has ``max_in_flight`` unfinished futures."""
+        limit = self.spec.tenant_limits(tenant)[1]
+        if self.in_flight.get(tenant, 0) >= limit:
+            raise BadRequest(f"this tenant has {limit} requests in flight, the most the server allows it "
+                             "(max_in_flight): wait for some to finish", status=429)
+
+    def _new_future(self, tenant: str) -> tuple[str, Future]:
+        """A new future of ``tenant``'s (:meth:`_room` first)."""
+        self._room(tenant)
         if len(self.futures) % 1024 == 1023:
             self._forget_old_futures()
         request_id = self.boot + uuid.uuid4().hex[:24]
-        future = Future()
+        future = Future(tenant)
+        self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+
+        def finished() -> None:
+            self.in_flight[tenant] -= 1
+
+        future.on_finish = finished
         self.futures[request_id] = future
         return request_id, future
+
+    # -- ownership -----------------------------------------------------------------------
+
+    def _model_of(self, model_id: Any, tenant: str) -> str:
+        """``model_id`` when it is one of ``tenant``'s models (loaded or being made), else 404
+        as for a model that does not exist."""
+        if not isinstance(model_id, str) or self.owners.get(model_id) != tenant or (
+                model_id not in self.service.models and model_id not in self.creating):
+            raise BadRequest(f"unknown model_id {model_id!r}", status=404)
+        return model_id
+
+    def _readable(self, path: Any, tenant: str) -> None:
+        """404 unless ``path`` (tinker://MODEL_ID/...) is a checkpoint of one of
+        ``tenant``'s models, or one its tenant published."""
+        if not isinstance(path, str):
+            return  # the route's own check says what is wrong
+        model_id = path[len("tinker://"):].partition("/")[0] if path.startswith("tinker://") else None
+        if model_id is None:
+            return
+        if self.owners.get(model_id) == tenant:
+            return
+        saved = self.checkpoints.get(path)
+        if saved is None or not saved[1]:
+            raise BadRequest(f"unknown checkpoint {path!r}", status=404)
 
     def _forget_old_futures(self) -> None:
         """Drop results finished more than KEEP_SECONDS ago (memory stays bounded by the recent rate)."""
@@ -208,6 +279,8 @@ class App(SamplingRoutes):
                                                f"{exc}".splitlines()[0] + ")", "category": "server"})
                 if "state" in record.changes:
                     self.durable[record.model_id] = record.changes["state"]
+                if record.checkpoint is not None:
+                    self.checkpoints[record.checkpoint[0]] = (record.model_id, False)  # saved again: private
                 if record.after is not None:
                     try:
                         record.after()
@@ -218,11 +291,10 @@ class App(SamplingRoutes):
         future.finish(*await self._compute(run))
 
     def _model_future(self, model_id: str, seq_id: int | None, kind: str,
-                      fn: Callable[[Record], Any]) -> dict[str, Any]:
+                      fn: Callable[[Record], Any], tenant: str) -> dict[str, Any]:
         """A future for a model's request, run in seq_id order (a repeated seq_id: the
         first's future); ``fn(record)`` computes it and notes what the store must keep."""
-        if model_id not in self.service.models and model_id not in self.creating:
-            raise BadRequest(f"unknown model_id {model_id!r}", status=404)
+        self._model_of(model_id, tenant)
         if seq_id is not None:
             if seq_id < 1:
                 raise BadRequest(f"seq_id must be >= 1, found {seq_id}")
@@ -235,8 +307,8 @@ class App(SamplingRoutes):
             if seq_id > queue.last + MAX_SEQ_AHEAD:  # the SDK counts up from 1; a leap would strand later calls
                 raise BadRequest(f"seq_id {seq_id} is more than {MAX_SEQ_AHEAD} past the last one of model "
                                  f"{model_id!r} that ran ({queue.last})")
-        request_id, future = self._new_future()
-        record = Record(request_id, model_id, seq_id)
+        request_id, future = self._new_future(tenant)
+        record = Record(request_id, model_id, seq_id, tenant=tenant)
         if seq_id is None:
             asyncio.get_running_loop().create_task(self._settle(future, kind, lambda: fn(record), record))
         else:
@@ -259,17 +331,19 @@ class App(SamplingRoutes):
     async def create_session(self, request: web.Request) -> web.Response:
         (await self._json(request))
         session_id = uuid.uuid4().hex
-        await self._compute(lambda: self.store.add_session(session_id))
-        self.sessions[session_id] = {"finished": False}
+        tenant = request["tenant"]
+        await self._compute(lambda: self.store.add_session(session_id, tenant))
+        self.sessions[session_id] = {"finished": False, "tenant": tenant}
         return web.json_response({"type": "create_session", "session_id": session_id})
 
-    def _session(self, session_id: Any) -> dict[str, Any]:
-        if not isinstance(session_id, str) or session_id not in self.sessions:
+    def _session(self, session_id: Any, tenant: str) -> dict[str, Any]:
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session["tenant"] != tenant:  # another tenant's: as if it did not exist
             raise BadRequest(f"unknown session_id {session_id!r}", status=404)
-        return self.sessions[session_id]
+        return session
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        session = self._session((await self._json(request)).get("session_id"))
+        session = self._session((await self._json(request)).get("session_id"), request["tenant"])
         if session["finished"]:
             raise BadRequest("session finished", status=410)
         return web.json_response({"type": "session_heartbeat"})
@@ -280,7 +354,7 @@ class App(SamplingRoutes):
 
     async def finish(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
-        session = self._session(session_id)
+        session = self._session(session_id, request["tenant"])
         if not session["finished"]:
             await self._compute(lambda: self.store.finish_session(session_id))
             session["finished"] = True
@@ -294,7 +368,8 @@ class App(SamplingRoutes):
     async def create_model(self, request: web.Request) -> web.Response:
         body = (await self._json(request))
         session_id = _get(body, "session_id", str)
-        self._session(session_id)
+        tenant = request["tenant"]
+        self._session(session_id, tenant)
         model_seq_id = _get(body, "model_seq_id", int)
         base = _get(body, "base_model", str)
         self.service.base(base)
@@ -316,17 +391,25 @@ class App(SamplingRoutes):
             record.new_model = model_row(model_id, session_id, base, rank, self.service.models[model_id].seed, parts)
             return {"model_id": model_id, "type": "create_model"}
 
-        return web.json_response(self._new_model(session_id, model_seq_id, run))
+        return web.json_response(self._new_model(session_id, model_seq_id, run, tenant))
 
-    def _new_model(self, session_id: str, model_seq_id: int, run: Callable[[str, Record], Any]) -> dict[str, Any]:
+    def _new_model(self, session_id: str, model_seq_id: int, run: Callable[[str, Record], Any],
+                   tenant: str) -> dict[str, Any]:
         """A future for a request that makes model ``{session_id}:train:{model_seq_id}``
-        (create_model, or load_weights from a state): ``run(model_id, record)`` on the worker."""
+        (create_model, or load_weights from a state): ``run(model_id, record)`` on the worker;
+        403 when ``tenant`` holds its ``max_models`` already."""
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.service.models or model_id in self.creating:
             raise BadRequest(f"model {model_id!r} exists (model_seq_id {model_seq_id} was used in this session)", status=409)
+        limit = self.spec.tenant_limits(tenant)[0]
+        held = sum(1 for m in (*self.service.models, *self.creating) if self.owners.get(m) == tenant)
+        if held >= limit:
+            raise BadRequest(f"this tenant holds {held} models, the most the server allows it (max_models): unload "
+                             "one first", status=403)
+        request_id, future = self._new_future(tenant)
         self.creating.add(model_id)
-        request_id, future = self._new_future()
-        record = Record(request_id, model_id, None)
+        self.owners[model_id] = tenant
+        record = Record(request_id, model_id, None, tenant=tenant)
 
         async def create() -> None:
             await self._settle(future, "json", lambda: run(model_id, record), record)
@@ -336,7 +419,7 @@ class App(SamplingRoutes):
         return {"request_id": request_id, "model_id": model_id}
 
     async def get_info(self, request: web.Request) -> web.Response:
-        model_id = _get((await self._json(request)), "model_id", str)
+        model_id = self._model_of(_get((await self._json(request)), "model_id", str), request["tenant"])
         tm = self.service.model(model_id)
         return web.json_response({
             "type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": tm.rank, "model_name": tm.base,
@@ -344,7 +427,7 @@ class App(SamplingRoutes):
         })
 
     async def unload_model(self, request: web.Request) -> web.Response:
-        model_id = _get((await self._json(request)), "model_id", str)
+        model_id = self._model_of(_get((await self._json(request)), "model_id", str), request["tenant"])
         self.service.model(model_id)
 
         def run(record: Record) -> dict[str, Any]:
@@ -352,7 +435,7 @@ class App(SamplingRoutes):
             record.changes["unloaded"] = True
             return {"model_id": model_id, "type": "unload_model"}
 
-        return web.json_response(self._model_future(model_id, None, "json", run))
+        return web.json_response(self._model_future(model_id, None, "json", run, request["tenant"]))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
         if _wire.PROTOBUF not in request.headers.get("Content-Type", ""):
@@ -372,7 +455,8 @@ class App(SamplingRoutes):
                 record.changes["grads"] = True  # acknowledged gradients wait for a step (not persisted)
             return _wire.forward_backward_output(outputs, metrics)
 
-        return web.json_response(self._model_future(req["model_id"], req["seq_id"] or None, "proto", run))
+        return web.json_response(self._model_future(req["model_id"], req["seq_id"] or None, "proto", run,
+                                                    request["tenant"]))
 
     async def optim_step(self, request: web.Request) -> web.Response:
         body = (await self._json(request))
@@ -393,7 +477,7 @@ class App(SamplingRoutes):
             record.changes["grads"] = False  # the step used them
             return {"metrics": metrics}
 
-        return web.json_response(self._model_future(model_id, seq_id, "json", run))
+        return web.json_response(self._model_future(model_id, seq_id, "json", run, request["tenant"]))
 
     def _keep_state(self, model_id: str, record: Record, had_grads: bool | None) -> None:
         """(On the worker.) The model's whole state written to the storage root as its new
@@ -428,8 +512,10 @@ class App(SamplingRoutes):
             raise BadRequest("save_weights_for_sampler takes exactly one of path and sampling_session_seq_id")
         path = sampler_path(model_id, name) if name is not None else None
         session_id = f"{model_id}:sample:{session_seq}" if session_seq is not None else None
+        self._model_of(model_id, request["tenant"])
         if session_id is not None:
-            self.sampling_sessions[session_id] = {"base_model": None, "model_path": None, "model_id": model_id}
+            self.sampling_sessions[session_id] = {"base_model": None, "model_path": None, "model_id": model_id,
+                                                  "tenant": request["tenant"]}
 
         def run(record: Record) -> dict[str, Any]:
             self.service.save_for_sampler(model_id, session_id, path)
@@ -441,7 +527,7 @@ class App(SamplingRoutes):
                 return {"type": "save_weights_for_sampler", "sampling_session_id": session_id}
             return {"type": "save_weights_for_sampler", "path": path}
 
-        return web.json_response(self._model_future(model_id, seq_id, "json", run))
+        return web.json_response(self._model_future(model_id, seq_id, "json", run, request["tenant"]))
 
     async def save_weights(self, request: web.Request) -> web.Response:
         body = (await self._json(request))
@@ -455,7 +541,7 @@ class App(SamplingRoutes):
             record.checkpoint = (path, "weights")
             return {"type": "save_weights", "path": path}
 
-        return web.json_response(self._model_future(model_id, seq_id, "json", run))
+        return web.json_response(self._model_future(model_id, seq_id, "json", run, request["tenant"]))
 
     async def load_weights(self, request: web.Request) -> web.Response:
         body = (await self._json(request))
@@ -471,10 +557,13 @@ class App(SamplingRoutes):
                 self._keep_state(model_id, record, had_grads)
                 return {"type": "load_weights", "path": path, "model_id": model_id}
 
-            return web.json_response(self._model_future(model_id, seq_id, "json", load))
+            self._readable(path, request["tenant"])
+            return web.json_response(self._model_future(model_id, seq_id, "json", load, request["tenant"]))
         # a new model from the state (create_training_client_from_state[_with_optimizer])
         session_id = _get(body, "session_id", str)
-        self._session(session_id)
+        tenant = request["tenant"]
+        self._session(session_id, tenant)
+        self._readable(path, tenant)
         model_seq_id = _get(body, "model_seq_id", int)
         base = _get(body, "base_model", str, required=False)
 
@@ -489,13 +578,15 @@ class App(SamplingRoutes):
                 raise
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
-        return web.json_response(self._new_model(session_id, model_seq_id, run))
+        return web.json_response(self._new_model(session_id, model_seq_id, run, tenant))
 
     # -- futures ------------------------------------------------------------------------
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
         request_id = _get((await self._json(request)), "request_id", str)
         future = self.futures.get(request_id)
+        if future is not None and future.tenant != request["tenant"]:
+            raise BadRequest(f"unknown request_id {request_id!r}", status=404)  # another tenant's: as if none
         if future is None:
             started = self.past_boots.get(request_id[:len(self.boot)])
             if started is not None:  # accepted before a restart, never finished: it did not happen
@@ -514,6 +605,22 @@ class App(SamplingRoutes):
         if future.kind == "proto":
             return web.Response(body=future.value, content_type=_wire.PROTOBUF)
         return web.json_response(future.value)
+
+    # -- sharing ------------------------------------------------------------------------
+
+    async def publish(self, request: web.Request) -> web.Response:
+        """POST (publish) or DELETE (unpublish) ``/training_runs/{run}/checkpoints/{checkpoint}/publish``:
+        the owner makes a saved checkpoint readable by every tenant, or private again."""
+        run_id, checkpoint = request.match_info["run_id"], request.match_info["checkpoint"]
+        path = f"tinker://{run_id}/{checkpoint}"
+        tenant = request["tenant"]
+        saved = self.checkpoints.get(path)
+        if self.owners.get(run_id) != tenant or saved is None:
+            raise BadRequest(f"unknown checkpoint {path!r}", status=404)
+        public = request.method == "POST"
+        await self._compute(lambda: self.store.publish(path, public))
+        self.checkpoints[path] = (saved[0], public)
+        return web.json_response({})
 
     async def not_served(self, request: web.Request) -> web.Response:
         raise BadRequest(f"{request.method} {request.path} is not served by this server", status=404)
@@ -549,6 +656,8 @@ def make_app(spec: Any, service: Service, store: Store, loaded: Loaded) -> web.A
         get(f"{v1}/samplers/{{sampler_id}}", state.get_sampler),
         post(f"{v1}/asample", state.asample),
         post(f"{v1}/retrieve_future", state.retrieve_future),
+        post(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint:.+}}/publish", state.publish),
+        web.delete(f"{v1}/training_runs/{{run_id}}/checkpoints/{{checkpoint:.+}}/publish", state.publish),
         web.route("*", "/{tail:.*}", state.not_served),
     ])
     return app

@@ -3,9 +3,13 @@
 ```toml
 [server]
 port = 8000
-api_keys = ["tml-..."]            # and/or api_keys_env / api_keys_file, and the env SKYRL_API_KEYS
+api_keys = ["tml-..."]            # and/or api_keys_env / api_keys_file, and the env SKYRL_API_KEYS: one tenant each
 storage = "runs/tinker"           # any fsspec URL: sampler weights and checkpoints
 database = "state.sqlite"         # durable training state: an SQL URL or an SQLite file (default: in storage)
+
+[tenants.research]                # optional: keys that share one tenant (its models, checkpoints, futures)
+keys = ["tml-...", "tml-..."]     # and/or keys_env / keys_file
+max_models = 8                    # default: [server] max_models_per_tenant
 
 [models."skyrl/qwen-tiny"]        # the base-model name the SDK sends
 family = "qwen"                   # a model plugin; the rest of the table is the family's options
@@ -91,10 +95,49 @@ class ServerSection:
         validator=gt(0),
     )
 
+    max_models_per_tenant: int = option(
+        32, help="how many training models one tenant may hold loaded at once (create_model past it: 403)",
+        validator=gt(0),
+    )
+    max_in_flight_per_tenant: int = option(
+        1024, help="how many unfinished futures (training and sampling requests) one tenant may have at once "
+        "(past it: 429, the SDK backs off and sends again)", validator=gt(0),
+    )
+
     def __attrs_post_init__(self) -> None:
         bad = [k for k in self.api_keys if not k.startswith(KEY_PREFIX)]
         if bad:
             raise OptionError("api_keys", f"every key must start with {KEY_PREFIX!r} (the SDK refuses others), found {bad[0]!r}")
+
+
+@attrs.frozen
+class TenantSection:
+    """``[tenants.NAME]``: API keys that act as one tenant, and its limits."""
+
+    keys: list[str] = option(factory=list, help="the tenant's API keys (each starts with 'tml-')")
+    keys_env: str | None = option(None, help="name of an environment variable holding more of its keys, comma-separated")
+    keys_file: str | None = option(None, help="a file with more of its keys, one a line (blank lines and # comments skipped)")
+    max_models: int | None = option(None, help="its limit of loaded training models (default: [server] "
+                                    "max_models_per_tenant)", validator=attrs.validators.optional(gt(0)))
+    max_in_flight: int | None = option(None, help="its limit of unfinished futures (default: [server] "
+                                       "max_in_flight_per_tenant)", validator=attrs.validators.optional(gt(0)))
+
+
+@attrs.frozen
+class Tenants:
+    """Who is who: each accepted key's tenant, and each tenant's limits."""
+
+    of_key: Mapping[str, str]  # API key -> tenant name
+    max_models: Mapping[str, int]  # tenant -> limit (tenants with their own table only; else the server's)
+    max_in_flight: Mapping[str, int]
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key listed alone (in [server] or SKYRL_API_KEYS): ``key-`` and the
+    first 16 hex digits of its SHA-256, stable across restarts, revealing nothing of the key."""
+    import hashlib
+
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 @attrs.frozen
@@ -109,6 +152,12 @@ class ServerSpec:
     backend: PluginChoice
     alphabets: Mapping[str, str]  # base-model name -> the characters of a preset's tokenizer (unused with path)
     database: str = ""  # the resolved SQLAlchemy URL of [server] database
+    tenants: Tenants = Tenants({}, {}, {})  # each key's tenant (every key of api_keys has one) and their limits
+
+    def tenant_limits(self, tenant: str) -> tuple[int, int]:
+        """(max_models, max_in_flight) of ``tenant``."""
+        return (self.tenants.max_models.get(tenant, self.server.max_models_per_tenant),
+                self.tenants.max_in_flight.get(tenant, self.server.max_in_flight_per_tenant))
 
 
 def database_url(server: ServerSection, base: pathlib.Path, out: Located) -> str:
@@ -139,7 +188,7 @@ def database_url(server: ServerSection, base: pathlib.Path, out: Located) -> str
     return value
 
 
-TABLES = ("server", "models", "engine", "backend")
+TABLES = ("server", "tenants", "models", "engine", "backend")
 
 
 def _choice(host: Any, kind: str, table: str, selector: str, section: Mapping[str, Any], prefix: str,
@@ -171,19 +220,67 @@ def _choice(host: Any, kind: str, table: str, selector: str, section: Mapping[st
     return None if config is None else PluginChoice(table, reg, config)
 
 
-def _read_keys_file(path: str, base: pathlib.Path, out: Located) -> list[str]:
+def _read_keys_file(path: str, base: pathlib.Path, out: Located, where: str = "server.api_keys_file") -> list[str]:
     p = pathlib.Path(path)
     p = p if p.is_absolute() else base / p
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        out.add("server.api_keys_file", f"cannot read {str(p)!r}: {exc.strerror or exc}")
+        out.add(where, f"cannot read {str(p)!r}: {exc.strerror or exc}")
         return []
     return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
 
 
-def api_keys(server: ServerSection, base: pathlib.Path, environ: Mapping[str, str], out: Located) -> frozenset[str]:
-    """Every accepted key: the file's list, its env var, its key file and ``SKYRL_API_KEYS``."""
+def tenants(table: Mapping[str, Any], server: ServerSection, alone: frozenset[str], base: pathlib.Path,
+            environ: Mapping[str, str], out: Located) -> Tenants:
+    """The ``[tenants.NAME]`` tables read and checked (names, keys, each key in one place
+    only), with the keys listed alone (``alone``) as one tenant each."""
+    import re
+
+    of_key = {k: key_tenant(k) for k in alone}
+    where = {k: "server.api_keys" for k in alone}
+    models: dict[str, int] = {}
+    flight: dict[str, int] = {}
+    for name, section in table.items():
+        prefix = f"tenants.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("key-"):
+            out.add(prefix, "a tenant's name is 1-64 letters, digits, '.', '_' or '-', not starting with 'key-' "
+                    "(the names of keys listed alone)")
+            continue
+        if not isinstance(section, dict):
+            out.add(prefix, f"expected a table [tenants.{name}] with keys = [...], found {section!r}")
+            continue
+        spec = structure_table(TenantSection, section, prefix, out)
+        if spec is None:
+            continue
+        keys = list(spec.keys)
+        if spec.keys_env is not None:
+            value = environ.get(spec.keys_env)
+            if value is None:
+                out.add(f"{prefix}.keys_env", f"the environment variable {spec.keys_env!r} is not set")
+            else:
+                keys += [k.strip() for k in value.split(",") if k.strip()]
+        if spec.keys_file is not None:
+            keys += _read_keys_file(spec.keys_file, base, out, f"{prefix}.keys_file")
+        if not keys:
+            out.add(prefix, "a tenant needs at least one key (keys, keys_env or keys_file)")
+        for k in keys:
+            if not k.startswith(KEY_PREFIX):
+                out.add(f"{prefix}.keys", f"every key must start with {KEY_PREFIX!r} (the SDK refuses others); one does not")
+            elif k in where:
+                out.add(f"{prefix}.keys", f"a key of this tenant is also listed in {where[k]}: a key belongs to one "
+                        "tenant (remove it there)")
+            else:
+                of_key[k], where[k] = name, prefix
+        models[name] = spec.max_models or server.max_models_per_tenant
+        flight[name] = spec.max_in_flight or server.max_in_flight_per_tenant
+    return Tenants(of_key, models, flight)
+
+
+def api_keys(server: ServerSection, base: pathlib.Path, environ: Mapping[str, str], out: Located,
+             grouped: bool = False) -> frozenset[str]:
+    """Every key listed alone: the file's list, its env var, its key file and
+    ``SKYRL_API_KEYS`` (``grouped``: the server file has [tenants] tables, so none alone is fine)."""
     keys = list(server.api_keys)
     if server.api_keys_env is not None:
         value = environ.get(server.api_keys_env)
@@ -198,8 +295,9 @@ def api_keys(server: ServerSection, base: pathlib.Path, environ: Mapping[str, st
     if bad:
         out.add("server.api_keys", f"every key must start with {KEY_PREFIX!r} (the SDK refuses others); "
                 f"one key read from the file, its env var or {ENV_KEYS} does not")
-    if not keys:
-        out.add("server", f"no API keys: set [server] api_keys, api_keys_env or api_keys_file, or the env {ENV_KEYS}")
+    if not keys and not grouped:
+        out.add("server", f"no API keys: set [server] api_keys, api_keys_env or api_keys_file, [tenants.NAME] keys, "
+                f"or the env {ENV_KEYS}")
     return frozenset(keys)
 
 
@@ -219,7 +317,9 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
         return value if isinstance(value, dict) else {}
 
     server = structure_table(ServerSection, table("server"), "server", out)
-    keys = api_keys(server, pathlib.Path(path).resolve().parent, environ, out) if server is not None else frozenset()
+    folder = pathlib.Path(path).resolve().parent
+    keys = api_keys(server, folder, environ, out, grouped=bool(table("tenants"))) if server is not None else frozenset()
+    who = tenants(table("tenants"), server, keys, folder, environ, out) if server is not None else None
     database = database_url(server, pathlib.Path(path).resolve().parent, out) if server is not None else ""
 
     models: dict[str, PluginChoice] = {}
@@ -253,7 +353,10 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
         out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)
     assert server is not None and engine is not None and backend is not None
-    return ServerSpec(pathlib.Path(path), server, keys, models, engine, backend, alphabets, database)
+    assert who is not None
+    return ServerSpec(pathlib.Path(path), server, frozenset(who.of_key), models, engine, backend, alphabets, database,
+                      who)
 
 
-__all__ = ["ServerSection", "ServerSpec", "load_server_file", "api_keys", "ENV_KEYS"]
+__all__ = ["ServerSection", "ServerSpec", "TenantSection", "Tenants", "load_server_file", "api_keys", "key_tenant",
+           "tenants", "ENV_KEYS"]

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from skyrl_server import _wire
 from skyrl_server._errors import BadRequest
-from skyrl_server._http import _body_json, _get
+from skyrl_server._http import _get
 
 log = logging.getLogger("skyrl.serve")
 
@@ -22,22 +22,24 @@ class SamplingRoutes:
     """The sampling half of the App's routes (``self`` is the App)."""
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
-        body = _body_json(await request.read())
+        body = await self._json(request)
         session_id = _get(body, "session_id", str)
-        self._session(session_id)
+        tenant = request["tenant"]
+        self._session(session_id, tenant)
         seq = _get(body, "sampling_session_seq_id", int)
         base = _get(body, "base_model", str, required=False)
         path = _get(body, "model_path", str, required=False)
         if (base is None) == (path is None):
             raise BadRequest("create_sampling_session takes exactly one of base_model and model_path")
+        self._readable(path, tenant)
         sampling_id = f"{session_id}:sample:{seq}"
         served = await self._compute(lambda: self.service.open_sampler(sampling_id, base, path))
-        self.sampling_sessions[sampling_id] = {"base_model": served, "model_path": path}
+        self.sampling_sessions[sampling_id] = {"base_model": served, "model_path": path, "tenant": tenant}
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampling_id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         sampler_id = request.match_info["sampler_id"]
-        if sampler_id not in self.sampling_sessions:
+        if self.sampling_sessions.get(sampler_id, {}).get("tenant") != request["tenant"]:
             raise BadRequest(f"unknown sampler {sampler_id!r}", status=404)
         info = self.sampling_sessions[sampler_id]
         return web.json_response({"sampler_id": sampler_id, "base_model": info["base_model"], "model_path": info["model_path"]})
@@ -46,13 +48,15 @@ class SamplingRoutes:
         """Queue a sampling request in its base's continuous batcher (not the worker
         thread) and answer at once with its future and ``sample_sequence_ids``; 429 when
         the queued tokens are at ``[server] max_queued_tokens``."""
-        body = _body_json(await request.read())
+        body = await self._json(request)
+        tenant = request["tenant"]
         sampling_id = _get(body, "sampling_session_id", str, required=False)
         if sampling_id is None:
             base = _get(body, "base_model", str, required=False)
             path = _get(body, "model_path", str, required=False)
             if (base is None) == (path is None):
                 raise BadRequest("asample takes a sampling_session_id, a base_model or a model_path")
+            self._readable(path, tenant)
             # One sampler entry per base model or path, shared by every such request.
             sampling_id = f"base:{base}" if base is not None else f"path:{path}"
             if sampling_id not in self.service.samplers:
@@ -60,7 +64,8 @@ class SamplingRoutes:
                     self.service.open_sampler(sampling_id, base, None)
                 else:
                     await self._compute(lambda: self.service.open_sampler(sampling_id, None, path))
-        elif sampling_id not in self.service.samplers:
+        elif sampling_id not in self.service.samplers or \
+                self.sampling_sessions.get(sampling_id, {}).get("tenant") != tenant:
             raise BadRequest(f"unknown sampling_session_id {sampling_id!r}", status=404)
         n = _get(body, "num_samples", int, required=False, default=1)
         prompt = _get(body, "prompt", dict)
@@ -94,6 +99,7 @@ class SamplingRoutes:
             topk[key] = _get(body, key, int, required=False, default=0) or 0
             if not 0 <= topk[key] <= 1024:
                 raise BadRequest(f"{key} must be in [0, 1024], found {topk[key]}")
+        self._room(tenant)  # before the batcher takes it
         try:
             inner = self.service.submit_sample(sampling_id, tokens, n, params, prompt_logprobs, last_n, record,
                                                topk["topk_sample_logprobs"], topk["topk_prompt_logprobs"])
@@ -102,7 +108,7 @@ class SamplingRoutes:
                 raise  # answered at once: the SDK backs off and sends it again
             inner = None
             error = {"error": exc.message, "category": "user"}
-        request_id, future = self._new_future()
+        request_id, future = self._new_future(tenant)
         ids = [f"{request_id}:{i}" for i in range(n)]
         if inner is None:
             future.finish("error", error)

@@ -3,16 +3,18 @@ SQLite file by default): what a restart of ``skyrl serve`` (even a SIGKILL) must
 
 Tables:
 
-- ``sessions``: every session the server handed out, and whether it finished;
+- ``sessions``: every session the server handed out, its tenant, and whether it finished
+  (a model belongs to its session's tenant);
 - ``models``: one row per training model: base, LoRA rank, seed, optimizer steps, the
   highest seq_id that ran, where its durable state lies in the storage root (NULL: fresh
   from its seed), whether acknowledged forward_backward gradients wait for an optim_step
   (they are not persisted: after a restart that step fails, see :mod:`skyrl_server._app`),
   and whether it was unloaded;
-- ``futures``: every finished training future (request_id, model_id, seq_id, kind, result
-  bytes: JSON or protobuf); the unique ``(model_id, seq_id)`` index is the map a retried
+- ``futures``: every finished training future (request_id, model_id, seq_id, its tenant, kind,
+  result bytes: JSON or protobuf); the unique ``(model_id, seq_id)`` index is the map a retried
   request is answered from, across restarts too. Sampling futures never come here;
-- ``checkpoints``: save_state / save_weights_for_sampler saves, by tinker:// path;
+- ``checkpoints``: save_state / save_weights_for_sampler saves, by tinker:// path, and whether
+  their tenant published them (then every tenant may read them);
 - ``boots``: one row per server start (request ids start with their boot's id, so a
   request id from before a restart is recognised).
 
@@ -37,6 +39,7 @@ sessions = sa.Table(
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("created", sa.Float, nullable=False),
     sa.Column("finished", sa.Boolean, nullable=False, default=False),
+    sa.Column("tenant", sa.String(80), nullable=True),  # NULL: made before tenants (reachable by no key)
 )
 models = sa.Table(
     "models", metadata,
@@ -61,6 +64,7 @@ futures = sa.Table(
     sa.Column("kind", sa.String(8), nullable=False),  # json | proto | error
     sa.Column("result", sa.LargeBinary, nullable=False),
     sa.Column("finished", sa.Float, nullable=False),
+    sa.Column("tenant", sa.String(80), nullable=True),
     sa.UniqueConstraint("model_id", "seq_id", name="futures_model_seq"),
 )
 sa.Index("futures_finished", futures.c.finished)
@@ -70,7 +74,11 @@ checkpoints = sa.Table(
     sa.Column("model_id", sa.String(200), nullable=False),
     sa.Column("kind", sa.String(32), nullable=False),  # weights | sampler_weights
     sa.Column("created", sa.Float, nullable=False),
+    sa.Column("public", sa.Boolean, nullable=False, default=False),  # published: readable by every tenant
 )
+# Columns added after the first release, added to an older database at start (ALTER TABLE).
+ADDED = {"sessions": ("tenant", "VARCHAR(80)"), "futures": ("tenant", "VARCHAR(80)"),
+         "checkpoints": ("public", "BOOLEAN NOT NULL DEFAULT 0")}
 boots = sa.Table(
     "boots", metadata,
     sa.Column("id", sa.String(16), primary_key=True),
@@ -100,6 +108,7 @@ class Record:
     checkpoint: tuple[str, str] | None = None  # (path, kind)
     after: Callable[[], None] | None = None  # run once committed (e.g. delete the model's older state file)
     undo: Callable[[], None] | None = None  # run when the commit fails (the model back to its stored state)
+    tenant: str | None = None  # whose request it is
 
 
 @attrs.define
@@ -108,9 +117,10 @@ class Loaded:
 
     boot: str
     boots: dict[str, float]
-    sessions: dict[str, bool]  # id -> finished
+    sessions: dict[str, tuple[bool, str | None]]  # id -> (finished, tenant)
     models: list[dict[str, Any]]
-    futures: list[dict[str, Any]]  # request_id, model_id, seq_id, kind, value, finished (wall clock)
+    futures: list[dict[str, Any]]  # request_id, model_id, seq_id, tenant, kind, value, finished (wall clock)
+    checkpoints: dict[str, tuple[str, bool]] = attrs.field(factory=dict)  # path -> (model_id, public)
 
 
 class Store:
@@ -125,6 +135,15 @@ class Store:
         if self.engine.dialect.name == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        """Bring a database made by an older server up to the current tables."""
+        have = sa.inspect(self.engine)
+        for table, (column, ddl) in ADDED.items():
+            if column not in {c["name"] for c in have.get_columns(table)}:
+                with self.engine.begin() as db:
+                    db.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}"))
 
     def start(self, keep_seconds: float, now: float | None = None) -> Loaded:
         """Record a new boot, drop futures older than ``keep_seconds`` and read the rest."""
@@ -134,16 +153,22 @@ class Store:
             db.execute(futures.delete().where(futures.c.finished < now - keep_seconds))
             db.execute(boots.insert().values(id=boot, started=now))
             past = {r.id: r.started for r in db.execute(sa.select(boots))}
-            sess = {r.id: bool(r.finished) for r in db.execute(sa.select(sessions))}
+            sess = {r.id: (bool(r.finished), r.tenant) for r in db.execute(sa.select(sessions))}
             rows = [dict(r._mapping) for r in db.execute(sa.select(models))]
-            done = [{"request_id": r.request_id, "model_id": r.model_id, "seq_id": r.seq_id, "kind": r.kind,
-                     "value": decode(r.kind, r.result), "finished": r.finished}
+            done = [{"request_id": r.request_id, "model_id": r.model_id, "seq_id": r.seq_id, "tenant": r.tenant,
+                     "kind": r.kind, "value": decode(r.kind, r.result), "finished": r.finished}
                     for r in db.execute(sa.select(futures).order_by(futures.c.finished))]
-        return Loaded(boot, past, sess, rows, done)
+            saved = {r.path: (r.model_id, bool(r.public)) for r in db.execute(sa.select(checkpoints))}
+        return Loaded(boot, past, sess, rows, done, saved)
 
-    def add_session(self, session_id: str) -> None:
+    def add_session(self, session_id: str, tenant: str | None = None) -> None:
         with self.engine.begin() as db:
-            db.execute(sessions.insert().values(id=session_id, created=time.time(), finished=False))
+            db.execute(sessions.insert().values(id=session_id, created=time.time(), finished=False, tenant=tenant))
+
+    def publish(self, path: str, public: bool) -> bool:
+        """Mark a checkpoint published (or not); False when no checkpoint has that path."""
+        with self.engine.begin() as db:
+            return db.execute(checkpoints.update().where(checkpoints.c.path == path).values(public=public)).rowcount > 0
 
     def finish_session(self, session_id: str) -> None:
         with self.engine.begin() as db:
@@ -163,10 +188,11 @@ class Store:
                 db.execute(models.update().where(models.c.id == rec.model_id).values(**changes))
             if rec.checkpoint is not None:
                 path, kind = rec.checkpoint
-                db.execute(checkpoints.delete().where(checkpoints.c.path == path))  # saved again: the newest
-                db.execute(checkpoints.insert().values(path=path, model_id=rec.model_id, kind=kind, created=now))
+                db.execute(checkpoints.delete().where(checkpoints.c.path == path))  # saved again: the newest, private
+                db.execute(checkpoints.insert().values(path=path, model_id=rec.model_id, kind=kind, created=now,
+                                                       public=False))
             db.execute(futures.insert().values(request_id=rec.request_id, model_id=rec.model_id, seq_id=rec.seq_id,
-                                               kind=rec.kind, result=encode(rec.kind, rec.value), finished=now))
+                                               tenant=rec.tenant, kind=rec.kind, result=encode(rec.kind, rec.value), finished=now))
 
     def forget(self, before: float) -> int:
         """Delete the futures finished before ``before`` (wall clock); their count."""

@@ -737,7 +737,8 @@ class WorkerReceiving(Protocol):
 
     def init_workers(self, recipe: Mapping[str, Any]) -> None:
         """Build the receiver ``recipe`` names in every worker now. A recipe is
-        ``{"factory": "module:name", "kwargs": {...}}``; a collective one also has
+        ``{"receiver": "NAME", "kwargs": {...}}``, NAME an entry point of the
+        ``skyrl.receivers`` group (never an importable path); a collective one also has
         ``"group": {"address", "world", "backend", "rank"}``: the engine's k-th worker
         joins that weight group (:func:`skyrl_host.groups.weight_group`) as ``rank + k``,
         and this call blocks until every member joined, so the sender joins meanwhile."""

@@ -40,6 +40,7 @@ import importlib.util
 import io
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -54,6 +55,7 @@ import numpy as np
 from skyrl_engines._batch_assembly import assemble_batch, wants_support
 from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_json, vllm_build
 from skyrl_engines.vllm import missing_vllm_message, sampling_request
+from skyrl_engines.vllm_worker import TOKEN_ENV
 from skyrl_host.errors import JobFailed, UserError
 from skyrl_host.interfaces import LoadedModel, Sampler
 from skyrl_host.rollout import CSR, RolloutBatch
@@ -83,8 +85,11 @@ def plugin_path(root: str) -> str:
     os.makedirs(meta, exist_ok=True)
     with open(os.path.join(meta, "METADATA"), "w") as f:
         f.write("Metadata-Version: 2.1\nName: skyrl-vllm-bridge\nVersion: 0\n")
+    # The receivers a weight-transfer recipe may name: the job environment's own registry,
+    # copied (vLLM's interpreter sees our packages, not their distribution metadata).
+    receivers = "".join(f"{ep.name} = {ep.value}\n" for ep in importlib.metadata.entry_points(group="skyrl.receivers"))
     with open(os.path.join(meta, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nskyrl = skyrl_engines.vllm_worker:register\n")
+        f.write("[vllm.general_plugins]\nskyrl = skyrl_engines.vllm_worker:register\n\n[skyrl.receivers]\n" + receivers)
     return out
 
 
@@ -134,6 +139,9 @@ class VllmEngine:
         self._salt_version = 0  # the weights a request sent now is served by (its prefix-cache salt)
         self._moe_layers: list[int] = []  # the decoder layers with a MoE router, in order
         self._fetching: int | None = None  # the version the workers are fetching (fetch_in_workers)
+        # What every request carries: for servers this engine starts, a fresh secret of this run
+        # (vllm_worker.JobTokenMiddleware checks it on every route); for given urls, [engine] api_key_env's.
+        self.token: str | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -151,6 +159,10 @@ class VllmEngine:
             if t not in self.stop_token_ids:
                 self.stop_token_ids.append(int(t))
         if cfg.urls:
+            if cfg.api_key_env is not None:
+                self.token = os.environ.get(cfg.api_key_env) or None
+                if self.token is None:
+                    raise UserError(f"[engine] api_key_env: the environment variable {cfg.api_key_env!r} is not set")
             for url in cfg.urls:
                 if not health(url.rstrip("/")):
                     raise UserError(f"[engine] urls: no healthy vLLM server answers at {url} (GET {url}/health)")
@@ -180,7 +192,8 @@ class VllmEngine:
         cfg = self.config
         args = ["--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
                 "--skip-tokenizer-init", "--served-model-name", MODEL_NAME, "--dtype", self._dtype,
-                "--weight-transfer-config", json.dumps({"backend": "skyrl"})]
+                "--weight-transfer-config", json.dumps({"backend": "skyrl"}),
+                "--middleware", "skyrl_engines.vllm_worker.JobTokenMiddleware"]
         if cfg.max_model_len is not None:
             args += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.max_lora_rank:
@@ -211,6 +224,10 @@ class VllmEngine:
         env["PYTHONPATH"] = plugin_path(self.folder)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process per server (and nothing left behind)
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's weight-update routes (/pause, /update_weights, ...)
+        if self.token is None:
+            self.token = secrets.token_urlsafe(32)
+        env[TOKEN_ENV] = self.token  # every route answers only requests with it (JobTokenMiddleware)
+        env.pop("VLLM_API_KEY", None)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
         if cfg.return_routed_experts or self._support:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner that returns routes and sampling masks
@@ -309,7 +326,7 @@ class VllmEngine:
         def one(url: str) -> None:
             payload = bodies[url] if bodies is not None else (body or {})
             try:
-                post_json(f"{url}{route}", payload, self.config.request_timeout)
+                post_json(f"{url}{route}", payload, self.config.request_timeout, self.token)
             except ConnectionError as exc:
                 raise self.lost(url, f"the weight update ({route.split('?')[0]})", exc) from None
             except RuntimeError as exc:
@@ -426,7 +443,7 @@ class VllmEngine:
         one open (a server whose own fetch failed closed it), so the next version can start."""
         for url in self.urls:
             try:
-                post_json(f"{url}/finish_weight_update", {}, self.config.request_timeout)
+                post_json(f"{url}/finish_weight_update", {}, self.config.request_timeout, self.token)
             except (ConnectionError, RuntimeError):
                 pass
 
@@ -525,7 +542,7 @@ class VllmEngine:
             with self._live_lock:
                 self._live += n
             try:
-                answer = post_json(f"{url}/inference/v1/generate", body, self.config.request_timeout)
+                answer = post_json(f"{url}/inference/v1/generate", body, self.config.request_timeout, self.token)
             except ConnectionError as exc:
                 raise self.lost(url, "generation", exc) from None
             finally:

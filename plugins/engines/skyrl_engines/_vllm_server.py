@@ -211,12 +211,15 @@ def health(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def post_json(url: str, body: Mapping[str, Any], timeout: float) -> Any:
-    """POST ``body`` as JSON, return the decoded answer (its text when it is not JSON);
-    raise RuntimeError naming the server and its answer on an HTTP error, ConnectionError
-    when it cannot be reached."""
+def post_json(url: str, body: Mapping[str, Any], timeout: float, token: str | None = None) -> Any:
+    """POST ``body`` as JSON (with ``token``: as ``Authorization: Bearer``), return the
+    decoded answer (its text when it is not JSON); raise RuntimeError naming the server and
+    its answer on an HTTP error, ConnectionError when it cannot be reached."""
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()

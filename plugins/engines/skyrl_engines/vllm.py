@@ -50,7 +50,7 @@ def _check_stop_token_ids(_inst: Any, _attr: Any, value: Any) -> None:
 
 
 # Arguments the engine sets itself: given in server_args they would contradict it.
-RESERVED_ARGS = ("--host", "--port", "--dtype", "--max-model-len", "--logprobs-mode", "--served-model-name",
+RESERVED_ARGS = ("--host", "--port", "--dtype", "--max-model-len", "--logprobs-mode", "--served-model-name", "--api-key",
                  "--skip-tokenizer-init", "--enable-scale-out", "--generation-config", "--seed")
 
 
@@ -73,6 +73,10 @@ class VllmConfig:
         help="attach to these running vLLM servers (started with --enable-scale-out and --logprobs-mode "
         "processed_logprobs, serving the job's model) instead of starting any",
         validator=_check_urls,
+    )
+    api_key_env: str | None = option(
+        None, help="with urls: the environment variable holding the API key those servers were started with "
+        "(sent as Authorization: Bearer); the servers this engine starts get a fresh secret of their own",
     )
     startup_timeout: float = option(
         600.0, help="seconds a started server may take to become healthy", validator=gt(0),
@@ -126,6 +130,9 @@ class VllmConfig:
     def __attrs_post_init__(self) -> None:
         if self.urls and self.servers is not None:
             raise OptionError("servers", "the engine starts servers only without urls; with urls it attaches to them")
+        if self.api_key_env is not None and not self.urls:
+            raise OptionError("api_key_env", "only applies with urls (the servers this engine starts get a fresh "
+                              "secret of their own)")
         for arg in self.server_args:
             name = arg.split("=", 1)[0]
             if name in RESERVED_ARGS:

@@ -10,9 +10,12 @@ the transports' own libraries) and with ``--weight-transfer-config '{"backend":
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, ``/pause``, ``/resume``).
 
-The ``skyrl`` backend is transport-agnostic: ``init_info = {"recipe": {"factory":
-"module:name", "kwargs": {...}}}`` names how to build a transport's receiver (an object
-with ``fetch(target)`` and ``apply(engine)``, such as ``delta``'s ``DeltaReceiver``); a
+The ``skyrl`` backend is transport-agnostic: ``init_info = {"recipe": {"receiver":
+"NAME", "kwargs": {...}}}`` names which registered receiver to build (an object with
+``fetch(target)`` and ``apply(engine)``, such as ``delta``'s ``DeltaReceiver``). Only
+names of the ``skyrl.receivers`` entry-point group count, as the job's environment
+registers them (the engine copies that group into the servers' bridge folder): a
+request can choose among the transports' receivers, never import anything else; a
 collective recipe also names a weight group (``"group": {"address", "world", "backend",
 "rank"}``), which the receiver joins as ``rank`` + this worker's rank in its server
 (``broadcast``'s receiver). Every update is a phase:
@@ -33,30 +36,71 @@ Runs in vLLM's interpreter: it imports ``vllm`` only inside :func:`register` and
 
 from __future__ import annotations
 
-import importlib
+import hmac
+import importlib.metadata
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 BACKEND = "skyrl"
+RECEIVERS = "skyrl.receivers"  # the entry-point group of the transports' receivers, by name
+TOKEN_ENV = "SKYRL_VLLM_TOKEN"  # the job's secret for the servers it starts (JobTokenMiddleware)
+
+
+def registered_receivers() -> dict[str, Any]:
+    """The receivers this interpreter may build: name -> entry point (not loaded yet)."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=RECEIVERS)}
 
 
 def build_receiver(recipe: Mapping[str, Any], worker_rank: int = 0, device: Any = "cpu") -> Any:
-    """The receiver a recipe names: ``{"factory": "package.module:Name", "kwargs": {...}}``;
-    a collective recipe's factory also gets ``group=(address, rank + worker_rank, world,
-    backend)`` and ``device`` (where this worker holds the weights)."""
+    """The receiver a recipe names: ``{"receiver": "NAME", "kwargs": {...}}`` with NAME one
+    of the ``skyrl.receivers`` entry points; a collective recipe's receiver also gets
+    ``group=(address, rank + worker_rank, world, backend)`` and ``device`` (where this
+    worker holds the weights). Any other name is refused before anything is imported."""
     try:
-        target, kwargs = recipe["factory"], dict(recipe.get("kwargs") or {})
-        module_name, _, attr = str(target).partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
+        name, kwargs = recipe["receiver"], dict(recipe.get("kwargs") or {})
+        known = registered_receivers()
+        if not isinstance(name, str) or name not in known:
+            raise ValueError(f"{name!r} is not a registered receiver (registered: {sorted(known)})")
         if "group" in recipe:
             g = recipe["group"]
             kwargs["group"] = (str(g["address"]), int(g["rank"]) + int(worker_rank), int(g["world"]), str(g["backend"]))
             kwargs["device"] = str(device)
-    except (KeyError, ValueError, TypeError, ImportError, AttributeError) as exc:
-        raise ValueError(f"skyrl weight transfer: bad receiver recipe {dict(recipe)!r}: {exc}") from None
-    return factory(**kwargs)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"skyrl weight transfer: bad receiver recipe: {exc}") from None
+    return known[name].load()(**kwargs)
+
+
+class JobTokenMiddleware:
+    """An ASGI middleware for the vLLM servers a job starts (``--middleware``): every HTTP
+    request but ``GET /health`` must carry ``Authorization: Bearer <token>``, the secret
+    the job put in the server's environment (``SKYRL_VLLM_TOKEN``, readable only by the
+    job's user); others get 401. vLLM's own ``--api-key`` guards only its ``/v1``-style
+    routes, not the weight-update routes dev mode adds (``/init_weight_transfer_engine``,
+    ``/update_weights``, ``/pause``, ...). Without a token in the environment every
+    guarded request is refused (fails closed)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.token = ("Bearer " + os.environ[TOKEN_ENV]).encode() if os.environ.get(TOKEN_ENV) else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") not in ("http", "websocket") or (scope.get("path") == "/health"
+                                                               and scope.get("method") in ("GET", "HEAD")):
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if self.token is None or not hmac.compare_digest(sent, self.token):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": "this server answers only its job"}'})
+            return
+        await self.app(scope, receive, send)
 
 
 def _group(name: str) -> str:

@@ -72,15 +72,17 @@ def test_generation_matches_torch_logprobs(engine, loaded):
     assert len({tuple(batch.sequence(s)) for s in range(4)}) > 1
 
 
-def test_seeds_and_servers(engine, vllm_python, loaded):
-    """The same seed gives the same batch; one server (attached by URL) gives what two give."""
+def test_seeds_and_servers(engine, vllm_python, loaded, monkeypatch):
+    """The same seed gives the same batch; one server (attached by URL, with the key its
+    starter gave it) gives what two give."""
     sampler = TruncatedSampler(temperature=0.8, top_k=5)
     two = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=11)
     again = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=11)
     other = engine.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=12)
     assert np.array_equal(two.tokens, again.tokens)
     assert not np.array_equal(two.tokens, other.tokens)
-    one = Vllm(VllmConfig(urls=(engine.urls[0],)))
+    monkeypatch.setenv("SKYRL_TEST_VLLM_KEY", engine.token)
+    one = Vllm(VllmConfig(urls=(engine.urls[0],), api_key_env="SKYRL_TEST_VLLM_KEY"))
     one.start(loaded)
     single = one.generate(PROMPTS, n=3, sampler=sampler, max_new_tokens=10, seed=11)
     assert np.array_equal(two.tokens, single.tokens)
@@ -116,6 +118,44 @@ def test_bad_config_and_urls(loaded):
         Vllm(VllmConfig(urls=("http://127.0.0.1:9",))).start(loaded)
     with pytest.raises(UserError, match="no vLLM is installed"):
         Vllm(VllmConfig()).start(loaded)  # this interpreter has no vLLM
+    with pytest.raises(ValueError, match="api_key_env: only applies with urls"):
+        VllmConfig(api_key_env="KEY")
+    with pytest.raises(ValueError, match="--api-key is set by the engine"):
+        VllmConfig(server_args=("--api-key", "x"))
+
+
+def test_the_servers_answer_only_their_job_and_build_only_registered_receivers(engine, tmp_path):
+    """Another local user (no token, or a wrong one) gets 401 on every route but /health,
+    the weight-update routes of dev mode included; even with the token, a recipe naming an
+    importable callable instead of a registered receiver is refused and nothing runs."""
+    import urllib.error
+    import urllib.request
+
+    from skyrl_engines._vllm_server import health, post_json
+
+    url = engine.urls[0]
+    assert health(url) and len(engine.token) >= 40
+    marker = tmp_path / "ran"
+    evil = {"init_info": {"recipe": {"factory": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}}}}
+    for route, body in (("/init_weight_transfer_engine", evil), ("/pause", {}), ("/update_weights", {"update_info": {}}),
+                        ("/inference/v1/generate", {"token_ids": [1, 2]}), ("/v1/load_lora_adapter", {})):
+        for token in (None, "wrong", engine.token[:-1]):
+            with pytest.raises(RuntimeError, match="answered 401"):
+                post_json(f"{url}{route}", body, 30, token)
+    for path in ("/v1/models", "/metrics", "/server_info"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{url}{path}", timeout=30)
+        assert err.value.code == 401
+    try:
+        for recipe in ({"receiver": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}},
+                       {"factory": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}},
+                       {"receiver": "os", "kwargs": {}}):
+            with pytest.raises(RuntimeError, match="not a registered receiver|bad receiver recipe"):
+                post_json(f"{url}/init_weight_transfer_engine", {"init_info": {"recipe": recipe}}, 60, engine.token)
+        assert not marker.exists()
+    finally:
+        engine._recipes.clear()  # the server's workers hold no receiver now: the next sync builds its own
+    assert engine.generate(PROMPTS[:2], n=1, sampler=GreedySampler(), max_new_tokens=3, seed=0).n_sequences == 2
 
 
 def test_close_leaves_no_process_and_a_server_killed_alone_takes_its_engine_core(vllm_python, loaded):

@@ -60,10 +60,10 @@ def test_collective_recipes_give_each_servers_workers_their_ranks() -> None:
     engine = VllmEngine(VllmConfig(server_args=("--tensor-parallel-size", "2")))
     engine.urls = ["http://a", "http://b", "http://c"]
     assert engine.worker_ranks() == 6
-    recipe = {"factory": "m:f", "kwargs": {}, "group": {"address": "tcp://h:1", "rank": 1, "world": 7, "backend": "nccl"}}
+    recipe = {"receiver": "broadcast", "kwargs": {}, "group": {"address": "tcp://h:1", "rank": 1, "world": 7, "backend": "nccl"}}
     assert [engine._recipe_for(recipe, i)["group"]["rank"] for i in range(3)] == [1, 3, 5]
     assert recipe["group"]["rank"] == 1  # the caller's recipe is left as it was
-    plain = {"factory": "m:f", "kwargs": {"uri": "file:///w"}}
+    plain = {"receiver": "delta", "kwargs": {"uri": "file:///w"}}
     assert engine._recipe_for(plain, 2) == plain
 
 
@@ -77,3 +77,54 @@ def test_what_vllm_needs_of_a_sampler_whose_kept_sets_it_returns() -> None:
     assert key == "sampler.top_k" and "top_k > 0" in why
     [(key, why)] = support_problems(GreedyConfig(return_support=True))
     assert key == "sampler.return_support" and "temperature above 0" in why
+
+
+def test_a_recipe_builds_only_a_registered_receiver(tmp_path) -> None:
+    """Recipes name receivers of the skyrl.receivers group; an importable path, an unknown
+    name or the old factory form is refused before anything is imported or called."""
+    from skyrl_engines.vllm_worker import build_receiver, registered_receivers
+    from skyrl_weightsync.delta import DeltaReceiver
+
+    assert {"delta", "broadcast", "nixl"} <= set(registered_receivers())
+    built = build_receiver({"receiver": "delta", "kwargs": {"uri": (tmp_path / "store").as_uri()}})
+    assert isinstance(built, DeltaReceiver)
+    marker = tmp_path / "ran"
+    for recipe in ({"receiver": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}},
+                   {"factory": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}},
+                   {"receiver": "os.system", "kwargs": {"command": f"touch {marker}"}},
+                   {"receiver": ["delta"]}):
+        with pytest.raises(ValueError, match="bad receiver recipe"):
+            build_receiver(recipe)
+    assert not marker.exists()
+
+
+def test_the_job_token_middleware_lets_only_the_job_in(monkeypatch) -> None:
+    import asyncio
+
+    from skyrl_engines.vllm_worker import TOKEN_ENV, JobTokenMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def call(mw, path, auth=None, method="POST"):
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        headers = [(b"authorization", auth.encode())] if auth is not None else []
+        asyncio.run(mw({"type": "http", "path": path, "method": method, "headers": headers}, None, send))
+        return sent[0]["status"]
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret-token")
+    mw = JobTokenMiddleware(app)
+    assert call(mw, "/update_weights", "Bearer s3cret-token") == 200
+    for auth in (None, "Bearer wrong", "Bearer s3cret-toke", "s3cret-token", "Basic s3cret-token"):
+        assert call(mw, "/update_weights", auth) == 401
+        assert call(mw, "/v1/models", auth, "GET") == 401
+    assert call(mw, "/health", None, "GET") == 200  # readiness stays open
+    assert call(mw, "/health", None, "POST") == 401
+    monkeypatch.delenv(TOKEN_ENV)
+    closed = JobTokenMiddleware(app)  # no token given: nothing but /health
+    assert call(closed, "/update_weights", "Bearer ") == 401 and call(closed, "/health", None, "GET") == 200

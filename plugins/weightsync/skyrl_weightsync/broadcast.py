@@ -100,7 +100,7 @@ class Broadcast:
     def worker_recipe(self, address: str, rank: int, world: int, backend: str) -> dict[str, Any]:
         """How an engine's workers build their receivers (WorkerReceiving): members of the
         group at ``address`` from ``rank`` on."""
-        return {"factory": "skyrl_weightsync._broadcast:BroadcastReceiver",
+        return {"receiver": "broadcast",
                 "kwargs": {"src": 0, "bucket_bytes": self.config.bucket_bytes, "timeout_s": self.config.timeout_s},
                 "group": {"address": address, "rank": int(rank), "world": int(world), "backend": backend}}
 

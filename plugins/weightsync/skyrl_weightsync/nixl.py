@@ -152,7 +152,7 @@ class NixlInWorkers:
         from skyrl_host.statefile import dumps_state
 
         raw = [e if isinstance(e, (bytes, bytearray)) else dumps_state(dict(e)) for e in endpoints]
-        self.recipe = {"factory": "skyrl_weightsync._nixl.receiver:worker_receiver",
+        self.recipe = {"receiver": "nixl",
                        "kwargs": {"endpoints": [base64.b64encode(bytes(e)).decode() for e in raw],
                                   "backend": self.config.backend, "timeout_s": self.config.timeout_s}}
 

@@ -269,7 +269,7 @@ class DeltaReceiver:
     def worker_recipe(self) -> dict[str, Any]:
         """How an engine's own worker processes build this receiver (see
         :class:`skyrl_host.interfaces.WorkerReceiving`)."""
-        return {"factory": "skyrl_weightsync.delta:DeltaReceiver",
+        return {"receiver": "delta",
                 "kwargs": {"uri": self.store.uri, "storage_options": self.storage_options,
                            "max_bytes": self.store.max_bytes}}
 

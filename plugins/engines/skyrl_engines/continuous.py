@@ -30,6 +30,12 @@ A model with other cache layers than attention (linear attention, Mamba states) 
 take rows into a running cache: it decodes in **waves** (the waiting requests start
 together whenever the batch is empty; still one batch across requests and adapters).
 
+**Faults stay with their request.** When a step fails (a request's own forward raised,
+past every check at submit), the batch cannot tell whose row it was: every request in it
+starts over alone, first in line (its samples are seeded per token, so it gives what it
+would have given), and only a request whose run alone fails gets the error; the others,
+and the batching after them, go on (``stats["isolated"]`` counts the restarts).
+
 Columns no live row uses any more (on the left) are dropped when they are a tenth of
 the filled width or when the cache needs room, so the width stays near the longest live
 row. Randomness never comes from a shared generator.
@@ -44,6 +50,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import traceback
 from typing import Any, Mapping, Sequence
@@ -55,6 +62,7 @@ import torch
 from skyrl_engines._kv_cache import make_cache, make_slot_cache, select_rows, slot_cache_supported
 
 M32 = 0xFFFFFFFF
+log = logging.getLogger("skyrl.engine")
 NEG_INF = float("-inf")
 MASK_LOGPROB = -99999.0  # the SDK's "no top-k entry here" (tinker.types.topk_logprobs)
 TRIM_FRACTION = 0.1  # drop unused left columns once they are this share of the filled width
@@ -181,6 +189,16 @@ class _Request:
     kept: list = attrs.field(factory=list)
     topk: list = attrs.field(factory=list)
     prompt_topk: Any = None
+    alone: bool = False  # a fault struck a batch it shared: it runs again with no other request
+
+    def restart(self) -> None:
+        """Forget every sample's progress: the request starts over (its samples are seeded
+        per token, so it gives what it would have given)."""
+        n = self.n
+        self.admitted, self.left = 0, n
+        self.tokens, self.logprobs, self.reasons = [None] * n, [None] * n, [None] * n
+        self.routes, self.kept, self.topk = [None] * n, [None] * n, [None] * n
+        self.prompt_lp = self.prompt_routes = self.prompt_topk = None
 
 
 @attrs.define(eq=False)
@@ -227,7 +245,8 @@ class ContinuousBatcher:
         self._banks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         self._bank_cache = bank_cache
         self.stats = {"decode_forwards": 0, "prefill_forwards": 0, "tokens": 0, "requests": 0, "max_rows": 0,
-                      "max_adapters": 0, "decode_columns": 0, "decode_rows": 0}
+                      "max_adapters": 0, "decode_columns": 0, "decode_rows": 0, "isolated": 0}
+        self._newcomers: list[tuple[_Request, int]] = []  # the sequences joining in the step under way
 
     # -- the callers' side ------------------------------------------------------------
 
@@ -314,12 +333,17 @@ class ContinuousBatcher:
             try:
                 with torch.no_grad():
                     self._step()
-            except Exception as exc:  # noqa: BLE001 - a fault fails the requests in the batch, the loop goes on
+            except Exception as exc:  # noqa: BLE001 - a fault: isolate it to its request, the loop goes on
                 detail = traceback.format_exc()
-                failed = {id(r.request): r.request for r in self.rows}
+                involved = {id(r.request): r.request for r in self.rows}
+                for req, _ in self._newcomers:
+                    involved.setdefault(id(req), req)
                 self._reset()
-                for req in failed.values():
-                    self._fail(req, RuntimeError(f"{type(exc).__name__}: {exc}".splitlines()[0]), detail)
+                if len(involved) == 1 or any(r.alone for r in involved.values()):
+                    for req in involved.values():  # it ran alone: the fault is its own
+                        self._fail(req, RuntimeError(f"{type(exc).__name__}: {exc}".splitlines()[0]), detail)
+                else:
+                    self._isolate(list(involved.values()))
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for req in {id(r.request): r.request for r in self.rows}.values():
@@ -338,6 +362,19 @@ class ContinuousBatcher:
         self._params: tuple | None = None  # per-row sampling tensors, rebuilt when the rows change
         self._held = 0  # steps newcomers have been kept waiting for more free rows
         self._groups: list | None = None
+
+    def _isolate(self, requests: list[_Request]) -> None:
+        """A fault struck a batch of several requests, and which one caused it is unknown:
+        each starts over alone, first in line, so only the one whose own run fails fails."""
+        log.warning("a fault struck a batch of %d requests: each runs again alone", len(requests))
+        self.stats["isolated"] += len(requests)
+        with self._cond:
+            ids = {id(r) for r in requests}
+            rest = [r for r in self._waiting if id(r) not in ids]
+            for req in requests:
+                req.restart()
+                req.alone = True
+            self._waiting = collections.deque([*requests, *rest])
 
     def _fail(self, req: _Request, exc: Exception, detail: str | None) -> None:
         with self._cond:
@@ -365,6 +402,23 @@ class ContinuousBatcher:
         out: list[tuple[_Request, int]] = []
         if not free or not self._waiting or (self.rows and not self.slots):
             return out
+        while self._waiting and self._waiting[0].future.done():
+            with self._cond:
+                self._waiting.popleft()
+        if self._waiting and self._waiting[0].alone or any(r.request.alone for r in self.rows):
+            # A request being isolated runs with no other: it starts when the batch is empty
+            # and nobody joins it (its own later samples do).
+            head = self._waiting[0] if self._waiting else None
+            live = {id(r.request) for r in self.rows}
+            if head is None or not head.alone or (live and live != {id(head)}):
+                return out
+            k = min(free, head.n - head.admitted)
+            out = [(head, head.admitted + i) for i in range(k)]
+            head.admitted += k
+            if head.admitted == head.n:
+                with self._cond:
+                    self._waiting.popleft()
+            return out
         if self.rows and free < ADMIT_FRACTION * self.max_rows and self._held < ADMIT_WAIT:
             self._held += 1  # a few rows free: let more finish first, a few steps at most
             return out
@@ -385,8 +439,10 @@ class ContinuousBatcher:
 
     def _step(self) -> None:
         newcomers = self._take_newcomers()
+        self._newcomers = newcomers
         if newcomers:
             self._admit(newcomers)
+        self._newcomers = []
         if not self.rows:
             return
         tok, lp = self._sample()

@@ -208,6 +208,50 @@ def test_prompt_logprobs_and_a_bad_adapter_fail_alone() -> None:
     np.testing.assert_allclose(lp[1:], want, atol=1e-5)
 
 
+def test_a_fault_inside_a_shared_batch_fails_only_the_request_that_causes_it() -> None:
+    """A request whose own forward fails (a fault injected into the model: any prefill that
+    holds the token POISON raises) shares one prefill with six others. The batch cannot
+    tell whose row it was: every request starts over alone, the poisoned one fails alone
+    with the error, and the six give exactly what they give in a batch without it."""
+    POISON = 31
+    prompts = [p for p in PROMPTS if POISON not in p][:6]
+    kw = dict(temperature=0.8, top_k=0, top_p=1.0, max_tokens=6)
+    e = engine()
+    b = ContinuousBatcher(e)
+    try:
+        with b._cond:  # every request waits until all are queued: one shared prefill
+            want = [b.submit(p, seed=i, **kw) for i, p in enumerate(prompts)]
+        want = [f.result(60) for f in want]
+    finally:
+        b.close()
+
+    def poison(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[-1] > 1 and bool((ids == POISON).any()):
+            raise RuntimeError("injected fault: a poisoned prompt")
+
+    hook = e.model.model.register_forward_pre_hook(poison, with_kwargs=True)
+    b = ContinuousBatcher(e)
+    try:
+        with b._cond:
+            got = [b.submit(p, seed=i, **kw) for i, p in enumerate(prompts)]
+            bad = b.submit([2, POISON, 3], seed=9, **kw)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            bad.result(60)
+        got = [f.result(60) for f in got]
+        assert b.stats["isolated"] == 7 and b.queued_tokens == 0
+        # The batcher goes on batching: two more requests share a batch again.
+        again = [b.submit(p, seed=i, **kw) for i, p in enumerate(prompts[:2])]
+        again = [f.result(60) for f in again]
+    finally:
+        b.close()
+        hook.remove()
+    for w, g in zip(want + want[:2], got + again):
+        for sw, sg in zip(w["sequences"], g["sequences"]):
+            assert sg["tokens"].tolist() == sw["tokens"].tolist() and sg["stop_reason"] == sw["stop_reason"]
+            np.testing.assert_allclose(sg["logprobs"], sw["logprobs"], atol=1e-5)
+
+
 def test_recorded_routes_are_the_models_own_and_kept_sets_hold_the_token(skyrl_host) -> None:
     from skyrl_host.routing import RouterHooks
 

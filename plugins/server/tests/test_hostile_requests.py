@@ -146,3 +146,58 @@ def test_a_seq_id_leap_is_refused_and_the_model_keeps_serving(url) -> None:
     assert huge[0] == 400 and "does not fit a 64-bit integer" in huge[1]["error"]
     assert leap[0] == 400 and "past the last one" in leap[1]["error"]
     assert done[0] == 200 and done[1].get("type") != "try_again" and "error" not in done[1], done
+
+
+def test_hypothesis_generated_sampling_requests_get_4xx_or_their_own_user_error(url) -> None:
+    """Hypothesis writes asample bodies: every sampling parameter, the sample count, the
+    prompt's tokens and the top-k fields drawn from huge, negative, fractional, non-finite,
+    wrong-typed and missing values. Each is sent beside a normal request of another client:
+    the odd one gets a 4xx at its route or a future holding its own user error, never a 5xx
+    or a server fault, and the normal one samples every time."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    odd = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
+                    st.sampled_from([0, 1, -1, 2**31, 2**63 - 1, 2**63, 2**64, 10**21]),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
+                    st.lists(st.integers(-3, 40), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+    fields = st.fixed_dictionaries({}, optional={
+        "max_tokens": odd, "temperature": odd, "top_k": odd, "top_p": odd, "seed": odd, "stop": odd})
+    body = st.fixed_dictionaries({"sampling_params": fields}, optional={
+        "num_samples": odd, "prompt_logprobs": odd, "topk_sample_logprobs": odd, "topk_prompt_logprobs": odd,
+        "prompt_logprobs_last_n": odd,
+        "tokens": st.one_of(odd, st.lists(st.integers(-(2**70), 2**70), max_size=4))})
+    seen = {"examples": 0, "4xx": 0, "user": 0, "ok": 0}
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body)
+    def check(b):
+        request = {"base_model": BASE, "prompt": {"chunks": [{"type": "encoded_text",
+                                                               "tokens": b.pop("tokens", [1, 2, 3])}]}, **b}
+        text = json.dumps(request, allow_nan=True)  # NaN / Infinity literals as a careless client writes them
+
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                normal = asyncio.ensure_future(post(s, url, "asample", sample(seed=5)))
+                status, value = await post(s, url, "asample", text)
+                if status == 200:
+                    status, value = await result(s, url, value)
+                n_status, n_value = await normal
+                assert n_status == 200
+                n_status, n_value = await result(s, url, n_value)
+                return status, value, n_status, n_value
+
+        status, value, n_status, n_value = asyncio.run(main())
+        seen["examples"] += 1
+        assert status < 500, (request, value)
+        if isinstance(value, dict):
+            assert "\n" not in value["error"] and (status >= 400 or value.get("category") == "user"), (request, value)
+            seen["4xx" if status >= 400 else "user"] += 1
+        else:
+            seen["ok"] += 1
+        assert n_status == 200 and isinstance(n_value, bytes), n_value  # the other client sampled
+
+    check()
+    print("hypothesis asample examples:", seen)
+    assert seen["examples"] >= 40 and seen["4xx"] > 0

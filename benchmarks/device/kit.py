@@ -207,6 +207,7 @@ OPTIONAL_IMPORTS = {
     "platformdirs": "wandb's",
     "boto3": "accelerate's SageMaker config: only when importlib finds it",
     "botocore": "boto3's", "jmespath": "boto3's", "s3transfer": "boto3's",
+    "dill": "torch.utils._import_utils.import_dill: only when importlib finds it (a machine with datasets has it)",
 }
 
 

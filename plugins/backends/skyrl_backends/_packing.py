@@ -50,6 +50,12 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     ``[count, H, length, D]`` views (no mask); returns ``[1, N, Hq, D]``."""
     segments: Segments = kwargs[SEGMENTS_KEY]
     gqa = query.shape[1] != key.shape[1]
+    dtype = query.dtype
+    if query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        # The CPU's bf16 attention kernels (forward and backward) took 2.8x the float32 ones' time
+        # on a micro-batch of 32 sequences of 40-110 tokens (9 heads x 64); attention in float32 is
+        # also the more exact (benchmarks/attention_dtype.py).
+        query, key, value = query.float(), key.float(), value.float()
     sizes = [count * length for _, count, length in segments.groups]
     # One split of each flat row (its backward: one cat), not a slice per group: the backward
     # of ``x[0, :, a:b]`` is a zero tensor of x's whole size with the slice's gradient added
@@ -62,7 +68,7 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
             qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=length > 1, enable_gqa=gqa,
         )
         outs.append(o.transpose(1, 2).reshape(count * length, o.shape[1], o.shape[-1]))  # [count, H, L, D] -> [count * L, H, D]
-    return torch.cat(outs).unsqueeze(0), None
+    return torch.cat(outs).unsqueeze(0).to(dtype), None
 
 
 _SDPA_WRAPPED = "_skyrl_segments_wrapped"

@@ -81,6 +81,8 @@ class TrainStep:
     ``precision``, the data-parallel handles, and its ``_plan`` / ``_dummy`` /
     ``_all_reduce``)."""
 
+    _compute_copy: Any = None  # a ComputeCopy when the update computes through bf16 copies (torch backend)
+
     def _autocast(self) -> Any:
         if self.config.compute_dtype == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -179,8 +181,9 @@ class TrainStep:
         active = [j for j in range(n_mini) if totals[j, 0] > 0]  # a mini-batch without loss tokens does no update
 
         # The no-grad pass before the first update.
+        copies = self._compute_copy
         if needs_ref or cfg.mini_batches > 1:
-            with torch.no_grad():
+            with torch.no_grad(), (copies.forward_only() if copies is not None else contextlib.nullcontext()):
                 for j in active:
                     for mb in plan[j]:
                         if cfg.mini_batches > 1:
@@ -204,34 +207,37 @@ class TrainStep:
             micros = plan[j]
             global_tokens, global_seqs = float(totals[j, 0]), float(totals[j, 1])
             self.optimizer.zero_grad(set_to_none=True)
-            for i, mb in enumerate(micros):
-                sync = i == len(micros) - 1
-                ctx = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
-                with ctx, self._replaying(mb):
-                    lp, ent, logits = self._logprobs(module, mb, temperature, entropy=True)
-                    if lp is None:
-                        loss = logits.sum() * 0.0  # no loss token: a zero gradient that still reaches every parameter
-                    else:
-                        old = lp.detach() if mb.old is None else mb.old
-                        inputs = LossInputs(
-                            logprobs=lp, old_logprobs=old, engine_logprobs=mb.engine_lp, advantages=mb.adv,
-                            mask=torch.ones_like(mb.adv), seq_ids=mb.seq_ids, n_seqs=mb.n_seqs,
-                            global_tokens=global_tokens, global_seqs=global_seqs, ref_logprobs=mb.ref,
-                            max_response_len=max_new_tokens,
-                        )
-                        loss, metrics = algorithm.loss(inputs)
-                        w = float(mb.n_loss)
-                        for k, v in (metrics or {}).items():
-                            add(algo_sums, k, torch.as_tensor(_to_float(v) * w, device=self.device))
-                        add(sums, "entropy", ent.sum())
-                        # The trainer's pre-update logprob against the engine's.
-                        diff = (old.detach() - mb.engine_lp).abs()
-                        add(sums, "logprob_diff", diff.sum())
-                        maxes["logprob_diff_max"] = torch.maximum(maxes.get("logprob_diff_max", zero), diff.max().double())
-                        if mb.ref is not None:  # the k3 estimate of KL(policy || reference), as a metric
-                            add(sums, "kl", kl_estimate(old.detach(), mb.ref, "k3").sum())
-                    add(sums, "loss", loss)
-                    (loss * scale if scale != 1.0 else loss).backward()
+            with copies.update() if copies is not None else contextlib.nullcontext():
+                for i, mb in enumerate(micros):
+                    sync = i == len(micros) - 1
+                    ctx = self._ddp.no_sync() if (self._ddp is not None and not sync) else contextlib.nullcontext()
+                    with ctx, self._replaying(mb):
+                        lp, ent, logits = self._logprobs(module, mb, temperature, entropy=True)
+                        if lp is None:
+                            loss = logits.sum() * 0.0  # no loss token: a zero gradient that still reaches every parameter
+                        else:
+                            old = lp.detach() if mb.old is None else mb.old
+                            inputs = LossInputs(
+                                logprobs=lp, old_logprobs=old, engine_logprobs=mb.engine_lp, advantages=mb.adv,
+                                mask=torch.ones_like(mb.adv), seq_ids=mb.seq_ids, n_seqs=mb.n_seqs,
+                                global_tokens=global_tokens, global_seqs=global_seqs, ref_logprobs=mb.ref,
+                                max_response_len=max_new_tokens,
+                            )
+                            loss, metrics = algorithm.loss(inputs)
+                            w = float(mb.n_loss)
+                            for k, v in (metrics or {}).items():
+                                add(algo_sums, k, torch.as_tensor(_to_float(v) * w, device=self.device))
+                            add(sums, "entropy", ent.sum())
+                            # The trainer's pre-update logprob against the engine's.
+                            diff = (old.detach() - mb.engine_lp).abs()
+                            add(sums, "logprob_diff", diff.sum())
+                            maxes["logprob_diff_max"] = torch.maximum(maxes.get("logprob_diff_max", zero), diff.max().double())
+                            if mb.ref is not None:  # the k3 estimate of KL(policy || reference), as a metric
+                                add(sums, "kl", kl_estimate(old.detach(), mb.ref, "k3").sum())
+                        add(sums, "loss", loss)
+                        (loss * scale if scale != 1.0 else loss).backward()
+                    if copies is not None:
+                        copies.collect()  # the bf16 gradient into the float32 accumulator
             norm = self._clip_gradients(cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
             grad_norms.append(norm.detach().double())
             lr = self.optimizer.param_groups[0]["lr"]

@@ -12,7 +12,8 @@ beside it, one responsibility a module:
 - ``_train_step``: ``train_step`` and ``reference_logprobs`` (the :class:`TrainStep` base);
 - ``_weights``: weights for the engine, LoRA adapters, ``state_dict`` / ``load_state_dict``
   (the :class:`WeightsAndCheckpoints` base);
-- ``_lora``: the LoRA adapters themselves.
+- ``_lora``: the LoRA adapters themselves;
+- ``_compute_copy``: bf16 copies of the weights for each update (``compute_weights = "copy"``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from skyrl_backends import _parallel
+from skyrl_backends._compute_copy import ComputeCopy
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._packed_lm import PackedLM, WithoutAdapters, head_is_plain
 from skyrl_backends._packing import (
@@ -60,6 +62,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self.device = torch.device("cpu")
         self.lora: Any = None  # LoraAdapters when lora_rank > 0
         self.precision: Any = None  # a Precision (start(precision=...)), fake-quantizing the forward
+        self._compute_copy: Any = None  # a ComputeCopy: bf16 weights for each update (compute_weights = "copy")
 
     # -- set-up ----------------------------------------------------------------
 
@@ -135,6 +138,10 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         if self._dp and cfg.data_parallel == "ddp":
             self._ddp = _parallel.wrap_ddp(self._lm, self.device)
         self.optimizer, self.scheduler = make_optimizer(model, cfg, total_steps)
+        if ComputeCopy.applies(self):
+            self._compute_copy = ComputeCopy(model, torch.bfloat16)
+            if self.reference is not None and self.reference is not model:
+                self.reference.to(torch.bfloat16)  # frozen: one bf16 copy for good, as the policy's copies
 
     def _attach_lora(self, model: Any, loaded: Any, seed: int) -> Any:
         """The model to train with LoRA: a module tree of its own over the same (frozen)

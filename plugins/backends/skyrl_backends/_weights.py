@@ -209,6 +209,8 @@ class WeightsAndCheckpoints:
         # (Copies of the containers: torch writes into the dicts it is given.)
         set_model_state_dict(self.module, _copy_containers(state.get("model", {})), options=options)
         set_optimizer_state_dict(self.module, self.optimizer, _copy_containers(state.get("optimizer", {})), options=options)
+        if self._compute_copy is not None:
+            self._compute_copy.forget()  # frozen weights may have changed: cast them again
         self.scheduler.load_state_dict(meta[0]["scheduler"])
         self.steps = int(meta[0]["steps"])
         if self.precision is not None:

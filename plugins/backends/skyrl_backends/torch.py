@@ -38,6 +38,12 @@ class TorchBackendConfig(TrainerOptions):
         "than pack_length, 'always', 'never', or 'auto' (= 'always' when the trainer computes on the CPU, "
         "'long' on an accelerator)",
     )
+    compute_weights: Literal["copy", "autocast"] = option(
+        "copy",
+        help="with compute_dtype = 'bfloat16': 'copy' casts the float32 master weights to a bf16 copy once per "
+        "optimizer update and runs the forward in bf16 (gradients accumulate in float32; one process without a "
+        "precision plugin, else 'autocast'), 'autocast' casts them again in every forward under torch.autocast",
+    )
     lora_rank: int = option(
         0, help="LoRA rank: > 0 freezes the base weights and trains low-rank adapters on lora_targets; 0 = full fine-tuning",
         validator=ge(0),

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "backends"))
 
-from skyrl_backends._packing import SEGMENTS_KEY, layout_flat, segment_sdpa  # noqa: E402
+from skyrl_backends.torch_backend import SEGMENTS_KEY, layout_flat, segment_sdpa  # noqa: E402
 
 
 def bf16_kernels(query, key, value, segments):
@@ -75,7 +75,7 @@ def main() -> None:
         "float32": lambda q, k, v: segment_sdpa(None, q, k, v, None, **{SEGMENTS_KEY: segments})[0],
     }
     qkv = inputs()
-    outs = {name: f(*qkv).float() for name, f in sides.items()}
+    outs = {name: f(*qkv).detach().float() for name, f in sides.items()}
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds + 1):  # the first round warms up
         for name, f in sides.items():

@@ -10,14 +10,17 @@ directly:
 - :func:`has_recurrent_layers`: whether a model config has layers that carry state
   along the sequence (the backend then packs one sequence per row);
 - :func:`pack_groups`, :func:`layout_rows`: how sequences are packed into
-  micro-batches and rows;
+  micro-batches and rows; :func:`layout_flat`, :func:`segment_sdpa` and
+  ``SEGMENTS_KEY``: a flat row's layout and its attention per group of equal-length
+  sequences (``benchmarks/attention_dtype.py``);
 - :class:`LrSchedule`: the learning-rate factor of each optimizer update.
 """
 
 from __future__ import annotations
 
 from skyrl_backends._optimizer import LrSchedule
-from skyrl_backends._packing import has_recurrent_layers, layout_rows, pack_groups
+from skyrl_backends._packing import SEGMENTS_KEY, has_recurrent_layers, layout_flat, layout_rows, pack_groups, segment_sdpa
 from skyrl_backends._trainer import TorchBackend
 
-__all__ = ["LrSchedule", "TorchBackend", "has_recurrent_layers", "layout_rows", "pack_groups"]
+__all__ = ["LrSchedule", "SEGMENTS_KEY", "TorchBackend", "has_recurrent_layers", "layout_flat", "layout_rows", "pack_groups",
+           "segment_sdpa"]

@@ -524,10 +524,10 @@ def test_a_real_shaped_moe_checkpoint_and_its_weights_reach_the_workers_exactly(
         chats = eng.generate(chat_prompts(moe.tokenizer), n=2, sampler=TruncatedSampler(), max_new_tokens=8, seed=1)
         mask = chats.loss_mask.astype(bool)
         assert np.abs(chats.logprobs[mask] - torch_logprobs(moe.model, chats)[mask]).mean() <= 2e-3
-        served = post_json(f"{eng.urls[0]}/weight_checker", {"action": "checksum"}, 60)["checksums"]
+        served = post_json(f"{eng.urls[0]}/weight_checker", {"action": "checksum"}, 60, eng.token)["checksums"]
         sender.publish(1, trainer.named_weights())
         receiver.sync(eng, 1)  # a keyframe: every layer loaded again, unchanged
-        same = post_json(f"{eng.urls[0]}/weight_checker", {"action": "compare", "baseline": served}, 60)
+        same = post_json(f"{eng.urls[0]}/weight_checker", {"action": "compare", "baseline": served}, 60, eng.token)
         assert same["match"], same["mismatches"]
         with torch.no_grad():
             for n, p in trainer.model.named_parameters():

@@ -177,8 +177,10 @@ def test_keys_of_one_group_share_a_tenant_and_its_model_limit(served) -> None:
     with pytest.raises(Exception, match="max_models"):
         one.create_lora_training_client(base_model=BASE, rank=2, seed=3).result()
     # Alice's own limit is the server's default: she is not held back by the lab's models.
-    other = client(served, ALICE).create_lora_training_client(base_model=BASE, rank=2, seed=4).result()
+    alice = client(served, ALICE)
+    other = alice.create_lora_training_client(base_model=BASE, rank=2, seed=4).result()
     post(served.url, "/api/v1/unload_model", {"model_id": other.model_id}, ALICE)
+    alice.close("completed")
     # Unloading one makes room again.
     status, fut = post(served.url, "/api/v1/unload_model", {"model_id": b.model_id}, BOB1)
     assert status == 200

@@ -29,8 +29,9 @@ stop at ``<|im_end|>``), algorithm and optimizer:
   then over sequences; AdamW (betas 0.9/0.999, eps 1e-8, no weight decay, lr 1e-5),
   gradient norm clipped at 1.0.
 
-``--precisions``: ``bf16`` (sampling copy in bf16, training under bf16 autocast on float32
-masters: the example's setting; the CPU has AMX) and ``fp32`` (everything float32).
+``--precisions``: ``bf16`` (sampling copy in bf16; training in bf16 on float32 masters: the
+loop under ``torch.autocast``, ours on the backend's bf16 weight copy, the example's setting;
+the CPU has AMX) and ``fp32`` (everything float32).
 
 Checked before the run (the script exits with a message otherwise): both sides hold the
 same initial weights, tokenize every prompt of the run to the same ids (our driver's

@@ -116,6 +116,6 @@ class ComputeCopy:
     def applies(backend: Any) -> bool:
         """Whether ``backend`` (a TorchBackend after ``start``) computes through copies."""
         cfg = backend.config
-        return (cfg.compute_dtype == "bfloat16" and getattr(cfg, "compute_weights", "copy") == "copy"
+        return (cfg.compute_dtype == "bfloat16" and cfg.compute_weights == "copy"
                 and not backend._dp and backend.precision is None)
 

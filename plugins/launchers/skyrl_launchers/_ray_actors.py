@@ -618,26 +618,70 @@ class Actors:
             remove_placement_group(group)
 
 
-def start_ray(cluster: Any, config: Any) -> bool:
-    """Connect to ``config.address`` or start a local Ray; True when this process started it."""
+_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def _reload_ray_auth() -> None:
+    """Make this process's Ray read the authentication variables again: Ray reads them
+    once per process (its config and its token cache), so a process that used Ray before
+    (a test run, a resumed job) would keep the old mode without this."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+class _PrivateAuth:
+    """Ray's token authentication for a cluster this job starts: a fresh 256-bit token in
+    this process's environment (the head, its raylet and every worker inherit it; another
+    user cannot read it), so a driver or client without the token is refused on every
+    port Ray opens. :meth:`restore` puts the variables back as they were."""
+
+    def __init__(self) -> None:
+        import secrets
+
+        self.saved = {name: os.environ.get(name) for name in _AUTH_VARIABLES}
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        _reload_ray_auth()
+
+    def restore(self) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _reload_ray_auth()
+
+
+def start_ray(cluster: Any, config: Any) -> _PrivateAuth | bool:
+    """Connect to ``config.address`` or start a local Ray cluster of this job's own, with
+    token authentication (:class:`_PrivateAuth`). Returns what :meth:`RayPlacement.close`
+    must undo: the cluster's authentication when this process started it, True when it
+    connected to ``config.address``, False when Ray was already running in this process."""
     try:
         import ray
     except ImportError:
         raise UserError('[cluster] launcher = "ray" needs Ray: pip install "ray>=2.60"') from None
     if ray.is_initialized():
         return False
-    if config.address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster of this job
-    ray.init(address=config.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
-             include_dashboard=False, log_to_driver=True, configure_logging=False)
-    return True
+    auth = _PrivateAuth() if config.address is None else None
+    try:
+        ray.init(address=config.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
+                 include_dashboard=False, log_to_driver=True, configure_logging=False)
+    except BaseException:
+        if auth is not None:
+            auth.restore()
+        raise
+    return auth if auth is not None else True
 
 
 class RayPlacement:
     """The :class:`skyrl_host.interfaces.Placement` of the Ray launcher."""
 
-    def __init__(self, own_ray: bool, loaded: LoadedModel) -> None:
-        self.own_ray = own_ray
+    def __init__(self, own_ray: _PrivateAuth | bool, loaded: LoadedModel) -> None:
+        self.own_ray = own_ray  # what start_ray returned
         self.loaded = loaded
         self.actors = Actors()
         self.backend: Any = None
@@ -709,6 +753,8 @@ class RayPlacement:
             self.actors.stop()
             if self.own_ray:
                 ray.shutdown()
+                if isinstance(self.own_ray, _PrivateAuth):
+                    self.own_ray.restore()
 
 
 def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:

@@ -86,12 +86,17 @@ async def _check(session, url, route, data, ctype="application/json"):
         return r.status, text
 
 
-def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url) -> None:
-    from tinker import types
-    from tinker.proto import tinker_public_pb2 as pb
+def _sample_body() -> dict:
+    return {"base_model": BASE, "num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_k": 5, "top_p": 0.9, "seed": 3,
+                                "stop": [4]}, "prompt_logprobs": True}
+
+
+@pytest.fixture(scope="module")
+def valid(url) -> dict:
+    """A valid body for each JSON route, naming a session and a LoRA model made for them."""
 
     async def main():
-        rng = random.Random(1234)
         async with aiohttp.ClientSession() as s:
             _, created = await _check(s, url, "create_session", json.dumps({"tags": [], "sdk_version": "0.38.0"}))
             sid = created["session_id"]
@@ -102,10 +107,8 @@ def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url) -> None:
                 _, done = await _check(s, url, "retrieve_future", json.dumps({"request_id": fut["request_id"]}))
                 if done.get("type") != "try_again":
                     break
-            sample = {"base_model": BASE, "num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-                      "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_k": 5, "top_p": 0.9, "seed": 3,
-                                          "stop": [4]}, "prompt_logprobs": True}
-            valid = {
+            sample = _sample_body()
+            return {
                 "create_session": {"tags": ["a"], "user_metadata": {}, "sdk_version": "0.38.0"},
                 "session_heartbeat": {"session_id": sid},
                 "create_model": {**lora, "model_seq_id": 5},
@@ -121,6 +124,28 @@ def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url) -> None:
                 "retrieve_future": {"request_id": fut["request_id"]},
                 "unload_model": {"model_id": "none:train:9"},
             }
+
+    return asyncio.run(main())
+
+
+async def _finish(s, url, reply) -> tuple[int, object]:
+    """The result of an accepted request (``reply``: its future), polled until it is done."""
+    for _ in range(100):
+        status, result = await _check(s, url, "retrieve_future", json.dumps({"request_id": reply["request_id"]}))
+        if not (isinstance(result, dict) and result.get("type") == "try_again"):
+            return status, result
+    raise AssertionError(f"request {reply['request_id']} did not finish")
+
+
+def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url, valid) -> None:
+    from tinker import types
+    from tinker.proto import tinker_public_pb2 as pb
+
+    async def main():
+        rng = random.Random(1234)
+        async with aiohttp.ClientSession() as s:
+            mid = valid["get_info"]["model_id"]
+            sample = valid["asample"]
             answered = 0
             for route, body in valid.items():
                 for variant in _mutations(body, rng, 20):
@@ -185,3 +210,74 @@ def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url) -> None:
 
     answered = asyncio.run(main())
     assert answered >= 12 * 20 + 120
+
+
+def test_hypothesis_mutated_bodies_of_every_route_get_4xx_and_leave_others_served(url, valid) -> None:
+    """Hypothesis picks a JSON route, a field anywhere in its valid body (nested ones
+    included) and replaces it with an odd value (huge, negative, fractional, non-finite,
+    wrong-typed, nested) or drops it, and sends that beside another client's normal
+    sample. The odd request gets a 4xx with one line, or is accepted and ends in a result
+    or its own user error, never a 5xx or a server fault; the other client samples every
+    time."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    def paths(node, path=()):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield path + (k,)
+                yield from paths(v, path + (k,))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield path + (i,)
+                yield from paths(v, path + (i,))
+
+    where = [(route, p) for route, body in valid.items() for p in paths(body)]
+    odd = st.one_of(st.sampled_from(ODD), st.integers(min_value=-(2**80), max_value=2**80),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+                    st.lists(st.one_of(st.integers(-3, 2**40), st.text(max_size=3)), max_size=3),
+                    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+    seen = {"examples": 0, "4xx": 0, "user": 0, "ok": 0}
+    routes = set()
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(where), st.one_of(st.just(None), odd), st.booleans())
+    def check(at, value, drop):
+        route, path = at
+        body = copy.deepcopy(valid[route])
+        parent = body
+        for p in path[:-1]:
+            parent = parent[p]
+        if drop and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = value
+
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                normal = asyncio.ensure_future(_check(s, url, "asample", json.dumps(_sample_body())))
+                status, reply = await _check(s, url, route, json.dumps(body, allow_nan=True))
+                result = reply
+                if status == 200 and isinstance(reply, dict) and "request_id" in reply and route != "retrieve_future":
+                    status, result = await _finish(s, url, reply)
+                n_status, n_reply = await normal
+                n_status, n_result = await _finish(s, url, n_reply)
+                return status, result, n_status, n_result
+
+        status, result, n_status, n_result = asyncio.run(main())
+        seen["examples"] += 1
+        routes.add(route)
+        assert status < 500, (route, body, result)
+        if status >= 400:
+            seen["4xx"] += 1
+        elif isinstance(result, dict) and result.get("category") is not None:
+            assert result["category"] == "user" and "\n" not in result["error"], (route, body, result)
+            seen["user"] += 1
+        else:
+            seen["ok"] += 1
+        assert n_status == 200 and isinstance(n_result, bytes), n_result  # the other client sampled
+
+    check()
+    print("hypothesis route examples:", seen, "routes:", len(routes))
+    assert seen["examples"] >= 60 and seen["4xx"] > 0 and len(routes) >= 8

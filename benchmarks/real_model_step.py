@@ -35,7 +35,7 @@ the CPU has AMX) and ``fp32`` (everything float32).
 
 Checked before the run (the script exits with a message otherwise): both sides hold the
 same initial weights, tokenize every prompt of the run to the same ids (our driver's
-``_encode`` vs ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``), and stop
+``prompts.encode`` vs ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``), and stop
 at the same tokens. No tokenizer work is timed: prompt ids are computed before the run on
 both sides; each side decodes its completions for the reward inside its step, and that
 decode time (measured through a proxy of the Rust tokenizer) is taken out on both sides.

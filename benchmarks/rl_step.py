@@ -41,7 +41,7 @@ Both sides get the same everything:
 - prompts: TRL's dataset is the tasks of ``dataset.batch(step, P)`` for steps 1, 2, ...
   in order (``shuffle_dataset=False``): ``prompt`` is the task's text, or its chat
   (``messages``) for a chat task, which TRL renders with the same chat template. Before
-  the run, every prompt is tokenized by each side's own code (our driver's ``_encode``,
+  the run, every prompt is tokenized by each side's own code (our driver's ``prompts.encode``,
   TRL's ``_tokenize_prompts``) and the script checks the token ids are equal, prompt by
   prompt; during the run it checks that each TRL step sees exactly the prompts of our step
   with the same number. Stop tokens: the script checks TRL's ``eos_token_ids`` are our
@@ -64,7 +64,7 @@ Both sides get the same everything:
 No tokenizer work inside either timed window. Both sides would tokenize the prompts
 and decode the completions inside their step; both are excluded alike: the prompt ids
 are computed before the run by each side's own tokenization (above; inside the step
-each side looks them up: our driver's ``_encode`` and TRL's ``_tokenize_prompts`` are
+each side looks them up: our driver's ``prompts.encode`` and TRL's ``_tokenize_prompts`` are
 replaced by a lookup of what they returned), and every call into the tokenizer during
 a timed window (the Rust tokenizer's encode/decode methods and ``apply_chat_template``,
 counted and timed through a proxy) is subtracted from that step's time: what remains is
@@ -350,14 +350,14 @@ class Ours:
 
     def pretokenize(self, steps: int) -> None:
         """Our driver's own prompt ids for every task of steps 1..steps; inside the step,
-        ``_encode`` looks them up instead of tokenizing."""
+        its prompt encoder (``driver.prompts.encode``) looks them up instead of tokenizing."""
         d = self.driver
         for s in range(1, steps + 1):
             tasks = list(d.dataset.batch(s, d.cfg.batch_size))
-            for t, ids in zip(tasks, d._encode(tasks), strict=True):
+            for t, ids in zip(tasks, d.prompts.encode(tasks), strict=True):
                 self.prompt_ids[prompt_key(task_prompt(t))] = [int(i) for i in ids]
         table = self.prompt_ids
-        d._encode = lambda tasks: [list(table[prompt_key(task_prompt(t))]) for t in tasks]
+        d.prompts.encode = lambda tasks: [list(table[prompt_key(task_prompt(t))]) for t in tasks]
 
     def step(self, meter: Any) -> None:
         s = self.next_step

@@ -1,8 +1,13 @@
-"""``kind = "rl"``: generate → reward → filter → advantages → train → sync.
+"""``kind = "rl"``: take a rollout → penalise (KL) → advantages → train → hand the weights over.
 
-Every part is a plugin selected by the job file: the model family, the engine,
-the sampler, the algorithm, the dataset, the backend and the weight transport.
-This driver only moves data between them, measures, checkpoints and resumes.
+Every part is a plugin selected by the job file: the model family, the engine, the
+sampler, the algorithm, the dataset, the environment, the backend and the weight
+transport. ``build`` chooses, once, where rollouts come from (a
+:class:`~skyrl_host.jobs.rl_sources.RolloutSource`: batched single-turn, multi-turn, and
+either run ahead in a thread that waits for weights or drops stale rollouts) and how a
+trained version reaches the engines (a :class:`~skyrl_host.jobs.rl_handover.WeightHandover`:
+publish, publish when idle, stage then commit, stage for the rollout thread); ``step``
+then reads as the algorithm does.
 
 Determinism: the prompts of step ``s`` are ``dataset.batch(s, ...)`` and the
 generation seed is a function of (job seed, step, refill round), so a run
@@ -33,13 +38,32 @@ from skyrl_host.interfaces import (
     OrderedTrainStep,
     PlacementRequest,
     RewardKL,
-    RewardMetrics,
     SideChannels,
     StagedPlacement,
     TokenizerLoading,
     TurnContinuation,
 )
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
+from skyrl_host.jobs.rl_handover import (
+    Publish,
+    PublishWhenIdle,
+    StageForTheProducer,
+    StageThenCommit,
+    Training,
+    WeightHandover,
+)
+from skyrl_host.jobs.rl_sources import (  # noqa: F401 - step_seed, encode_task: also this module's public names
+    DroppingSource,
+    MultiTurnSource,
+    Prompts,
+    RolloutParts,
+    RolloutSource,
+    SingleTurnSource,
+    WaitingSource,
+    check_chat_template,
+    encode_task,
+    step_seed,
+)
 from skyrl_host.multiturn import SingleTurn
 from skyrl_host.options import ge, gt, gt_le, in_interval, option
 
@@ -122,48 +146,6 @@ class RLConfig:
     )
 
 
-def step_seed(seed: int, step: int, round_: int = 0) -> int:
-    """The generation seed of a step: a pure function, so resumes reproduce it."""
-    return (seed * 1_000_003 + step * 9_973 + round_ * 101) % (2**63 - 1)
-
-
-def encode_task(tokenizer: Any, task: Any) -> list[int]:
-    """A task's prompt ids: a plain task's ``prompt`` encoded as it is; a chat task's
-    ``messages`` rendered with the tokenizer's chat template, the assistant's turn opened
-    (``add_generation_prompt=True``)."""
-    if task.messages is None:
-        return list(tokenizer.encode(task.prompt))
-    ids = tokenizer.apply_chat_template([dict(m) for m in task.messages], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
-    return [int(i) for i in ids]
-
-
-def check_chat_template(tokenizer: Any, messages: Any) -> None:
-    """Raise a UserError naming the tokenizer's folder unless its chat template renders
-    ``messages`` and opens the assistant's turn (``add_generation_prompt`` adds text)."""
-    messages = [dict(m) for m in messages]
-    name = str(tokenizer.name_or_path or "")
-    where = f"the tokenizer of [model] path {name!r}" if name else "the model's tokenizer (a preset's, built for characters)"
-    if not tokenizer.chat_template:
-        fix = ("add a chat template to that folder (a chat_template.jinja file, or the chat_template key of "
-               "tokenizer_config.json)") if name else "set [model] path to a checkpoint with a chat template"
-        raise UserError(
-            f"[dataset]: the prompts are chats (messages), but {where} has no chat template; {fix}, "
-            "or give the dataset plain-text prompts"
-        )
-    try:
-        opened = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - a template that fails to render (a jinja error, raise_exception)
-        raise UserError(f"[dataset]: the chat template of {where} cannot render the prompt's messages: {exc}") from None
-    if opened == closed:
-        raise UserError(
-            f"[dataset]: the chat template of {where} renders no generation prompt (add_generation_prompt=True adds "
-            "nothing, so the model would not start the assistant's turn); use a template that opens it, e.g. ending "
-            "with {% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}"
-        )
-
-
 def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``, and ``skyrl run`` before anything starts):
     updates that land inside generations need an engine recording each token's version,
@@ -201,9 +183,9 @@ class RLDriver:
         self.cfg: RLConfig = run.spec.kind_config
         self.seed = run.spec.job.seed
         self.placement: Any = None
-        self.pipeline: Any = None  # async mode: the rollout thread (skyrl_host.asyncrl.RolloutPipeline)
-        self._saved_rollouts: dict[int, Any] = {}  # async resume: rollouts generated before the checkpoint
-        self._chat_checked = False  # the tokenizer's chat template is checked at the first chat prompt
+        self.source: RolloutSource | None = None
+        self.handover: WeightHandover | None = None
+        self._saved_rollouts: Mapping[str, Any] | None = None  # async resume: what the source had generated
 
     # -- set-up ----------------------------------------------------------------
 
@@ -219,9 +201,8 @@ class RLDriver:
         self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
         self.environment = run.plugin("environment").create(dataset=self.dataset, seed=self.seed)
-        self.multiturn: Any = None  # the multi-turn rollout, unless the environment is single-turn
         alphabet = self.dataset.alphabet if has(self.dataset, CharacterAlphabet) else None
-        self._check_chats_first(alphabet)
+        checked = self._check_chats_first(alphabet)
         request = PlacementRequest(
             model=run.plugin("model"), backend=run.plugin("backend"), precision=run.plugin("precision"),
             alphabet=alphabet, seed=self.seed, total_steps=run.total_steps, algorithm=self.algorithm,
@@ -233,20 +214,29 @@ class RLDriver:
         self.loaded = self.placement.loaded
         self.tokenizer = self.loaded.tokenizer
         self.backend, self.engine = self.placement.backend, self.placement.engine
+        self.prompts = Prompts(self.tokenizer, checked=checked)
         self.kl_in_reward = has(self.algorithm, RewardKL) and bool(self.algorithm.kl_in_reward)
         self.start_step = 1
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
             self.start_step = run.resume_step + 1
-        if not isinstance(self.environment, SingleTurn):
-            self._start_multiturn()
-        self._publish(self.start_step - 1)
+        parts = RolloutParts(
+            dataset=self.dataset, engine=self.engine, sampler=self.sampler, algorithm=self.algorithm,
+            prompts=self.prompts, stop_token_ids=self.loaded.stop_token_ids, batch_size=cfg.batch_size,
+            n_samples=cfg.n_samples, max_new_tokens=cfg.max_new_tokens, seed=self.seed,
+        )
+        single = isinstance(self.environment, SingleTurn)
+        source: RolloutSource = SingleTurnSource(parts) if single else MultiTurnSource(parts, self._multiturn())
+        self.max_len = cfg.max_new_tokens if single else cfg.max_total_tokens  # a sequence's most trained tokens
+        self.placement.publish(self.start_step - 1)
         if cfg.mode == "async":
-            self._start_async()
+            self.source, self.handover = self._ahead(source)
+        else:
+            self.source, self.handover = source, Publish(self.placement)
 
-    def _start_async(self) -> None:
-        from skyrl_host.asyncrl import RolloutPipeline
-
+    def _ahead(self, inner: RolloutSource) -> tuple[RolloutSource, WeightHandover]:
+        """``mode = "async"``: ``inner`` run ahead in a thread, and the hand-over that fits
+        the placement and ``weight_updates``."""
         if shares_trainer_tensors(self.engine, self.backend) and not (
                 has(self.backend, AdapterTraining) and self.backend.adapter_config() is not None):
             raise UserError(
@@ -271,31 +261,30 @@ class RLDriver:
             self.engine.abort_on_update(True)
         import torch
 
-        threads = torch.get_num_threads()  # a new thread starts with the default count, not the job's
-        if self.cfg.stale_samples == "drop":
-            from skyrl_host.asyncrl import DroppingPipeline
-
-            self.pipeline = DroppingPipeline(
-                self._rollout, first=self.start_step, last=self.run_.total_steps,
-                max_staleness=self.cfg.max_staleness, version=self.start_step - 1, saved=self._saved_rollouts,
-                on_start=lambda: torch.set_num_threads(threads), in_flight=in_flight,
-                version_of=lambda out: int(out[2]["weight_version"]),  # the oldest weights that generated it
-            )
-            self._saved_rollouts = {}
-            return
+        options = dict(first=self.start_step, last=self.run_.total_steps, max_staleness=self.cfg.max_staleness,
+                       version=self.start_step - 1, threads=torch.get_num_threads(), in_flight=in_flight,
+                       resubmitted=(lambda: self.engine.resubmitted) if updates == "abort" else None)
+        source: DroppingSource | WaitingSource
+        source = DroppingSource(inner, **options) if self.cfg.stale_samples == "drop" else WaitingSource(inner, **options)
+        if self._saved_rollouts is not None:
+            try:
+                source.load_state_dict(self._saved_rollouts)
+            except ValueError as exc:
+                raise UserError(f"--resume: checkpoint {self.run_.resume_path}: {exc}") from None
+            self._saved_rollouts = None
+        staged = has(self.placement, StagedPlacement)
         # A staged hand-over whose engine half needs nothing more from the trainer is
         # committed by the rollout thread, between two rollouts: the trainer never waits
         # for the engine to be idle.
-        engine_side = (not in_flight and has(self.placement, StagedPlacement)
-                       and has(self.placement, EngineSideCommit) and self.placement.commit_on_engine_side())
-        self.pipeline = RolloutPipeline(
-            self._rollout, first=self.start_step, last=self.run_.total_steps, max_staleness=self.cfg.max_staleness,
-            version=self.start_step - 1, saved=self._saved_rollouts, on_start=lambda: torch.set_num_threads(threads),
-            in_flight=in_flight, commit=self.placement.commit if engine_side else None,
-        )
-        self._saved_rollouts = {}
+        if (isinstance(source, WaitingSource) and not in_flight and staged
+                and has(self.placement, EngineSideCommit) and self.placement.commit_on_engine_side()):
+            source.start(commit=self.placement.commit)
+            return source, StageForTheProducer(self.placement, source.pipeline,
+                                               ordered_training=has(self.backend, OrderedTrainStep))
+        source.start()
+        return source, (StageThenCommit if staged else PublishWhenIdle)(self.placement, source.pipeline)
 
-    def _start_multiturn(self) -> None:
+    def _multiturn(self) -> Any:
         from skyrl_host.multiturn import EnvWorkers, MultiTurnOptions, MultiTurnRollout
 
         cfg = self.cfg
@@ -309,257 +298,67 @@ class RLDriver:
             step_timeout=cfg.step_timeout, reward_gamma=cfg.reward_gamma, failed_trajectories=cfg.failed_trajectories,
             env_waves=cfg.env_waves,
         )
-        self.multiturn = MultiTurnRollout(
+        return MultiTurnRollout(
             self.environment, self.engine, self.sampler, self.tokenizer, self.loaded.stop_token_ids, options,
             EnvWorkers(cfg.env_workers),
         )
 
-    def _check_chats_first(self, alphabet: str | None) -> None:
+    def _check_chats_first(self, alphabet: str | None) -> bool:
         """Check the tokenizer's chat template against the first step's first chat before
         any model is read or any process started (a family that can load its tokenizer
-        alone: TokenizerLoading); later batches' first chat is checked in ``_encode``."""
+        alone: TokenizerLoading); True when checked. Later batches' first chat is checked
+        when they are encoded."""
         tasks = self.dataset.batch(1, self.cfg.batch_size)
         chat = next((t.messages for t in tasks if t.messages is not None), None)
         if chat is None:
-            return
+            return False
         family = self.run_.plugin("model").create()
-        if has(family, TokenizerLoading):
-            check_chat_template(family.load_tokenizer(alphabet=alphabet).tokenizer, chat)
-            self._chat_checked = True
-
-    def _publish(self, version: int) -> Mapping[str, float]:
-        return self.placement.publish(version)
+        if not has(family, TokenizerLoading):
+            return False
+        check_chat_template(family.load_tokenizer(alphabet=alphabet).tokenizer, chat)
+        return True
 
     def close(self) -> None:
         """Stop what the launcher started (also after a failed start)."""
-        pipeline, self.pipeline = self.pipeline, None
-        if pipeline is not None:
-            pipeline.close()
+        source, self.source = self.source, None
+        if source is not None:
+            source.close()
         placement, self.placement = self.placement, None
         if placement is not None:
             placement.close()
 
     # -- one step ----------------------------------------------------------------
 
-    def _encode(self, tasks: list[Any]) -> list[list[int]]:
-        if not self._chat_checked and any(t.messages is not None for t in tasks):
-            check_chat_template(self.tokenizer, next(t.messages for t in tasks if t.messages is not None))
-            self._chat_checked = True
-        return [encode_task(self.tokenizer, t) for t in tasks]
-
-    def _generate(self, step: int, round_: int, tasks: list[Any], group_offset: int) -> Any:
-        return self.engine.generate(
-            self._encode(tasks),
-            n=self.cfg.n_samples,
-            sampler=self.sampler,
-            max_new_tokens=self.cfg.max_new_tokens,
-            seed=step_seed(self.seed, step, round_),
-            group_offset=group_offset,
-        )
-
-    def _score(self, batch: Any, tasks: list[Any], group_offset: int) -> None:
-        import numpy as np
-
-        stop = set(self.loaded.stop_token_ids)
-        rewards = np.empty(batch.n_sequences, dtype=np.float32)
-        for i in range(batch.n_sequences):
-            ids = [int(t) for t in batch.response(i) if int(t) not in stop]
-            # Only the stop tokens are dropped: any other special token the policy emits
-            # stays in the text the reward sees (else emitting <unk> would be free).
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            task = tasks[int(batch.group_ids[i]) - group_offset]
-            rewards[i] = float(self.dataset.reward(task, text))
-        batch.rewards = rewards
-
-    def _single_turn(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
-        import numpy as np
-
-        from skyrl_host.rollout import RolloutBatch
-
-        cfg = self.cfg
-        tasks = list(self.dataset.batch(step, cfg.batch_size))
-        gen_time, gen_tokens = 0.0, 0
-        g0 = time.perf_counter()
-        first = self._generate(step, 0, tasks, 0)
-        gen_time += time.perf_counter() - g0
-        gen_tokens += int(first.loss_mask.sum())
-        self._score(first, tasks, 0)
-        raw = first.rewards.copy()
-        shaped = np.asarray(self.algorithm.shape_rewards(first, cfg.max_new_tokens), dtype=np.float32)
-        # Dynamic sampling judges groups by their outcome (raw rewards), not by shaping.
-        keep = np.asarray(self.algorithm.keep(first, raw), dtype=bool)
-        kept, kept_rewards = [first.select(np.flatnonzero(keep))], [shaped[keep]]
-        n_groups = len(np.unique(first.group_ids[keep]))
-        rounds = 0
-        dynamic, max_rounds = bool(self.algorithm.dynamic_sampling), int(self.algorithm.max_refill_rounds)
-        # Dynamic sampling: refill with further prompts of this step until the batch is full.
-        while dynamic and n_groups < cfg.batch_size and rounds < max_rounds:
-            rounds += 1
-            more = list(self.dataset.batch(step, cfg.batch_size * (rounds + 1)))[cfg.batch_size * rounds :]
-            offset = cfg.batch_size * rounds
-            g0 = time.perf_counter()
-            extra = self._generate(step, rounds, more, offset)
-            gen_time += time.perf_counter() - g0
-            gen_tokens += int(extra.loss_mask.sum())
-            self._score(extra, more, offset)
-            ex_shaped = np.asarray(self.algorithm.shape_rewards(extra, cfg.max_new_tokens), dtype=np.float32)
-            ex_keep = np.asarray(self.algorithm.keep(extra, extra.rewards), dtype=bool)
-            groups = [g for g in dict.fromkeys(extra.group_ids[ex_keep].tolist())][: cfg.batch_size - n_groups]
-            take = np.flatnonzero(np.isin(extra.group_ids, groups) & ex_keep)
-            kept.append(extra.select(take))
-            kept_rewards.append(ex_shaped[take])
-            n_groups += len(groups)
-        batch = RolloutBatch.concat(kept)
-        rewards = np.concatenate(kept_rewards).astype(np.float32)
-
-        metrics: dict[str, float] = {
-            "reward_mean": float(raw.mean()),
-            "reward_std": float(raw.std()),
-            "accuracy": float((raw >= 1.0).mean()),
-            "response_length_mean": float(first.response_lens.mean()),
-            "truncated_fraction": float(first.truncated.mean()),
-            "weight_version": float(first.versions.min()),  # the weights that generated this step's rollouts
-            "kept_groups": float(n_groups),
-            "refill_rounds": float(rounds),
-        }
-        return batch, rewards, metrics, gen_time, gen_tokens
-
-    def _multi_turn(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
-        """The step's trajectories (``n_samples`` per record: the GRPO groups); no
-        reward shaping and no refills (dynamic sampling still drops uniform groups)."""
-        import numpy as np
-
-        cfg = self.cfg
-        tasks = list(self.dataset.batch(step, cfg.batch_size))
-        if not self._chat_checked and any(t.messages is not None for t in tasks):
-            check_chat_template(self.tokenizer, next(t.messages for t in tasks if t.messages is not None))
-            self._chat_checked = True
-        out = self.multiturn.run(tasks, cfg.n_samples, step_seed(self.seed, step))
-        batch, raw = out.batch, out.rewards
-        n_groups = 0
-        if batch is not None and batch.n_sequences:
-            keep = np.asarray(self.algorithm.keep(batch, raw), dtype=bool)
-            n_groups = len(np.unique(batch.group_ids[keep]))
-            metrics_batch = batch
-            batch, rewards = batch.select(np.flatnonzero(keep)), raw[keep]
-        else:
-            from skyrl_host.rollout import RolloutBatch
-
-            batch = metrics_batch = RolloutBatch.from_sequences([], [], [], group_ids=[])
-            rewards = raw
-        gen_lens = np.add.reduceat(metrics_batch.loss_mask, metrics_batch.cu_seqlens[:-1]) if raw.size else raw
-        metrics: dict[str, float] = {
-            "reward_mean": float(raw.mean()) if raw.size else 0.0,
-            "reward_std": float(raw.std()) if raw.size else 0.0,
-            "accuracy": float((raw >= 1.0).mean()) if raw.size else 0.0,
-            "response_length_mean": float(np.mean(gen_lens)) if raw.size else 0.0,  # generated tokens, all turns
-            "truncated_fraction": float(metrics_batch.truncated.mean()) if raw.size else 0.0,
-            "weight_version": float(metrics_batch.versions.min()) if raw.size else float(self.engine.weight_version),
-            "kept_groups": float(n_groups),
-            "refill_rounds": 0.0,
-        }
-        metrics.update(out.metrics)
-        return batch, rewards, metrics, out.gen_time, out.gen_tokens
-
-    def _rollout(self, step: int) -> tuple[Any, Any, dict[str, float], float, int]:
-        """Generate and score step ``step``'s samples (in async mode, in the rollout thread)."""
-        aborting = self.cfg.mode == "async" and self.cfg.weight_updates == "abort"
-        resubmitted = self.engine.resubmitted if aborting else 0
-        if self.multiturn is None:
-            batch, rewards, metrics, gen_time, gen_tokens = self._single_turn(step)
-        else:
-            batch, rewards, metrics, gen_time, gen_tokens = self._multi_turn(step)
-        if has(self.dataset, RewardMetrics):  # e.g. answers the math verifier could not parse
-            metrics.update({k: float(v) for k, v in self.dataset.reward_metrics().items()})
-        if aborting:  # requests an update landed in, resubmitted with what they had generated
-            metrics["resubmitted_requests"] = float(self.engine.resubmitted - resubmitted)
-        return batch, rewards, metrics, gen_time, gen_tokens
-
     def step(self, step: int) -> dict[str, float]:
         import numpy as np
 
-        cfg = self.cfg
         t0 = time.perf_counter()
-        max_len = cfg.max_new_tokens if self.multiturn is None else cfg.max_total_tokens
-        if self.pipeline is None:
-            batch, rewards, metrics, gen_time, gen_tokens = self._rollout(step)
-        else:
-            if cfg.stale_samples == "drop":
-                position, out, dropped, waited = self.pipeline.take(step)
-                (batch, rewards, metrics, gen_time, gen_tokens) = out
-                metrics = dict(metrics)
-                metrics["dataset_position"] = float(position)  # whose prompts this step trains
-                metrics["dropped_samples"] = float(sum(d[0].n_sequences for d in dropped))
-            else:
-                (batch, rewards, metrics, gen_time, gen_tokens), waited = self.pipeline.take(step)
-                metrics = dict(metrics)
-            metrics["rollout_wait_time_s"] = waited
-            if batch.n_sequences > 0:
-                staleness = (step - 1) - np.asarray(batch.versions, dtype=np.float64)  # each sample's oldest token
-                metrics["staleness_mean"] = float(staleness.mean())
-                metrics["staleness_max"] = float(staleness.max())
-                tv = batch.side_channels.get("token_versions")
-                if tv is not None:  # per generated token; a sample an update landed in spans two versions
-                    on = np.asarray(batch.loss_mask) != 0
-                    v = np.asarray(tv, dtype=np.int64)
-                    metrics["token_staleness_mean"] = float(((step - 1) - v[on]).mean()) if on.any() else 0.0
-                    seq = np.repeat(np.arange(batch.n_sequences), np.diff(batch.cu_seqlens))[on]
-                    lo = np.full(batch.n_sequences, np.iinfo(np.int64).max)
-                    hi = np.full(batch.n_sequences, np.iinfo(np.int64).min)
-                    np.minimum.at(lo, seq, v[on])
-                    np.maximum.at(hi, seq, v[on])
-                    metrics["mixed_version_fraction"] = float(np.mean(hi > lo))
-        staging = self.pipeline is not None and getattr(self.pipeline, "commit_fn", None) is not None
-        staged = None  # (sync, waited) when the version was staged behind the train step
-        if batch.n_sequences > 0 and self.kl_in_reward:
-            # KL against the reference policy as a reward penalty (instead of a loss term).
-            ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)
-            penalty = np.asarray(self.algorithm.kl_reward_penalty(batch, ref), dtype=np.float32)
-            rewards = rewards - penalty
-            metrics["kl_reward_penalty_mean"] = float(penalty.mean())
+        rollout = self.source.take(step)
+        batch, rewards, metrics = rollout.batch, rollout.rewards, dict(rollout.metrics)
+        training = None
         if batch.n_sequences > 0:
+            if self.kl_in_reward:
+                rewards = rewards - self._kl_penalty(batch, metrics)
             advantages = np.asarray(self.algorithm.advantages(batch, rewards), dtype=np.float32)
-            t_train = time.perf_counter()
-            if staging and has(self.backend, OrderedTrainStep):
-                # Stage right behind the train step: sent while it runs (once the engines hold
-                # the previous version), run by the backend as soon as the step ends.
-                finish = self.backend.start_train_step(
-                    batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=max_len
-                )
-                staged = self.pipeline.hand_over(step, self.placement.stage)
-                train, train_time = finish()
-            else:
-                train = self.backend.train_step(
-                    batch, advantages, self.algorithm, temperature=self.sampler.temperature, max_new_tokens=max_len
-                )
-                train_time = time.perf_counter() - t_train
-            # The backend's own timings are superseded by the driver's, measured alike for every backend.
-            metrics.update({k: float(v) for k, v in train.items() if k not in ("tokens_per_s", "step_time_s")})
-            metrics["train_tokens_per_s"] = float(batch.n_tokens / max(train_time, 1e-9))
-        if self.pipeline is None:
-            sync = self._publish(step)
-        elif staging:
-            # Staged now; the rollout thread commits it just before the first rollout that needs
-            # it. ``sync``: this version's stage and the previous version's commit (sync_pause_s, ...).
-            sync, waited = staged if staged is not None else self.pipeline.hand_over(step, self.placement.stage)
-            metrics["publish_wait_time_s"] = waited
-        elif has(self.placement, StagedPlacement):
-            # Send (and, for delta, fetch and verify) while the engine still generates; the
-            # apply, once the engine is idle, is the only pause.
-            sent = dict(self.placement.stage(step))
-            sync, waited = self.pipeline.publish(step, self.placement.commit)
-            sync = {**sent, **sync}
-            metrics["publish_wait_time_s"] = waited
-        else:
-            sync, waited = self.pipeline.publish(step, self._publish)
-            metrics["publish_wait_time_s"] = waited
-        metrics.update({k: float(v) for k, v in sync.items()})
-        metrics["gen_tokens_per_s"] = float(gen_tokens / max(gen_time, 1e-9))
+            training = Training(self.backend, batch, advantages, self.algorithm, temperature=self.sampler.temperature,
+                                max_new_tokens=self.max_len, ordered=self.handover.ordered_training)
+        handed = self.handover.after_train(step, training)
+        if training is not None:
+            metrics.update(training.metrics())
+        metrics.update(handed)
+        metrics["gen_tokens_per_s"] = float(rollout.gen_tokens / max(rollout.gen_time, 1e-9))
         metrics["step_time"] = time.perf_counter() - t0
-        if self.pipeline is not None:
-            busy, self.pipeline.busy_s = self.pipeline.busy_s, 0.0
-            metrics["engine_idle_fraction"] = max(0.0, 1.0 - busy / max(metrics["step_time"], 1e-9))
+        metrics.update(self.source.after_step(metrics["step_time"]))
         return metrics
+
+    def _kl_penalty(self, batch: Any, metrics: dict[str, float]) -> Any:
+        """KL against the reference policy as a reward penalty (instead of a loss term)."""
+        import numpy as np
+
+        ref = self.backend.reference_logprobs(batch, temperature=self.sampler.temperature)
+        penalty = np.asarray(self.algorithm.kl_reward_penalty(batch, ref), dtype=np.float32)
+        metrics["kl_reward_penalty_mean"] = float(penalty.mean())
+        return penalty
 
     # -- checkpoints ----------------------------------------------------------------
 
@@ -570,17 +369,9 @@ class RLDriver:
             save_backend_state(folder, self.backend)
             save_rng(folder / "rng.safetensors")
             (folder / "driver.json").write_text(json.dumps({"step": step, "weight_version": step}))
-            if self.pipeline is not None and self.cfg.stale_samples == "drop":
-                # By dataset position, with the versions that made them; and the positions not generated yet.
-                pending = self.pipeline.pending()
-                save_state({"stale_samples": "drop", "positions": sorted(pending["ready"]),
-                            "rollouts": {p: r for p, (_, r) in pending["ready"].items()},
-                            "versions": {p: v for p, (v, _) in pending["ready"].items()},
-                            "regenerate": pending["todo"], "next_position": pending["next_position"]},
-                           folder / "rollouts.safetensors")
-            elif self.pipeline is not None:  # generated, not trained yet: made with weights a resume cannot remake
-                pending = self.pipeline.pending(through=step + self.cfg.max_staleness)
-                save_state({"steps": sorted(pending), "rollouts": pending}, folder / "rollouts.safetensors")
+            rollouts = self.source.state_dict(step)  # async: generated, not trained yet
+            if rollouts is not None:
+                save_state(rollouts, folder / "rollouts.safetensors")
 
     def _load_checkpoint(self, folder: pathlib.Path) -> None:
         rng = read_state(folder, "rng")
@@ -590,18 +381,7 @@ class RLDriver:
             saved = read_state(folder, "rollouts")
             if not isinstance(saved, dict):
                 raise UserError(f"--resume: {folder}'s rollouts hold a {type(saved).__name__}, not what this job wrote")
-            written = saved.get("stale_samples", "wait")
-            if written != self.cfg.stale_samples:
-                raise UserError(f"--resume: checkpoint {folder} was written with [job] stale_samples = \"{written}\", "
-                                f"the job says \"{self.cfg.stale_samples}\"; resume it with stale_samples = "
-                                f"\"{written}\"")
-            if written == "drop":
-                self._saved_rollouts = {
-                    "ready": {p: (int(saved["versions"][p]), saved["rollouts"][p]) for p in saved["positions"]},
-                    "todo": list(saved["regenerate"]), "next_position": int(saved["next_position"]),
-                }
-            else:
-                self._saved_rollouts = dict(saved["rollouts"])
+            self._saved_rollouts = saved
 
     def _save_final(self) -> None:
         self.placement.save_final(str(self.run_.output_dir / "final"))

@@ -32,8 +32,8 @@ step, one optimizer update per batch) and gradient checkpointing off or on; ever
   task: ``chat_arithmetic`` single-digit additions as chats (ChatML template), at most 48
   new tokens, lr 1e-5; ``8x8`` is the example's batch. ``smollm2`` runs float32 on both
   sides; ``smollm2-bf16`` as the example does: ours samples from a bf16 copy (``[engine]
-  dtype``) and trains under bf16 autocast (``[backend] compute_dtype``) on float32
-  masters, TRL with ``bf16=True`` (accelerate's bf16 autocast around the model's forward,
+  dtype``) and trains in bf16 on a bf16 copy of its float32 masters (``[backend]
+  compute_dtype``, ``compute_weights = "copy"``), TRL with ``bf16=True`` (accelerate's bf16 autocast around the model's forward,
   which ``generate`` calls too). Default rounds: 5 clean of 1 step, at most 8, 1 warm-up.
 
 Both sides get the same everything:
@@ -170,8 +170,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-bf16": dict(
         max_new=48, lr=1e-5, rounds=5, block=1, max_rounds=8, warmup=1, bf16=True,
         describe="SmolLM2-135M-Instruct as 'smollm2', in bf16 as examples/real_model.toml runs it: ours samples "
-        "with a bf16 copy ([engine] dtype) and trains under bf16 autocast ([backend] compute_dtype) on float32 "
-        "masters; TRL with bf16=True (accelerate's bf16 autocast around the model's forward, in generate too)",
+        "with a bf16 copy ([engine] dtype) and trains in bf16 on a bf16 copy of its float32 masters ([backend] "
+        "compute_dtype, compute_weights = 'copy'); TRL with bf16=True (accelerate's bf16 autocast around the "
+        "model's forward, in generate too)",
     ),
 }
 

@@ -66,6 +66,27 @@ class PluginChoice:
         """Call the plugin's factory with its config (heavy imports happen here)."""
         return self.registration.create(self.config, *args, **kwargs)
 
+    @property
+    def traits(self) -> Any:
+        """What other plugins may know of this one (its kind's traits class of
+        :mod:`skyrl_host.interfaces`, as the plugin declared it with ``register(...,
+        traits=)``, else the class's defaults). A declaration that fails or returns
+        another class is a UserError naming the plugin (``skyrl validate`` reports it)."""
+        kind = KINDS[self.registration.kind]
+        if kind.traits is None:
+            raise AttributeError(f"{kind.noun}s have no traits")
+        declare = self.registration.traits
+        if declare is None:
+            return kind.traits()
+        who = f"{kind.noun} {self.registration.name!r} ({self.registration.origin})"
+        try:
+            value = declare(self.config)
+        except Exception as exc:  # noqa: BLE001 - the plugin's declaration, reported as its fault
+            raise UserError(f"{who} declares its traits wrongly: {exc!r}") from None
+        if not isinstance(value, kind.traits):
+            raise UserError(f"{who} declares its traits as {type(value).__name__}, not {kind.traits.__name__}")
+        return value
+
 
 @attrs.frozen
 class JobSpec:
@@ -569,6 +590,14 @@ def _run_checks(spec: JobSpec, out: Located) -> None:
     regs = [spec.kind] + ([spec.launcher.registration] if spec.launcher is not None else [])
     for value in spec.plugins.values():
         regs += [c.registration for c in (value if isinstance(value, tuple) else (value,))]
+    for choice in spec.choices():  # declared traits, before any check reads them
+        if KINDS[choice.registration.kind].traits is not None:
+            try:
+                choice.traits
+            except UserError as exc:
+                out.add(f"{choice.slot}.{KINDS[choice.registration.kind].selector}",
+                        "; ".join(p.message for p in exc.problems))
+                return
     for reg in regs:
         if reg.check is None:
             continue

@@ -11,6 +11,7 @@ tensors are typed ``Any`` and documented by shape.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
@@ -464,6 +465,72 @@ class DataStrategy(Protocol):
 
 
 # ---------------------------------------------------------------------------
+# Traits: what other plugins may know of a selected plugin from its options alone.
+#
+# A plugin declares them with ``register(..., traits=fn)``: ``fn(config)`` returns its
+# kind's traits class below (kinds without one have none). Job-level checks
+# (``skyrl validate``) and other plugins read ``choice.traits`` (a
+# :class:`skyrl_host.config.PluginChoice`), never another plugin's options by name; a
+# plugin that declares none gets the class's defaults ("unknown", "off"). ``switches``
+# maps a trait to the option of the plugin that turns it on, for messages ("set
+# engine.return_routed_experts = true").
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ModelTraits:
+    """A ``[model]`` choice."""
+
+    name: str | None = None  #: how messages name the model: its folder or preset
+    key: str = "model"  #: the job key that chose it: "model.path", "model.preset"
+    path: str | None = None  #: the local Hugging Face folder (absolute), if any
+    model_type: str | None = None  #: transformers' model_type, when known
+    dtype: str | None = None  #: the dtype its weights are loaded in ("float32", "bfloat16")
+    is_moe: bool | None = None  #: has mixture-of-experts layers (None: unknown until loaded)
+    has_indexer: bool | None = None  #: attends through a sparse-attention key indexer (GLM-5, DeepSeek-V3.2)
+
+
+@attrs.frozen
+class EngineTraits:
+    """An ``[engine]`` choice."""
+
+    dtype: str | None = None  #: the dtype it serves ("auto": the model's; None: unknown)
+    device: str = "auto"
+    token_versions: bool | None = None  #: records each token's weight version (None: cannot say before it starts)
+    routed_experts: bool | None = None  #: records routed experts for r3 (None: it cannot; False: it can, off)
+    indexer_topk: bool = False  #: can record a sparse-attention indexer's picks for r3
+    switches: Mapping[str, str] = attrs.field(factory=dict, converter=lambda m: types.MappingProxyType(dict(m)))
+
+
+@attrs.frozen
+class BackendTraits:
+    """A ``[backend]`` choice."""
+
+    owns_weights: bool = False  #: trains tensors of its own making, never the loaded model's (OwnWeights)
+    adapter_rank: int | None = None  #: LoRA rank it trains (0: every weight; None: it trains no adapters)
+    adapter_targets: tuple[str, ...] | None = None  #: the modules its adapters cover (None: its default)
+    device: str = "auto"
+    data_parallel: bool = False  #: its ranks split batches (DDP, FSDP2); False: one rank only
+    switches: Mapping[str, str] = attrs.field(factory=dict, converter=lambda m: types.MappingProxyType(dict(m)))
+
+
+@attrs.frozen
+class SamplerTraits:
+    """A ``[sampler]`` choice."""
+
+    support: bool = False  #: returns each token's sample support (for support replay)
+    greedy: bool = False  #: takes the most likely token (temperature and truncation do not apply)
+    #: the truncation it applies, in this order; None where it is not of this shape (an engine
+    #: that reproduces samplers by these numbers refuses it)
+    temperature: float | None = None
+    top_k: int | None = None  #: 0: off
+    top_p: float | None = None  #: 1.0: off
+    min_p: float | None = None  #: 0.0: off
+    logprobs: str = "processed"  #: "processed": of the distribution sampled from; "full": log_softmax(logits / T)
+    switches: Mapping[str, str] = attrs.field(factory=dict, converter=lambda m: types.MappingProxyType(dict(m)))
+
+
+# ---------------------------------------------------------------------------
 # Capabilities: what a plugin may offer beyond its kind's Protocol.
 #
 # A job that needs a capability asks for it by name when it is built
@@ -494,6 +561,14 @@ class WeightLayout(Protocol):
     def memory_weights(self, model: Any, disk: Mapping[str, Any]) -> Mapping[str, Any]: ...
 
     def weight_layout(self, model: Any) -> Any: ...
+
+
+@runtime_checkable
+class SamplingTraits(Protocol):
+    """A sampler object that states what it does (its :class:`SamplerTraits`), for an
+    engine that reproduces samplers by their numbers (vLLM) rather than calling them."""
+
+    traits: SamplerTraits
 
 
 @runtime_checkable

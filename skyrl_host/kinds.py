@@ -30,17 +30,18 @@ class Kind:
     description: str  # one line, for the docs
     many: bool = False  # the selector takes a list of names, each with its own sub-table
     host_table: bool = False  # the host owns the table for every job kind ([job], [cluster])
+    traits: type | None = None  # what a plugin of the kind declares for the others (register(..., traits=))
 
 
 KINDS: Mapping[str, Kind] = {
     k.key: k
     for k in (
         Kind("models", "skyrl_register_models", "model family", "model", "family", i.ModelFamily,
-             "builds, loads and saves the models of a family of transformers architectures"),
+             "builds, loads and saves the models of a family of transformers architectures", traits=i.ModelTraits),
         Kind("engines", "skyrl_register_engines", "engine", "engine", "name", i.Engine,
-             "generates rollouts and receives new weights"),
+             "generates rollouts and receives new weights", traits=i.EngineTraits),
         Kind("samplers", "skyrl_register_samplers", "sampler", "sampler", "name", i.Sampler,
-             "chooses the next token from logits"),
+             "chooses the next token from logits", traits=i.SamplerTraits),
         Kind("algorithms", "skyrl_register_algorithms", "algorithm", "algorithm", "name", i.Algorithm,
              "rewards to advantages, group filtering and the policy loss"),
         Kind("replay_strategies", "skyrl_register_replay_strategies", "replay strategy", "replay", "strategies",
@@ -58,7 +59,7 @@ KINDS: Mapping[str, Kind] = {
         Kind("environments", "skyrl_register_environments", "environment", "environment", "name", i.Environment,
              "multi-turn and tool-using environments: one episode per trajectory"),
         Kind("backends", "skyrl_register_backends", "backend", "backend", "name", i.Backend,
-             "owns parameters and optimizer; trains on rollouts"),
+             "owns parameters and optimizer; trains on rollouts", traits=i.BackendTraits),
         Kind("launchers", "skyrl_register_launchers", "launcher", "cluster", "launcher", i.Launcher,
              "places backend ranks and engine replicas (one process, Ray actors, ...)", host_table=True),
         Kind("jobs", "skyrl_register_jobs", "job kind", "job", "kind", i.JobDriver,

@@ -23,6 +23,7 @@ from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
     AdapterTraining,
     LoadedModel,
+    ModelTraits,
     PlacementRequest,
     QuantizedServing,
     ReferenceScoring,
@@ -91,11 +92,12 @@ def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any,
     return engine
 
 
-def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, trained: dict[str, Any] | None = None) -> None:
+def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, model: ModelTraits,
+                       trained: dict[str, Any] | None = None) -> None:
     """The backend's trained weights as a Hugging Face folder at ``path`` (through the
-    family's ``save`` of ``loaded``'s model), in the model's own dtype: the family
-    config's ``dtype`` (``[model] dtype``; a family without one keeps the trained
-    weights' dtype). The weights are converted on the way out, into ``loaded``'s module
+    family's ``save`` of ``loaded``'s model), in the model's own dtype: ``model.dtype``
+    (the ``[model]`` choice's traits: ``[model] dtype``; a family that declares none keeps
+    the trained weights' dtype). The weights are converted on the way out, into ``loaded``'s module
     tree only while it is saved: neither the backend's tensors nor ``loaded``'s change.
 
     With a LoRA backend also the adapters, as a PEFT adapter in ``path/adapter``
@@ -109,16 +111,15 @@ def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, traine
     import torch
 
     trained = dict(backend.named_weights()) if trained is None else trained
-    config = getattr(family, "config", None)  # the family's options: [model] dtype and path
-    name = getattr(config, "dtype", None)
+    name = model.dtype
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
     with _weights_held(loaded.model, trained, dtype):
         family.save(loaded, path)
     if not trains_adapters(backend):
         return
-    base = getattr(config, "resolved_path", None)
-    if not isinstance(base, str):  # a preset: save the frozen base the adapters were trained on
+    base = model.path
+    if base is None:  # a preset: save the frozen base the adapters were trained on
         base = os.path.join(os.path.abspath(path), "base")
         with _weights_held(loaded.model, {}, dtype):
             family.save(loaded, base)
@@ -179,8 +180,10 @@ class LocalPlacement:
     """Backend and engine in the driver's process; weights move by the transport's
     one-process ``publish``."""
 
-    def __init__(self, family: Any, loaded: LoadedModel, backend: Any, engine: Any, transport: Any):
+    def __init__(self, family: Any, loaded: LoadedModel, backend: Any, engine: Any, transport: Any,
+                 model: ModelTraits | None = None):
         self.family, self.loaded = family, loaded
+        self.model = model if model is not None else ModelTraits()
         self.backend, self.engine, self.transport = backend, engine, transport
         self._staged: int | None = None  # the version stage() sent, until commit() applies it
 
@@ -211,7 +214,7 @@ class LocalPlacement:
         return self.publish(version)
 
     def save_final(self, path: str) -> None:
-        save_trained_model(self.backend, self.family, self.loaded, path)
+        save_trained_model(self.backend, self.family, self.loaded, path, self.model)
 
     def close(self) -> None:
         pass
@@ -231,7 +234,7 @@ class LocalLauncher:
         transport = request.weight_sync.create() if request.weight_sync is not None else None
         backend = start_backend(request, loaded, request.algorithm, precision)
         engine = start_engine(request, loaded, precision) if request.engine is not None else None
-        return LocalPlacement(family, loaded, backend, engine, transport)
+        return LocalPlacement(family, loaded, backend, engine, transport, request.model.traits)
 
 
 def check_local(spec: Any) -> list[tuple[str, str]]:

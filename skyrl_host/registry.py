@@ -56,6 +56,9 @@ class Registration:
     # picks the highest claim (e.g. a [model] table with only a path: the family that
     # covers its config.json's model_type).
     claims: Callable[[Mapping[str, Any]], Any] | None = None
+    # What other plugins may know of it from its config: traits(config) -> its kind's
+    # traits class (skyrl_host.interfaces: ModelTraits, EngineTraits, ...).
+    traits: Callable[[Any], Any] | None = None
 
     def create(self, *args: Any, **kwargs: Any) -> Any:
         """Call the factory (this is where heavy imports may happen); its product is
@@ -77,6 +80,7 @@ class Register(Protocol):
         slots: Mapping[str, Any] | None = None,
         check: Callable[[Any], Any] | None = None,
         claims: Callable[[Mapping[str, Any]], Any] | None = None,
+        traits: Callable[[Any], Any] | None = None,
     ) -> None: ...
 
 
@@ -93,6 +97,7 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
         slots: Mapping[str, Any] | None = None,
         check: Callable[[Any], Any] | None = None,
         claims: Callable[[Mapping[str, Any]], Any] | None = None,
+        traits: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"invalid {KINDS[kind].noun} name {name!r}: use letters, digits, '_', '-', '.'")
@@ -106,6 +111,9 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
             raise TypeError(f"{KINDS[kind].noun} {name!r}: check must be callable, got {check!r}")
         if claims is not None and not callable(claims):
             raise TypeError(f"{KINDS[kind].noun} {name!r}: claims must be callable, got {claims!r}")
+        if traits is not None and (KINDS[kind].traits is None or not callable(traits)):
+            raise TypeError(f"{KINDS[kind].noun} {name!r}: traits must be a callable, for a kind that has traits "
+                            f"({quoted_list(k.key for k in KINDS.values() if k.traits is not None)}), got {traits!r}")
         if slots is not None and kind != "jobs":
             raise TypeError(f"{KINDS[kind].noun} {name!r}: only job kinds take slots")
         if kind == "jobs":
@@ -122,6 +130,7 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
                 slots=dict(slots or {}),
                 check=check,
                 claims=claims,
+                traits=traits,
             )
         )
 

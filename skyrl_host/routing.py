@@ -1,7 +1,8 @@
-"""MoE routing, the service engines and replay strategies share: whether a selected
-model has MoE layers (:func:`model_is_moe`, light), and router hooks that record the
-experts MoE routers choose, or force given ones (:class:`RouterHooks`; needs torch,
-imported on first use).
+"""MoE routing, the service engines and replay strategies share: router hooks that
+record the experts MoE routers choose, or force given ones (:class:`RouterHooks`; needs
+torch, imported on first use). Whether a selected model has MoE layers or a
+sparse-attention indexer is its family's declared traits (``choice.traits.is_moe``,
+``has_indexer``: :class:`skyrl_host.interfaces.ModelTraits`).
 
 Shared by the engine (routing capture; forcing the earlier turns' routes when a
 conversation continues) and the ``r3`` strategy in the trainer (routing replay), next
@@ -19,8 +20,6 @@ unforced row is exactly what the router computed.
 from __future__ import annotations
 
 import contextlib
-import json
-import pathlib
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
@@ -31,24 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group_topk")
-_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
-
-
-def model_is_moe(choice: Any) -> bool | None:
-    """Whether the model a job selects (its ``[model]`` PluginChoice) has MoE layers:
-    from its local folder's config.json, or the family config's ``is_moe`` for presets;
-    None when unknown."""
-    config = choice.config
-    path = getattr(config, "path", None)
-    if isinstance(path, str):
-        try:
-            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None  # the family's own validator reports a bad folder
-        tables = [data] + [v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
-        return any(isinstance(t.get(k), int) and t.get(k) > 0 for t in tables for k in _EXPERT_KEYS)
-    value = getattr(config, "is_moe", None)
-    return value if isinstance(value, bool) else None
 
 
 def expert_dtype(n_experts: int) -> np.dtype:
@@ -211,23 +192,6 @@ KEY_INDEXER_CLASSES = ("GlmMoeDsaIndexer", "DeepseekV32Indexer")
 #: The model types whose attention uses a key indexer.
 KEY_INDEXER_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 INDEXER_CHANNEL = "indexer_topk"
-
-
-def model_has_indexer(choice: Any) -> bool | None:
-    """Whether the model a job selects (its ``[model]`` PluginChoice) attends through a
-    sparse-attention key indexer: from its local folder's config.json ``model_type``, or
-    the family config's ``has_indexer`` for presets; None when unknown."""
-    config = choice.config
-    path = getattr(config, "path", None)
-    if isinstance(path, str):
-        try:
-            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        tables = [data] + [v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
-        return any(t.get("model_type") in KEY_INDEXER_MODEL_TYPES for t in tables)
-    value = getattr(config, "has_indexer", None)
-    return value if isinstance(value, bool) else None
 
 
 def indexer_paths(model: torch.nn.Module) -> list[str]:

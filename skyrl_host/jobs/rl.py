@@ -164,15 +164,19 @@ def check_rl_job(spec: Any) -> list[tuple[str, str]]:
         return problems
     updates = cfg.weight_updates
     engine = spec.plugins.get("engine")
-    engine_config = getattr(engine, "config", None)
-    if getattr(engine_config, "return_token_versions", True) is False:
+    if engine is None:
+        return problems
+    traits = engine.traits
+    if traits.token_versions is False:
+        option = traits.switches.get("token_versions", "its token-version recording")
         problems.append(("job.weight_updates", f'weight_updates = "{updates}": the engine must record the version of '
-                         'every token (a generation can span versions); set [engine] return_token_versions = true'))
+                         f'every token (a generation can span versions); set [engine] {option} = true'))
     if updates != "abort":
         return problems
-    if getattr(engine_config, "return_routed_experts", False):
+    if traits.routed_experts:
+        option = traits.switches.get("routed_experts", "its routed-experts recording")
         problems.append(("job.weight_updates", 'weight_updates = "abort" cannot be used with [engine] '
-                         'return_routed_experts = true: a resubmitted request\'s earlier tokens would have two sets of '
+                         f'{option} = true: a resubmitted request\'s earlier tokens would have two sets of '
                          'routes; use "in_flight" or "idle"'))
     return problems
 

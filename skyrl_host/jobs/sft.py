@@ -315,11 +315,12 @@ def check_sft_job(spec: Any) -> list[tuple[str, str]]:
     ``weights`` (when it has them) match the paths."""
     problems: list[tuple[str, str]] = []
     cfg = spec.kind_config
-    parallel = getattr(spec.plugins["backend"].config, "data_parallel", "none")
-    if parallel != "none" and spec.cluster.launcher != "ray":
-        problems.append(("backend.data_parallel", f"data_parallel = {parallel!r} trains across backend ranks: set "
+    backend = spec.plugins["backend"].traits
+    if backend.data_parallel and spec.cluster.launcher != "ray":
+        option = backend.switches.get("data_parallel", "name")
+        problems.append((f"backend.{option}", f"[backend] {option} trains across backend ranks: set "
                          "[cluster] launcher = \"ray\" and trainer_ranks"))
-    if getattr(spec.plugins["model"].config, "preset", None) is not None and cfg.alphabet is None:
+    if spec.plugins["model"].traits.key == "model.preset" and cfg.alphabet is None:
         problems.append((
             "model.preset",
             "a preset model builds a character-level tokenizer: set job.alphabet to the characters the corpus was "

@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 
 from skyrl_backends._options import TrainerOptions
 from skyrl_host import hookimpl
 from skyrl_host.devices import cuda_problem
+from skyrl_host.interfaces import BackendTraits
 from skyrl_host.options import ge, option
 
 @attrs.frozen
 class MegatronBackendConfig(TrainerOptions):
     """Options of ``[backend]`` when ``name = "megatron"``."""
-
-    # (read at validate time: the backend trains megatron-core tensors of its own, never the
-    # loaded model's, so a one-process engine sharing the loaded model may take any wire dtype)
-    owns_weights: ClassVar[bool] = True
 
     tensor_parallel: int = option(1, help="tensor-parallel size (megatron-core's TP)", validator=ge(1))
     pipeline_parallel: int = option(1, help="pipeline-parallel size (megatron-core's PP)", validator=ge(1))
@@ -67,17 +64,17 @@ def create(config: MegatronBackendConfig) -> Any:
 
 
 def _model_config(choice: Any) -> dict[str, Any] | None:
-    """What the job's files say of the model's Hugging Face config: a local folder's
-    config.json, or ``{"model_type": ...}`` of a preset; None when they say nothing."""
-    path = getattr(choice.config, "path", None)
-    if isinstance(path, str):
+    """What the job's files say of the model's Hugging Face config (from its declared
+    traits): a local folder's config.json, or ``{"model_type": ...}`` of a preset; None
+    when they say nothing."""
+    traits = choice.traits
+    if traits.path is not None:
         try:
-            data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+            data = json.loads((pathlib.Path(traits.path) / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None  # the family's own validator reports a bad folder
         return data if isinstance(data, dict) else None
-    model_type = getattr(choice.config, "model_type", None)
-    return {"model_type": model_type} if isinstance(model_type, str) else None
+    return {"model_type": traits.model_type} if traits.model_type is not None else None
 
 
 class _Config:
@@ -108,7 +105,6 @@ def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``): the parallelism this backend runs, a CUDA
     ``device`` on a machine with CUDA, and a model megatron-core can express."""
     from skyrl_host.kinds import SLOT_KINDS
-    from skyrl_host.routing import model_is_moe
 
     choice = spec.plugins.get("backend")
     if choice is None or isinstance(choice, tuple):
@@ -117,7 +113,7 @@ def check(spec: Any) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     tp, ep, pp, cp = cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel, cfg.context_parallel
     ranks = spec.cluster.trainer_ranks
-    launcher = getattr(spec.cluster, "launcher", "local")
+    launcher = spec.cluster.launcher
     if cp > 1 and (problem := context_parallel_problem(cfg, None)) is not None:
         problems.append(("backend.context_parallel", problem))
     elif cp > 1 and ranks % (tp * cp):
@@ -136,13 +132,13 @@ def check(spec: Any) -> list[tuple[str, str]]:
                              f"the experts: tensor_parallel x expert_parallel x pipeline_parallel = {tp * ep * pp} must "
                              f"divide trainer_ranks = {ranks}"))
     elif ep > 1 and (model := spec.plugins.get("model")) is not None and not isinstance(model, tuple) \
-            and model_is_moe(model) is False:
+            and model.traits.is_moe is False:
         problems.append(("backend.expert_parallel", f"expert_parallel = {ep} spreads experts over ranks, and this "
                          "model has no MoE layers"))
     elif ranks > 1 and launcher != "ray":
         problems.append(("cluster.launcher", f"trainer_ranks = {ranks} megatron ranks run as processes of "
                          "their own: set [cluster] launcher = \"ray\""))
-    if getattr(spec.cluster, "launcher", "local") != "ray":
+    if launcher != "ray":
         problem = cuda_problem(cfg.device)
         if problem is not None:
             problems.append(("backend.device", problem))
@@ -164,9 +160,7 @@ def check(spec: Any) -> list[tuple[str, str]]:
                 else:
                     mla = describe(_Config(data)).mla
             except NotExpressible as exc:
-                where = "model.path" if getattr(model.config, "path", None) else f"model.{SLOT_KINDS['model'].selector}"
-                if getattr(model.config, "preset", None):
-                    where = "model.preset"
+                where = model.traits.key if model.traits.key != "model" else f"model.{SLOT_KINDS['model'].selector}"
                 problems.append((where, f"the megatron backend cannot build this model: {exc}"))
                 return problems
             if cp > 1 and mla and (problem := context_parallel_problem(cfg, True)) is not None:
@@ -187,4 +181,7 @@ def skyrl_register_backends(register: Any) -> None:
         description="megatron-core trainer: Qwen3 dense and MoE, GLM-4.5 and DeepSeek-V3 / Kimi K2 as megatron-core GPT models, routing replay "
         "through megatron-core's RouterReplay, packed micro-batches, AdamW",
         check=check,
+        # It trains megatron-core tensors of its own, never the loaded model's, so a one-process
+        # engine sharing the loaded model may take any wire dtype; it trains no adapters.
+        traits=lambda c: BackendTraits(owns_weights=True, device=c.device),
     )

@@ -21,6 +21,7 @@ import attrs
 from skyrl_backends._options import TrainerOptions
 from skyrl_host import hookimpl
 from skyrl_host.devices import cuda_problem
+from skyrl_host.interfaces import BackendTraits
 from skyrl_host.options import OptionError, ge, gt, in_interval, option
 
 
@@ -80,16 +81,26 @@ def create(config: TorchBackendConfig) -> Any:
     return TorchBackend(config)
 
 
+def traits(config: TorchBackendConfig) -> BackendTraits:
+    """What other plugins may know of it: the adapters it trains, its device, whether its
+    ranks split batches."""
+    return BackendTraits(
+        adapter_rank=config.lora_rank, device=config.device, data_parallel=config.data_parallel != "none",
+        adapter_targets=tuple(config.lora_targets) if config.lora_targets is not None else None,
+        switches={"adapter_rank": "lora_rank", "adapter_targets": "lora_targets", "data_parallel": "data_parallel"},
+    )
+
+
 def check(spec: Any) -> list[tuple[str, str]]:
     """Several backend ranks train data parallel: ``data_parallel`` must say how; a
     CUDA ``device`` needs CUDA on this machine."""
-    choice = spec.plugins.get("backend")
+    backend = spec.plugins.get("backend")
     ranks = spec.cluster.trainer_ranks
-    if choice is not None and getattr(spec.cluster, "launcher", "local") != "ray":  # ray: each actor checks its own
-        problem = cuda_problem(choice.config.device)
+    if backend is not None and spec.cluster.launcher != "ray":  # ray: each actor checks its own
+        problem = cuda_problem(backend.config.device)
         if problem is not None:
             return [("backend.device", problem)]
-    if ranks > 1 and choice is not None and choice.config.data_parallel == "none":
+    if ranks > 1 and backend is not None and backend.config.data_parallel == "none":
         return [("backend.data_parallel", f"[cluster] trainer_ranks = {ranks} trains data parallel: "
                  "set data_parallel = \"ddp\" or \"fsdp2\"")]
     return []
@@ -103,4 +114,5 @@ def skyrl_register_backends(register: Any) -> None:
         config=TorchBackendConfig,
         description="PyTorch trainer: packed micro-batches, AdamW, bf16 autocast, DDP or FSDP2 data parallel",
         check=check,
+        traits=traits,
     )

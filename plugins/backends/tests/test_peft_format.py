@@ -11,6 +11,7 @@ import pathlib
 import pytest
 import torch
 
+from skyrl_host.interfaces import ModelTraits
 from skyrl_host.launch import save_trained_model
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -113,6 +114,11 @@ def digits_batch():
     return RolloutBatch.from_sequences(prompts, responses, [[-2.3] * len(r) for r in responses], group_ids=[0, 0, 1, 1])
 
 
+def traits(family) -> ModelTraits:
+    """What the job's [model] choice declares for ``family``'s config (its dtype and folder)."""
+    return ModelTraits(dtype=family.config.dtype, path=family.config.resolved_path)
+
+
 def qwen(dtype: str, **kw):
     import skyrl_models.qwen as qwen
 
@@ -139,7 +145,7 @@ def test_save_trained_model_converts_on_the_way_out_and_keeps_the_base(tiny, tmp
     assert {v.dtype for v in base_before.values() if v.is_floating_point()} == {torch.float32}  # master weights
 
     final = tmp_path / "final"
-    save_trained_model(be, family, loaded, str(final))
+    save_trained_model(be, family, loaded, str(final), traits(family))
 
     for k, v in be.named_weights():
         assert torch.equal(v, weights[k]) and v.dtype == torch.float32, k
@@ -180,7 +186,7 @@ def test_lora_base_is_the_model_folder_when_the_job_loads_one(tiny, tmp_path) ->
     loaded = family.load(alphabet=None, seed=0)
     be = tiny.make_backend(lora_rank=2, lr=1e-2)
     be.start(loaded, seed=0, total_steps=2, reference=False)
-    save_trained_model(be, family, loaded, str(tmp_path / "final"))
+    save_trained_model(be, family, loaded, str(tmp_path / "final"), traits(family))
     assert sorted(p.name for p in (tmp_path / "final").iterdir() if p.is_dir()) == ["adapter"]  # no copy of the base
     config = json.loads((tmp_path / "final" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tmp_path / "model")

@@ -57,7 +57,8 @@ from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_js
 from skyrl_engines.vllm import missing_vllm_message, sampling_request
 from skyrl_engines.vllm_worker import TOKEN_ENV
 from skyrl_host.errors import JobFailed, UserError
-from skyrl_host.interfaces import LoadedModel, Sampler
+from skyrl_host.contracts import has
+from skyrl_host.interfaces import LoadedModel, Sampler, SamplerTraits, SamplingTraits
 from skyrl_host.rollout import CSR, RolloutBatch
 
 MODEL_NAME = "skyrl"
@@ -517,7 +518,8 @@ class VllmEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        params = sampling_request(sampler)
+        declared = sampler.traits if has(sampler, SamplingTraits) else SamplerTraits(temperature=sampler.temperature)
+        params = sampling_request(declared)
         support = wants_support(sampler)
         if support and not self._support:
             raise ValueError("the sampler asks for sample supports, but the vLLM servers were started without "

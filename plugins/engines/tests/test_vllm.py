@@ -111,9 +111,9 @@ def test_bad_config_and_urls(loaded):
     with pytest.raises(ValueError, match="--port is set by the engine"):
         VllmConfig(server_args=("--port", "8000"))
     with pytest.raises(ValueError, match="min_p"):
-        sampling_request(TruncatedSampler(min_p=0.1, top_k=3))
+        sampling_request(TruncatedSampler(min_p=0.1, top_k=3).traits)
     with pytest.raises(ValueError, match="logprobs"):
-        sampling_request(TruncatedSampler(top_p=0.9, logprobs="full"))
+        sampling_request(TruncatedSampler(top_p=0.9, logprobs="full").traits)
     with pytest.raises(UserError, match="no healthy vLLM server answers at http://127.0.0.1:9"):
         Vllm(VllmConfig(urls=("http://127.0.0.1:9",))).start(loaded)
     with pytest.raises(UserError, match="no vLLM is installed"):

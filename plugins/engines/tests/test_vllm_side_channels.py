@@ -69,13 +69,16 @@ def test_collective_recipes_give_each_servers_workers_their_ranks() -> None:
 
 def test_what_vllm_needs_of_a_sampler_whose_kept_sets_it_returns() -> None:
     from skyrl_engines.vllm import support_problems
-    from skyrl_samplers.greedy import GreedyConfig
-    from skyrl_samplers.top_p import TopPConfig
+    from skyrl_samplers.greedy import build_greedy, GreedyConfig
+    from skyrl_samplers.top_p import TopPConfig, build_sampler
 
-    assert support_problems(TopPConfig(top_p=0.9, top_k=50, return_support=True)) == []
-    [(key, why)] = support_problems(TopPConfig(top_p=0.9, return_support=True))
+    def declared(config):  # what the sampler declares (its traits), as the job's choice would give them
+        return build_sampler(config).traits
+
+    assert support_problems(declared(TopPConfig(top_p=0.9, top_k=50, return_support=True))) == []
+    [(key, why)] = support_problems(declared(TopPConfig(top_p=0.9, return_support=True)))
     assert key == "sampler.top_k" and "top_k > 0" in why
-    [(key, why)] = support_problems(GreedyConfig(return_support=True))
+    [(key, why)] = support_problems(build_greedy(GreedyConfig(return_support=True)).traits)
     assert key == "sampler.return_support" and "temperature above 0" in why
 
 

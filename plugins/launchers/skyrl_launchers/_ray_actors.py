@@ -225,7 +225,7 @@ class BackendWorker:
             import torch.distributed as dist
 
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
-            device = str(getattr(self.request.backend.config, "device", "auto"))
+            device = self.request.backend.traits.device
             dist.init_process_group(_dist_backend(device), init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
         request = self.request
@@ -346,7 +346,7 @@ class BackendWorker:
         # With several ranks the model this actor holds is sharded or wrapped: save a fresh copy.
         request = self.request
         loaded = self.loaded if self.world == 1 else self.family.load(alphabet=request.alphabet, seed=request.seed)
-        save_trained_model(self.backend, self.family, loaded, path, trained=trained)
+        save_trained_model(self.backend, self.family, loaded, path, self.request.model.traits, trained=trained)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -776,7 +776,7 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
             BackendWorker, [(request, rank, ranks) for rank in range(ranks)], cpus=config.cpus_per_actor,
             groups={"staged": 1},  # staged_result waits for a background write beside the train step
         )
-        data_parallel = str(getattr(request.backend.config, "data_parallel", "none")) != "none"
+        data_parallel = request.backend.traits.data_parallel
         dp_address = ray_get(backends[0].address.remote()) if ranks > 1 or data_parallel else None
         ray_get([b.start.remote(dp_address) for b in backends])
         sharded = ray_get(backends[0].sharded_checkpoints.remote())

@@ -6,8 +6,9 @@ import os
 import pathlib
 from typing import Any, Iterable
 
-from skyrl_host.options import OptionError
 from skyrl_host.errors import did_you_mean
+from skyrl_host.interfaces import ModelTraits
+from skyrl_host.options import OptionError
 from skyrl_models._checkpoint_files import safetensors_problem
 
 
@@ -94,3 +95,40 @@ def claims_model_types(model_types: Iterable[str], family: str) -> Any:
         return None
 
     return claims
+
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def folder_facts(path: str) -> tuple[str | None, bool | None, bool | None]:
+    """``(model_type, is_moe, has_indexer)`` of a local folder from its config.json (and
+    its nested ``*_config`` tables: a multimodal checkpoint's text model); all None when
+    it cannot be read (the family's own validator reports a bad folder)."""
+    import json
+
+    from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
+
+    try:
+        data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, None, None
+    if not isinstance(data, dict):
+        return None, None, None
+    tables = [data] + [v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)]
+    model_type = data.get("model_type") if isinstance(data.get("model_type"), str) else None
+    is_moe = any(isinstance(t.get(k), int) and t.get(k) > 0 for t in tables for k in _EXPERT_KEYS)
+    has_indexer = any(t.get("model_type") in KEY_INDEXER_MODEL_TYPES for t in tables)
+    return model_type, is_moe, has_indexer
+
+
+def model_traits(config: Any, *, model_type: str | None = None, is_moe: bool | None = None,
+                 has_indexer: bool | None = None) -> ModelTraits:
+    """A family's :class:`~skyrl_host.interfaces.ModelTraits`: for a ``path``, what its
+    config.json says; for a preset, what the family knows of it (the arguments)."""
+    path = config.resolved_path
+    if path is not None:
+        model_type, is_moe, has_indexer = folder_facts(path)
+    return ModelTraits(
+        name=config.path or config.preset, key="model.path" if config.path else "model.preset", path=path,
+        model_type=model_type, dtype=config.dtype, is_moe=is_moe, has_indexer=has_indexer,
+    )

@@ -33,7 +33,7 @@ import attrs
 from skyrl_host import hookimpl
 from skyrl_host.options import option
 from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
-from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator
+from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator, model_traits
 
 MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm5_next", "glm5_next_text")
 """The transformers ``model_type`` values this family loads from a path (``glm5_next``:
@@ -320,4 +320,5 @@ def skyrl_register_models(register: Any) -> None:
         description="GLM MoE models (glm4_moe, glm4_moe_lite, glm_moe_dsa, glm5_next's text model): "
         "tiny presets or a local Hugging Face folder",
         claims=claims_model_types(MODEL_TYPES, "glm"),
+        traits=lambda c: model_traits(c, has_indexer=c.has_indexer),
     )

@@ -28,7 +28,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import OptionError, option
-from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator
+from skyrl_models._options import PresetOrPath, check_hf_folder, preset_validator, model_traits
 
 MAX_POSITION_EMBEDDINGS = 512  # of the tiny presets
 INITIALIZER_RANGE = 0.02
@@ -121,7 +121,7 @@ class HfConfig(PresetOrPath):
 
     @property
     def is_moe(self) -> bool:
-        """A MoE preset (for a path, :func:`skyrl_host.routing.model_is_moe` reads config.json)."""
+        """A MoE preset (for a path, the traits read config.json)."""
         return self.preset in MOE_PRESETS
 
     @property
@@ -179,4 +179,5 @@ def skyrl_register_models(register: Any) -> None:
         "a local Hugging Face folder or a tiny preset; LoRA targets and MoE routers found by probing",
         check=check,
         claims=claims,
+        traits=lambda c: model_traits(c, model_type=c.model_type, is_moe=c.is_moe, has_indexer=False),
     )

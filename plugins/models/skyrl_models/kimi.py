@@ -25,7 +25,7 @@ import attrs
 from skyrl_host import hookimpl
 from skyrl_host.options import option
 from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
-from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator
+from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator, model_traits
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k25", "deepseek_v32", "kimi_linear")
 """The transformers ``model_type`` values this family loads from a path
@@ -217,4 +217,5 @@ def skyrl_register_models(register: Any) -> None:
         description="Kimi K2, Kimi Linear and DeepSeek-V3.2 models (deepseek_v3, kimi_k25's text model, kimi_linear, "
         "deepseek_v32): a tiny preset or a local Hugging Face folder",
         claims=claims_model_types(MODEL_TYPES, "kimi"),
+        traits=lambda c: model_traits(c, model_type=c.model_type, has_indexer=c.has_indexer),
     )

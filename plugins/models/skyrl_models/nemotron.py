@@ -23,7 +23,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import option
-from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator
+from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator, model_traits
 
 MODEL_TYPES = ("nemotron_h",)
 """The transformers ``model_type`` values this family loads from a path."""
@@ -168,4 +168,5 @@ def skyrl_register_models(register: Any) -> None:
         config=NemotronConfig,
         description="Nemotron-H (nemotron_h: Nemotron 3, hybrid Mamba2/attention/MoE): a tiny preset or a local folder",
         claims=claims_model_types(MODEL_TYPES, "nemotron"),
+        traits=model_traits,
     )

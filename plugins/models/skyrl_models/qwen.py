@@ -31,7 +31,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import OptionError, gt, option
-from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator
+from skyrl_models._options import PresetOrPath, check_hf_folder, claims_model_types, preset_validator, model_traits
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text")
 """The transformers ``model_type`` values this family loads from a path (``qwen3_5_moe``:
@@ -344,4 +344,5 @@ def skyrl_register_models(register: Any) -> None:
         description="Qwen3 dense and MoE, Qwen3-Next, Qwen3.5 dense and Qwen3.5-MoE models (qwen3, qwen3_moe, "
         "qwen3_next, qwen3_5_text, qwen3_5_moe): tiny presets or a local Hugging Face folder",
         claims=claims_model_types(MODEL_TYPES, "qwen"),
+        traits=lambda c: model_traits(c, model_type=c.model_type, is_moe=c.is_moe, has_indexer=False),
     )

@@ -5,25 +5,29 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host.kinds import SLOT_KINDS
-from skyrl_host.routing import INDEXER_CHANNEL, model_has_indexer, model_is_moe
+from skyrl_host.routing import INDEXER_CHANNEL
 
 
-def check_plugin_flag(spec: Any, table: str, flag: str, strategy: str, what: str) -> list[tuple[str, str]]:
-    """The plugin of ``[table]`` must have the boolean option ``flag`` set."""
+def check_trait(spec: Any, table: str, trait: str, strategy: str, what: str) -> list[tuple[str, str]]:
+    """The plugin of ``[table]`` must declare ``trait`` on (its traits: an engine's
+    ``routed_experts``, a sampler's ``support``): None means it cannot produce it, False
+    that the job has not asked it to (its ``switches`` name the option that does)."""
     choice = spec.plugins.get(table)
     if choice is None or isinstance(choice, tuple):
         return [("replay.strategies", f"replay strategy {strategy!r} needs {what} from [{table}], which this job has not")]
-    config = choice.config
-    if config is None or not hasattr(config, flag):
+    traits = choice.traits
+    option = traits.switches.get(trait)
+    value = getattr(traits, trait)  # a field of the kind's traits class: a typo fails here, in every test
+    if value is None or option is None and not value:
         return [(
             f"{table}.{SLOT_KINDS[table].selector}",
             f"replay strategy {strategy!r} needs {what}, but {table} {choice.name!r} cannot produce them "
-            f"(it has no {flag!r} option)",
+            f"(it declares no way to record them)",
         )]
-    if not getattr(config, flag):
+    if not value:
         return [(
-            f"{table}.{flag}" if _present(spec, table, flag) else table,
-            f"replay strategy {strategy!r} needs {what}: set {table}.{flag} = true",
+            f"{table}.{option}" if _present(spec, table, option) else table,
+            f"replay strategy {strategy!r} needs {what}: set {table}.{option} = true",
         )]
     return []
 
@@ -37,12 +41,11 @@ def check_model_is_moe(spec: Any) -> list[tuple[str, str]]:
     choice = spec.plugins.get("model")
     if choice is None or isinstance(choice, tuple):
         return []
-    if model_is_moe(choice) is False:
-        where = "model.path" if getattr(choice.config, "path", None) else "model.preset"
-        what = getattr(choice.config, "path", None) or getattr(choice.config, "preset", None)
+    traits = choice.traits
+    if traits.is_moe is False:
         return [(
-            where,
-            f"replay strategy 'r3' replays MoE routing, but model {what!r} ({choice.name}) has no MoE layers; "
+            traits.key,
+            f"replay strategy 'r3' replays MoE routing, but model {traits.name!r} ({choice.name}) has no MoE layers; "
             "remove 'r3' from replay.strategies or choose a mixture-of-experts model",
         )]
     return []
@@ -50,19 +53,16 @@ def check_model_is_moe(spec: Any) -> list[tuple[str, str]]:
 
 def check_indexer_capture(spec: Any) -> list[tuple[str, str]]:
     """r3 on a model with a sparse-attention indexer (GLM-5, DeepSeek-V3.2) replays the
-    indexer's key picks too: the engine must be one that records them (its config class
-    says so with ``records_indexer_topk = True``)."""
+    indexer's key picks too: the engine must be one that records them (its traits say
+    ``indexer_topk``)."""
     model, engine = spec.plugins.get("model"), spec.plugins.get("engine")
     if model is None or isinstance(model, tuple) or engine is None or isinstance(engine, tuple):
         return []
-    if not model_has_indexer(model):
+    if not model.traits.has_indexer or engine.traits.indexer_topk:
         return []
-    if getattr(engine.config, "records_indexer_topk", False):
-        return []
-    what = getattr(model.config, "path", None) or getattr(model.config, "preset", None)
     return [(
         f"engine.{SLOT_KINDS['engine'].selector}",
-        f"replay strategy 'r3' on model {what!r} ({model.name}) must also replay the keys its sparse-attention "
-        f"indexer picked (side channel {INDEXER_CHANNEL!r}), which engine {engine.name!r} cannot record; "
-        "use engine 'embedded' or remove 'r3' from replay.strategies",
+        f"replay strategy 'r3' on model {model.traits.name!r} ({model.name}) must also replay the keys its "
+        f"sparse-attention indexer picked (side channel {INDEXER_CHANNEL!r}), which engine {engine.name!r} cannot "
+        "record; use engine 'embedded' or remove 'r3' from replay.strategies",
     )]

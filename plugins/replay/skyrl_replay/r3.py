@@ -40,9 +40,9 @@ def create(config: Any = None) -> Any:
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``): the engine must record routes and the
     model must have MoE layers. Returns (key, message) problems."""
-    from skyrl_replay._checks import check_indexer_capture, check_model_is_moe, check_plugin_flag
+    from skyrl_replay._checks import check_indexer_capture, check_model_is_moe, check_trait
 
-    problems = check_plugin_flag(spec, "engine", "return_routed_experts", "r3", "routed experts")
+    problems = check_trait(spec, "engine", "routed_experts", "r3", "routed experts")
     problems += check_model_is_moe(spec)
     if not problems:
         problems += check_indexer_capture(spec)

@@ -42,9 +42,9 @@ def create(config: SupportConfig) -> Any:
 
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks: the sampler must return its support sets."""
-    from skyrl_replay._checks import check_plugin_flag
+    from skyrl_replay._checks import check_trait
 
-    return check_plugin_flag(spec, "sampler", "return_support", "support", "sample support sets")
+    return check_trait(spec, "sampler", "support", "support", "sample support sets")
 
 
 @hookimpl

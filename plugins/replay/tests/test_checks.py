@@ -99,7 +99,8 @@ def test_r3_on_indexer_presets_is_fine(skyrl_cli, tmp_path, family, preset) -> N
 
 class RoutesOnlyEngine:
     """A third-party engine that returns routed experts but not an indexer's key picks
-    (its config class does not say ``records_indexer_topk``): validated, never started."""
+    (its declared traits say ``routed_experts``, not ``indexer_topk``): validated, never
+    started."""
 
     @staticmethod
     def config_class():
@@ -114,8 +115,12 @@ class RoutesOnlyEngine:
         return RoutesOnlyConfig
 
     def skyrl_register_engines(self, register):
+        from skyrl_host.interfaces import EngineTraits
+
         register("routes_only", lambda config=None: None, config=self.config_class(),
-                 description="returns routes, not indexer picks")
+                 description="returns routes, not indexer picks",
+                 traits=lambda c: EngineTraits(routed_experts=c.return_routed_experts,
+                                               switches={"routed_experts": "return_routed_experts"}))
 
 
 def test_r3_on_an_indexer_model_needs_an_engine_that_records_its_picks(skyrl_cli, skyrl_plugin, tmp_path) -> None:

@@ -59,3 +59,13 @@ def build_sampler(config: Any) -> Any:
         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
         return_support=config.return_support, logprobs=config.logprobs,
     )
+
+
+def sampler_traits(config: Any) -> Any:
+    """The :class:`~skyrl_host.interfaces.SamplerTraits` of every stochastic sampler."""
+    from skyrl_host.interfaces import SamplerTraits
+
+    return SamplerTraits(
+        support=config.return_support, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+        min_p=config.min_p, logprobs=config.logprobs, switches={"support": "return_support"},
+    )

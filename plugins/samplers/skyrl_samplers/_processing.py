@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from skyrl_host.interfaces import SampleOutput
+from skyrl_host.interfaces import SampleOutput, SamplerTraits
 
 NEG_INF = float("-inf")
 
@@ -81,6 +81,13 @@ class TruncatedSampler:
         self.min_p = float(min_p)
         # Asks the engine to record support(logits) of every generated token (side channel "sample_support").
         self.return_support = bool(return_support)
+
+    @property
+    def traits(self) -> SamplerTraits:
+        """The facts an engine that reproduces samplers by their numbers needs (SamplingTraits)."""
+        return SamplerTraits(support=self.return_support, temperature=self.temperature, top_k=self.top_k,
+                             top_p=self.top_p, min_p=self.min_p, logprobs=self.logprobs,
+                             switches={"support": "return_support"})
 
     def __repr__(self) -> str:
         return (
@@ -153,6 +160,10 @@ class GreedySampler:
 
     def __init__(self, return_support: bool = False):
         self.return_support = bool(return_support)
+
+    @property
+    def traits(self) -> SamplerTraits:
+        return SamplerTraits(support=self.return_support, greedy=True, switches={"support": "return_support"})
 
     def __repr__(self) -> str:
         return f"GreedySampler(return_support={self.return_support})"

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from skyrl_host import hookimpl
+from skyrl_host.interfaces import SamplerTraits
 from skyrl_samplers._options import return_support_option
 
 
@@ -37,4 +38,6 @@ def skyrl_register_samplers(register: Any) -> None:
         build_greedy,
         config=GreedyConfig,
         description="Always the most likely token (argmax, lowest id on ties); logprobs at temperature 1",
+        traits=lambda c: SamplerTraits(support=bool(c.return_support), greedy=True,
+                                       switches={"support": "return_support"}),
     )

@@ -13,6 +13,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_samplers._options import (
+    sampler_traits,
     build_sampler,
     logprobs_option,
     min_p_option,
@@ -42,4 +43,5 @@ def skyrl_register_samplers(register: Any) -> None:
         build_sampler,
         config=MinPConfig,
         description="Sample among tokens at least min_p (default 0.05) times as likely as the top one",
+        traits=sampler_traits,
     )

@@ -12,6 +12,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_samplers._options import (
+    sampler_traits,
     build_sampler,
     logprobs_option,
     min_p_option,
@@ -41,4 +42,5 @@ def skyrl_register_samplers(register: Any) -> None:
         build_sampler,
         config=TemperatureConfig,
         description="Sample from softmax(logits / temperature); no truncation unless top_k/top_p/min_p are set",
+        traits=sampler_traits,
     )

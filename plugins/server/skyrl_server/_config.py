@@ -343,12 +343,12 @@ def load_server_file(path: str | pathlib.Path, host: Any, environ: Mapping[str, 
     backend = _choice(host, "backends", "backend", "name", table("backend"), "backend", "torch", out)
     if backend is not None and backend.name != "torch":
         out.add("backend.name", f"training clients run on the torch backend only (yet), found {backend.name!r}")
-    elif backend is not None and getattr(backend.config, "lora_rank", 0):
-        out.add("backend.lora_rank", "each create_model request chooses its LoRA rank (LoraConfig.rank); "
-                "limit it with [server] max_lora_rank")
-    elif backend is not None and getattr(backend.config, "lora_targets", None) is not None:
-        out.add("backend.lora_targets", "each create_model request chooses the layers its adapters cover "
-                "(LoraConfig.train_attn / train_mlp / train_unembed)")
+    elif backend is not None and backend.traits.adapter_rank:
+        out.add(f"backend.{backend.traits.switches.get('adapter_rank', 'name')}", "each create_model request chooses "
+                "its LoRA rank (LoraConfig.rank); limit it with [server] max_lora_rank")
+    elif backend is not None and backend.traits.adapter_targets is not None:
+        out.add(f"backend.{backend.traits.switches.get('adapter_targets', 'name')}", "each create_model request "
+                "chooses the layers its adapters cover (LoraConfig.train_attn / train_mlp / train_unembed)")
     if out.problems:
         out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)

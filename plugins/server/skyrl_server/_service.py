@@ -91,8 +91,9 @@ class Service(TrainingMixin, SamplingMixin, StabilityMixin):
         routers' choices (``return_routed_experts``), which R3 replays for the trainer."""
         choice = self.spec.engine
         config = choice.config
-        if loaded.routers and config is not None and hasattr(config, "return_routed_experts"):
-            config = attrs.evolve(config, return_routed_experts=True)
+        switch = choice.traits.switches.get("routed_experts")  # the engine's option that records them, if any
+        if loaded.routers and config is not None and switch is not None:
+            config = attrs.evolve(config, **{switch: True})
         return choice.registration.create(config)
 
     def capabilities(self) -> list[dict[str, Any]]:

@@ -23,17 +23,17 @@ def weights_to_serve(backend: Any) -> Iterable[tuple[str, Any]]:
 def wire_dtype_problem(spec: Any, transport_name: str, hint: str = "") -> list[tuple[str, str]]:
     """A one-process job whose engine serves the trainer's own tensors (the model's dtype)
     must not be handed weights in another wire dtype: they would overwrite the trainer's.
-    A backend whose config class says ``owns_weights = True`` (it trains tensors of its own
-    making, never the loaded model's: ``OwnWeights``) leaves the engine the loaded model's
+    A backend whose traits say ``owns_weights`` (it trains tensors of its own making,
+    never the loaded model's: ``OwnWeights``) leaves the engine the loaded model's
     tensors, which any dtype may overwrite. The (key, message) pair naming it, or nothing."""
     transport, engine, model = (spec.plugins.get(t) for t in ("weight_sync", "engine", "model"))
     if transport is None or engine is None or model is None or spec.cluster.launcher != "local":
         return []
     backend = spec.plugins.get("backend")
-    if backend is not None and not isinstance(backend, tuple) and getattr(backend.config, "owns_weights", False):
+    if backend is not None and not isinstance(backend, tuple) and backend.traits.owns_weights:
         return []
-    model_dtype = getattr(model.config, "dtype", None)
-    engine_dtype = getattr(engine.config, "dtype", None)
+    model_dtype = model.traits.dtype
+    engine_dtype = engine.traits.dtype
     wire = transport.config.dtype
     served = model_dtype if engine_dtype == "auto" else engine_dtype
     if model_dtype and served == model_dtype and wire != model_dtype:

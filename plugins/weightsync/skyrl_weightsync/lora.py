@@ -179,13 +179,14 @@ def check(spec: Any) -> list[tuple[str, str]]:
     backend, engine = spec.plugins.get("backend"), spec.plugins.get("engine")
     problems: list[tuple[str, str]] = []
     if backend is not None:
-        rank = getattr(backend.config, "lora_rank", None)
+        rank = backend.traits.adapter_rank
+        option = backend.traits.switches.get("adapter_rank", "its adapter rank")
         if rank is None:
             problems.append(("weight_sync.transport", f"transport 'lora' moves LoRA adapters, but backend "
-                             f"{backend.name!r} trains none (it has no lora_rank option)"))
+                             f"{backend.name!r} trains none (it declares no adapter rank)"))
         elif rank == 0:
-            problems.append(("weight_sync.transport", "transport 'lora' moves LoRA adapters only, but [backend] "
-                             "lora_rank = 0 trains every weight: set [backend] lora_rank > 0 (e.g. 8), or use "
+            problems.append(("weight_sync.transport", f"transport 'lora' moves LoRA adapters only, but [backend] "
+                             f"{option} = 0 trains every weight: set [backend] {option} > 0 (e.g. 8), or use "
                              "another transport (inproc, delta, broadcast) for full fine-tuning"))
     if engine is not None and engine.name not in ADAPTER_ENGINES:
         problems.append(("weight_sync.transport", f"transport 'lora' hands adapters to engine.update_adapter, "

@@ -224,12 +224,13 @@ class Engine(Protocol):
 
     weight_version: int
 
-    def start(self, loaded: LoadedModel, *, precision: "Precision | None" = None) -> None:
-        """Take the model to serve (the engine keeps its own copy or view). ``precision``:
-        the job's; an engine that cannot serve quantized weights omits the parameter and
-        a job with a quantizing precision is refused. An engine whose ``start`` also
-        declares ``sampler`` gets the job's sampler (what it must be ready to return,
-        e.g. servers started with sampling masks on when the sampler asks for supports)."""
+    def start(self, loaded: LoadedModel, *, precision: "Precision | None" = None,
+              sampler: "Sampler | None" = None) -> None:
+        """Take the model to serve (the engine keeps its own copy or view). Both keywords
+        are always passed by the host: ``precision``, the job's (an engine that cannot
+        serve a quantizing precision raises a UserError naming it); ``sampler``, the
+        job's (what the engine must be ready to return, e.g. servers started with
+        sampling masks on when the sampler asks for supports; an engine may ignore it)."""
         ...
 
     def generate(
@@ -313,9 +314,9 @@ class Backend(Protocol):
     ) -> None:
         """Take the model to train; ``replay``: the job's ReplayStrategy objects (bind
         each to the policy model, enter ``replaying`` around every policy forward);
-        ``precision``: the job's (a backend that cannot compute quantized omits the
-        parameter and a job with a quantizing precision is refused). Raises ValueError
-        when a replay strategy does not apply to the model."""
+        ``precision``: the job's (a backend that cannot compute quantized raises a
+        UserError naming it). The host passes every keyword. Raises ValueError when a
+        replay strategy does not apply to the model."""
         ...
 
     def train_step(
@@ -620,11 +621,11 @@ class AdapterTraining(Protocol):
         """The adapter tensors (a collective under FSDP2: every rank iterates)."""
         ...
 
-    def save_adapters(self, path: str) -> None:
+    def save_adapters(self, path: str, *, base_model: str | None = None) -> None:
         """Write the adapters into the folder ``path`` in PEFT's format (``adapter_config.json``
-        + ``adapter_model.safetensors``, which ``peft`` and vLLM load); rank 0 writes. A
-        backend may take ``base_model=`` (the folder of the frozen base the adapters apply
-        to, for ``base_model_name_or_path``)."""
+        + ``adapter_model.safetensors``, which ``peft`` and vLLM load); rank 0 writes.
+        ``base_model``: the folder of the frozen base the adapters apply to (their
+        ``base_model_name_or_path``), None where there is none to name."""
         ...
 
 

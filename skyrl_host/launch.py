@@ -14,7 +14,6 @@ built, checked and started alike.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Iterator, Mapping
 
 from skyrl_host import hookimpl
@@ -33,19 +32,6 @@ from skyrl_host.interfaces import (
 )
 
 
-def precision_kwargs(start: Any, precision: Any, what: str) -> dict[str, Any]:
-    """``{"precision": precision}`` for a ``start`` method that declares the parameter
-    (the Backend and Engine Protocols do); nothing for one that omits it, unless the
-    precision quantizes (then a user error: the job asks for something the plugin
-    cannot do)."""
-    if "precision" in inspect.signature(start).parameters:
-        return {"precision": precision}
-    if precision is not None and precision.quantizes:
-        raise UserError(f"[precision] name = {precision.name!r}: the {what} plugin takes no precision (it cannot "
-                        "compute or serve quantized weights)")
-    return {}
-
-
 def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any, precision: Any) -> Any:
     """A backend made from ``request.backend``, checked for the capabilities this job
     needs, and started on ``loaded`` with the job's replay strategies and precision."""
@@ -56,11 +42,9 @@ def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any
     if has(algorithm, RewardKL) and algorithm.kl_in_reward:
         require(backend, ReferenceScoring, who=who, needed_by="a KL penalty in the reward (algorithm.kl_in_reward)")
     replay = [choice.create() for choice in request.replay]
-    extra: dict[str, Any] = {"replay": replay} if replay else {}
-    extra.update(precision_kwargs(backend.start, precision, "backend"))
     try:
         backend.start(loaded, seed=request.seed, total_steps=request.total_steps,
-                      reference=bool(algorithm.needs_reference), **extra)
+                      reference=bool(algorithm.needs_reference), replay=replay, precision=precision)
     except ValueError as exc:
         if not replay:
             raise
@@ -73,10 +57,7 @@ def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any,
     the side channels the job's replay strategies need (with ``sampler``, the job's)."""
     engine = request.engine.create()
     sampler = sampler if sampler is not None or request.sampler is None else request.sampler.create()
-    kwargs = precision_kwargs(engine.start, precision, "engine")
-    if "sampler" in inspect.signature(engine.start).parameters:
-        kwargs["sampler"] = sampler
-    engine.start(loaded, **kwargs)
+    engine.start(loaded, precision=precision, sampler=sampler)
     strategies = [choice.create() for choice in request.replay]
     if strategies:
         names = ", ".join(repr(s.name) for s in strategies)
@@ -124,10 +105,7 @@ def save_trained_model(backend: Any, family: Any, loaded: Any, path: str, model:
         with _weights_held(loaded.model, {}, dtype):
             family.save(loaded, base)
     adapter = os.path.join(path, "adapter")
-    if "base_model" in inspect.signature(backend.save_adapters).parameters:
-        backend.save_adapters(adapter, base_model=base)
-    else:
-        backend.save_adapters(adapter)
+    backend.save_adapters(adapter, base_model=base)
 
 
 @contextlib.contextmanager

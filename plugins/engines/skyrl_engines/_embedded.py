@@ -143,11 +143,12 @@ class EmbeddedEngine:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def start(self, loaded: LoadedModel, precision: Any = None) -> None:
+    def start(self, loaded: LoadedModel, *, precision: Any = None, sampler: Any = None) -> None:
         """Build the engine's model from ``loaded``. ``precision`` (a
         :class:`skyrl_host.interfaces.Precision`): serve its quantized weights, which
         arrive as payload + scales (``update_weights`` dequantizes them), and compute the
-        activations as the trainer does."""
+        activations as the trainer does. ``sampler``: unused (each ``generate`` call gets
+        its sampler)."""
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
         source = loaded.model

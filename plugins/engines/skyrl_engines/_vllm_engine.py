@@ -146,9 +146,14 @@ class VllmEngine:
 
     # -- lifecycle -----------------------------------------------------------
 
-    def start(self, loaded: LoadedModel, sampler: Sampler | None = None) -> None:
+    def start(self, loaded: LoadedModel, *, precision: Any = None, sampler: Sampler | None = None) -> None:
         """Serve ``loaded``; ``sampler``: the job's (with ``return_support`` the servers start
-        with vLLM's sampling masks on)."""
+        with vLLM's sampling masks on). ``precision``: the servers compute in ``[engine]
+        dtype``; a quantizing precision is refused (vLLM's own quantization is not this
+        project's fake-quantized weights)."""
+        if precision is not None and precision.quantizes:
+            raise UserError(f"[precision] name = {precision.name!r}: the vllm engine serves no quantized weights of "
+                            "this project's precisions; use the embedded engine, or a precision that does not quantize")
         cfg = self.config
         self._support = sampler is not None and wants_support(sampler)
         self._moe_layers = [int(r.layer) for r in loaded.routers]

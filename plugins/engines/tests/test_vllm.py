@@ -122,6 +122,10 @@ def test_bad_config_and_urls(loaded):
         VllmConfig(api_key_env="KEY")
     with pytest.raises(ValueError, match="--api-key is set by the engine"):
         VllmConfig(server_args=("--api-key", "x"))
+    from skyrl_precisions.fp8 import Fp8Config, create
+
+    with pytest.raises(UserError, match="\\[precision\\] name = 'fp8': the vllm engine serves no quantized weights"):
+        Vllm(VllmConfig()).start(loaded, precision=create("fp8")(Fp8Config()))  # refused before any server starts
 
 
 def test_the_servers_answer_only_their_job_and_build_only_registered_receivers(engine, tmp_path):

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import pluggy
 
+from skyrl_host.kinds import KINDS, Kind
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import click
 
@@ -49,150 +51,26 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # ---------------------------------------------------------------------------
 
 
-@hookspec
-def skyrl_register_models(register: Register) -> None:
-    """Register model families (``[model] family = NAME``).
+def _registration_hook(kind: Kind) -> Any:
+    """The registration hook of ``kind``, made from its row of the kind table."""
 
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.ModelFamily`.
-    """
+    def spec(register: Register) -> None:
+        pass
 
-
-@hookspec
-def skyrl_register_algorithms(register: Register) -> None:
-    """Register RL algorithms (``[algorithm] name = NAME``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.Algorithm`.
-    """
+    spec.__name__ = spec.__qualname__ = kind.hook
+    selects = f"[{kind.table}] {kind.selector} = " + ("[NAME, ...]" if kind.many else "NAME")
+    spec.__doc__ = (
+        f"Register {kind.noun} plugins (``{selects}``): {kind.description}.\n\n"
+        f"    {kind.details + ' ' if kind.details else ''}The factory is called as ``{kind.factory_call}`` and "
+        f"returns a :class:`skyrl_host.interfaces.{kind.protocol.__name__}`.\n"
+    )
+    return hookspec(spec)
 
 
-@hookspec
-def skyrl_register_replay_strategies(register: Register) -> None:
-    """Register replay strategies (``[replay] strategies = [NAME, ...]``).
-
-    Each strategy's keys live in the sub-table ``[replay.NAME]``. The factory is
-    called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.ReplayStrategy`.
-    """
-
-
-@hookspec
-def skyrl_register_precisions(register: Register) -> None:
-    """Register numeric precisions (``[precision] name = NAME``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.Precision`.
-    """
-
-
-@hookspec
-def skyrl_register_weight_transports(register: Register) -> None:
-    """Register weight-sync transports (``[weight_sync] transport = NAME``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.WeightTransport`.
-    """
-
-
-@hookspec
-def skyrl_register_samplers(register: Register) -> None:
-    """Register token samplers (``[sampler] name = NAME``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.Sampler`.
-    """
-
-
-@hookspec
-def skyrl_register_datasets(register: Register) -> None:
-    """Register datasets and verifiable tasks (``[dataset] name = NAME``).
-
-    The factory is called as ``factory(config, seed=SEED)`` and returns a
-    :class:`skyrl_host.interfaces.Dataset`.
-    """
-
-
-@hookspec
-def skyrl_register_data_strategies(register: Register) -> None:
-    """Register data sampling strategies (``[data] strategy = NAME``): the order in
-    which an SFT job reads the documents of its pretokenized datasets.
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.DataStrategy`; the driver binds it to the
-    datasets' document lengths and the job's seed, then draws one document at a
-    time and checkpoints its ``state_dict``.
-    """
-
-
-@hookspec
-def skyrl_register_corpus_readers(register: Register) -> None:
-    """Register corpus readers (``[corpus] reader = NAME``): what opens an SFT job's
-    pretokenized corpora (``[job] data_paths``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.CorpusReader`, whose ``open(path, ...)`` gives a
-    :class:`skyrl_host.interfaces.Corpus`.
-    """
-
-
-@hookspec
-def skyrl_register_environments(register: Register) -> None:
-    """Register multi-turn and tool-using environments (``[environment] name = NAME``).
-
-    The factory is called as ``factory(config, dataset=DATASET, seed=SEED)`` (the job's
-    :class:`skyrl_host.interfaces.Dataset`, whose ``reward`` an environment may use to
-    score final answers, and the job's seed) and returns a
-    :class:`skyrl_host.interfaces.Environment`, which makes one
-    :class:`skyrl_host.interfaces.Episode` per trajectory. An ``rl`` job without an
-    ``[environment]`` table is single-turn: one response per prompt, scored by the
-    dataset.
-    """
-
-
-@hookspec
-def skyrl_register_engines(register: Register) -> None:
-    """Register inference engines (``[engine] name = NAME``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.Engine`.
-    """
-
-
-@hookspec
-def skyrl_register_backends(register: Register) -> None:
-    """Register training backends (``[backend] name = NAME``).
-
-    The factory is called as ``factory(config)`` and returns a
-    :class:`skyrl_host.interfaces.Backend`.
-    """
-
-
-@hookspec
-def skyrl_register_launchers(register: Register) -> None:
-    """Register launchers (``[cluster] launcher = NAME``): what places a job's backend
-    ranks and engine replicas (one process, Ray actors, ...).
-
-    The factory is called as ``factory(config, cluster)`` (``cluster``: the host's
-    :class:`skyrl_host.sections.ClusterSection`, with ``trainer_ranks`` and
-    ``engine_replicas``) and returns a :class:`skyrl_host.interfaces.Launcher`. Its
-    own keys sit in ``[cluster]`` beside the host's.
-    """
-
-
-@hookspec
-def skyrl_register_jobs(register: Register) -> None:
-    """Register job kinds (``[job] kind = NAME``): the drivers ``skyrl run`` runs.
-
-    Besides the common arguments, ``register`` takes ``slots``: a mapping from
-    the plugin tables the job uses (``"dataset"``, ``"model"``, ...) to ``None``
-    when the table is required, or to the name of the plugin to use when the
-    table is absent. A job file may only contain the tables its kind uses. The
-    ``config`` class validates the keys of ``[job]`` other than the ones the host
-    owns (kind, seed, steps, output_dir). The factory is called as
-    ``factory(run)`` with a :class:`skyrl_host.runner.Run` and returns a
-    :class:`skyrl_host.interfaces.JobDriver`.
-    """
+# One registration hook per row of the kind table (skyrl_register_models, ...).
+for _kind in KINDS.values():
+    globals()[_kind.hook] = _registration_hook(_kind)
+del _kind
 
 
 @hookspec

@@ -3,9 +3,9 @@ specifications, ``skyrl plugins`` and the docs all read.
 
 Each kind has one registration hook, one table of the job file with the key that
 selects the plugin, and one Protocol (in :mod:`skyrl_host.interfaces`) that every
-factory's product satisfies. Adding a kind is one row here plus its hook in
-:mod:`skyrl_host.hookspecs` (a test checks that the two agree, and that the docs list
-both).
+factory's product satisfies. Adding a kind is one row here: its registration hook is
+generated from the row (:mod:`skyrl_host.hookspecs`), and a test checks that the docs
+list it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class Kind:
     many: bool = False  # the selector takes a list of names, each with its own sub-table
     host_table: bool = False  # the host owns the table for every job kind ([job], [cluster])
     traits: type | None = None  # what a plugin of the kind declares for the others (register(..., traits=))
+    factory_call: str = "factory(config)"  # how the host calls a registered factory
+    details: str = ""  # more for the registration hook's docstring (generated: skyrl_host.hookspecs)
 
 
 KINDS: Mapping[str, Kind] = {
@@ -45,25 +47,41 @@ KINDS: Mapping[str, Kind] = {
         Kind("algorithms", "skyrl_register_algorithms", "algorithm", "algorithm", "name", i.Algorithm,
              "rewards to advantages, group filtering and the policy loss"),
         Kind("replay_strategies", "skyrl_register_replay_strategies", "replay strategy", "replay", "strategies",
-             i.ReplayStrategy, "makes the trainer score exactly what the engine sampled", many=True),
+             i.ReplayStrategy, "makes the trainer score exactly what the engine sampled", many=True,
+             details="Each strategy's keys live in the sub-table ``[replay.NAME]``."),
         Kind("precisions", "skyrl_register_precisions", "precision", "precision", "name", i.Precision,
              "how the backend computes and what the engine serves"),
         Kind("weight_transports", "skyrl_register_weight_transports", "weight transport", "weight_sync", "transport",
              i.WeightTransport, "moves new weights from the backend to the engines"),
         Kind("datasets", "skyrl_register_datasets", "dataset", "dataset", "name", i.Dataset,
-             "prompts and their reward"),
+             "prompts and their reward", factory_call="factory(config, seed=SEED)"),
         Kind("data_strategies", "skyrl_register_data_strategies", "data strategy", "data", "strategy",
-             i.DataStrategy, "the order in which an SFT job reads documents"),
+             i.DataStrategy, "the order in which an SFT job reads documents",
+             details="The driver binds the strategy to the datasets' document lengths and the job's seed, then "
+             "draws one document at a time and checkpoints its ``state_dict``."),
         Kind("corpus_readers", "skyrl_register_corpus_readers", "corpus reader", "corpus", "reader",
-             i.CorpusReader, "opens pretokenized corpora for SFT"),
+             i.CorpusReader, "opens pretokenized corpora for SFT",
+             details="Its ``open(path, ...)`` gives a :class:`skyrl_host.interfaces.Corpus` (``[job] data_paths``)."),
         Kind("environments", "skyrl_register_environments", "environment", "environment", "name", i.Environment,
-             "multi-turn and tool-using environments: one episode per trajectory"),
+             "multi-turn and tool-using environments: one episode per trajectory",
+             factory_call="factory(config, dataset=DATASET, seed=SEED)",
+             details="``dataset``: the job's Dataset, whose ``reward`` an environment may use to score final answers. "
+             "An ``rl`` job without an ``[environment]`` table is single-turn: one response per prompt, scored by "
+             "the dataset."),
         Kind("backends", "skyrl_register_backends", "backend", "backend", "name", i.Backend,
              "owns parameters and optimizer; trains on rollouts", traits=i.BackendTraits),
         Kind("launchers", "skyrl_register_launchers", "launcher", "cluster", "launcher", i.Launcher,
-             "places backend ranks and engine replicas (one process, Ray actors, ...)", host_table=True),
+             "places backend ranks and engine replicas (one process, Ray actors, ...)", host_table=True,
+             factory_call="factory(config, cluster)",
+             details="``cluster``: the host's :class:`skyrl_host.sections.ClusterSection` (``trainer_ranks``, "
+             "``engine_replicas``); the launcher's own keys sit in ``[cluster]`` beside the host's."),
         Kind("jobs", "skyrl_register_jobs", "job kind", "job", "kind", i.JobDriver,
-             "the loop of one kind of job (rl, sft, ...)", host_table=True),
+             "the loop of one kind of job (rl, sft, ...)", host_table=True, factory_call="factory(run)",
+             details="Besides the common arguments, ``register`` takes ``slots``: the plugin tables the job uses "
+             "(``\"dataset\"``, ``\"model\"``, ...), each mapped to None when required or to the plugin used when "
+             "the table is absent; a job file may only contain the tables its kind uses. ``config`` validates the "
+             "keys of ``[job]`` other than the host's (kind, seed, steps, output_dir). ``run``: a "
+             ":class:`skyrl_host.runner.Run`."),
     )
 }
 

@@ -876,7 +876,8 @@ class SplitTransport(Protocol):
 class PlacementRequest:
     """What a driver asks a launcher to place: the plugin choices (each a
     :class:`skyrl_host.config.PluginChoice`, created where the launcher builds the
-    object) and the facts every copy needs to build the same model."""
+    object: once per process, never by the driver as well) and the facts every copy
+    needs to build the same model."""
 
     model: Any  # [model]
     backend: Any  # [backend]
@@ -894,6 +895,9 @@ class PlacementRequest:
     # a weight sync may reach an engine while it generates (the ray launcher's engine actors
     # then serve a sync beside the generate call in progress).
     in_flight_updates: bool = False
+    # Called with the policy's tokenizer as soon as the placement has it, before it starts
+    # any process (e.g. the rl driver's check of the chat template); a UserError stops the job.
+    check_tokenizer: Callable[[Any], None] | None = None
 
 
 @runtime_checkable
@@ -934,6 +938,7 @@ class Placement(Protocol):
     loaded: LoadedModel  # the driver's copy: tokenizer and stop ids (``model`` may be None)
     backend: BackendHandle
     engine: EngineHandle | None  # None without [engine]
+    sampler: Any  # the job's Sampler in the driver's process (None without [sampler]); made once, here
     vocab_size: int  # rows of the trained model's input embedding
 
     def publish(self, version: int) -> Mapping[str, float]:

@@ -14,7 +14,7 @@ built, checked and started alike.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from skyrl_host import hookimpl
 from skyrl_host.contracts import describe, has, require
@@ -32,16 +32,18 @@ from skyrl_host.interfaces import (
 )
 
 
-def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any, precision: Any) -> Any:
+def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any, precision: Any,
+                  replay: Sequence[Any]) -> Any:
     """A backend made from ``request.backend``, checked for the capabilities this job
-    needs, and started on ``loaded`` with the job's replay strategies and precision."""
+    needs, and started on ``loaded`` with the job's replay strategies (``replay``: made
+    from ``request.replay`` by the caller, once per process) and precision."""
     backend = request.backend.create()
     who = describe(request.backend)
     if request.engine is not None and precision is not None and precision.quantizes:
         require(backend, QuantizedServing, who=who, needed_by=f"precision {precision.name!r}")
     if has(algorithm, RewardKL) and algorithm.kl_in_reward:
         require(backend, ReferenceScoring, who=who, needed_by="a KL penalty in the reward (algorithm.kl_in_reward)")
-    replay = [choice.create() for choice in request.replay]
+    replay = list(replay)
     try:
         backend.start(loaded, seed=request.seed, total_steps=request.total_steps,
                       reference=bool(algorithm.needs_reference), replay=replay, precision=precision)
@@ -52,13 +54,14 @@ def start_backend(request: PlacementRequest, loaded: LoadedModel, algorithm: Any
     return backend
 
 
-def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any, sampler: Any = None) -> Any:
+def start_engine(request: PlacementRequest, loaded: LoadedModel, precision: Any, sampler: Any,
+                 replay: Sequence[Any]) -> Any:
     """An engine made from ``request.engine`` and started on ``loaded``, checked to fill
-    the side channels the job's replay strategies need (with ``sampler``, the job's)."""
+    the side channels the job's replay strategies need (with ``sampler``, the job's;
+    ``sampler`` and ``replay`` made by the caller, once per process)."""
     engine = request.engine.create()
-    sampler = sampler if sampler is not None or request.sampler is None else request.sampler.create()
     engine.start(loaded, precision=precision, sampler=sampler)
-    strategies = [choice.create() for choice in request.replay]
+    strategies = list(replay)
     if strategies:
         names = ", ".join(repr(s.name) for s in strategies)
         who = describe(request.engine)
@@ -159,8 +162,8 @@ class LocalPlacement:
     one-process ``publish``."""
 
     def __init__(self, family: Any, loaded: LoadedModel, backend: Any, engine: Any, transport: Any,
-                 model: ModelTraits | None = None):
-        self.family, self.loaded = family, loaded
+                 model: ModelTraits | None = None, sampler: Any = None):
+        self.family, self.loaded, self.sampler = family, loaded, sampler
         self.model = model if model is not None else ModelTraits()
         self.backend, self.engine, self.transport = backend, engine, transport
         self._staged: int | None = None  # the version stage() sent, until commit() applies it
@@ -209,10 +212,16 @@ class LocalLauncher:
         precision = request.precision.create() if request.precision is not None else None
         family = request.model.create()
         loaded = family.load(alphabet=request.alphabet, seed=request.seed)
+        if request.check_tokenizer is not None:
+            request.check_tokenizer(loaded.tokenizer)
+        # Each made once, here, and shared: the sampler (the driver's and the engine's), the
+        # replay strategies (the backend's and the engine's).
+        sampler = request.sampler.create() if request.sampler is not None else None
+        replay = [choice.create() for choice in request.replay]
         transport = request.weight_sync.create() if request.weight_sync is not None else None
-        backend = start_backend(request, loaded, request.algorithm, precision)
-        engine = start_engine(request, loaded, precision) if request.engine is not None else None
-        return LocalPlacement(family, loaded, backend, engine, transport, request.model.traits)
+        backend = start_backend(request, loaded, request.algorithm, precision, replay)
+        engine = start_engine(request, loaded, precision, sampler, replay) if request.engine is not None else None
+        return LocalPlacement(family, loaded, backend, engine, transport, request.model.traits, sampler)
 
 
 def check_local(spec: Any) -> list[tuple[str, str]]:

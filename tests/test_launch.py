@@ -96,3 +96,43 @@ def test_the_local_launcher_places_one_rank_and_one_replica(skyrl_cli, skyrl_tin
     result = skyrl_cli("validate", str(job.path))
     assert result.exit_code == 2
     assert result.stderr.endswith("cluster.cpus_per_actor: unknown key: launcher 'local' takes no options\n")
+
+
+def test_each_plugin_object_is_made_once_in_one_process(skyrl_cli, skyrl_plugin, skyrl_tiny_rl_job, tmp_path) -> None:
+    """The placement makes the model family, the sampler and the replay strategies, once
+    each, and hands the driver what it needs (no second family for the tokenizer, no
+    second sampler or strategies for the engine)."""
+    from skyrl_models.qwen import QwenConfig, make_family
+    from skyrl_replay.support import SupportConfig, create as make_support
+    from skyrl_samplers.top_k import TopKConfig, build_sampler, sampler_traits
+
+    made = {"family": 0, "sampler": 0, "replay": 0}
+
+    def counted(what, factory):
+        def make(config=None):
+            made[what] += 1
+            return factory(config)
+        return make
+
+    class Counting:
+        @hookimpl
+        def skyrl_register_models(self, register):
+            register("counted_qwen", counted("family", make_family), config=QwenConfig, description="qwen, counted")
+
+        @hookimpl
+        def skyrl_register_samplers(self, register):
+            register("counted_top_k", counted("sampler", build_sampler), config=TopKConfig,
+                     description="top-k, counted", traits=sampler_traits)
+
+        @hookimpl
+        def skyrl_register_replay_strategies(self, register):
+            register("counted_support", counted("replay", make_support), config=SupportConfig,
+                     description="support replay, counted")
+
+    skyrl_plugin(Counting(), "counting")
+    job = skyrl_tiny_rl_job(tmp_path, job={"steps": 1}, model={"family": "counted_qwen"},
+                            sampler={"name": "counted_top_k", "top_k": 4, "return_support": True},
+                            replay={"strategies": ["counted_support"]})
+    result = skyrl_cli("run", str(job.path))
+    assert result.exit_code == 0, result.stderr
+    assert made == {"family": 1, "sampler": 1, "replay": 1}

@@ -40,7 +40,6 @@ from skyrl_host.interfaces import (
     RewardKL,
     SideChannels,
     StagedPlacement,
-    TokenizerLoading,
     TurnContinuation,
 )
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
@@ -202,23 +201,25 @@ class RLDriver:
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         self.dataset = run.plugin("dataset").create(seed=self.seed)
-        self.sampler = run.plugin("sampler").create()
         self.algorithm = run.plugin("algorithm").create()
         self.environment = run.plugin("environment").create(dataset=self.dataset, seed=self.seed)
         alphabet = self.dataset.alphabet if has(self.dataset, CharacterAlphabet) else None
-        checked = self._check_chats_first(alphabet)
+        first_chat = next((t.messages for t in self.dataset.batch(1, cfg.batch_size) if t.messages is not None), None)
         request = PlacementRequest(
             model=run.plugin("model"), backend=run.plugin("backend"), precision=run.plugin("precision"),
             alphabet=alphabet, seed=self.seed, total_steps=run.total_steps, algorithm=self.algorithm,
             replay=tuple(run.plugin("replay")), engine=run.plugin("engine"), sampler=run.plugin("sampler"),
             weight_sync=run.plugin("weight_sync"), threads=cfg.threads,
             in_flight_updates=cfg.mode == "async" and cfg.weight_updates in ("in_flight", "abort"),
+            # The chat template, against the first step's first chat, as soon as the tokenizer
+            # exists (before any process starts); later batches' first chat when encoded.
+            check_tokenizer=(lambda tokenizer: check_chat_template(tokenizer, first_chat)) if first_chat else None,
         )
         self.placement = run.launcher().place(request)
         self.loaded = self.placement.loaded
         self.tokenizer = self.loaded.tokenizer
-        self.backend, self.engine = self.placement.backend, self.placement.engine
-        self.prompts = Prompts(self.tokenizer, checked=checked)
+        self.backend, self.engine, self.sampler = self.placement.backend, self.placement.engine, self.placement.sampler
+        self.prompts = Prompts(self.tokenizer, checked=first_chat is not None)
         self.kl_in_reward = has(self.algorithm, RewardKL) and bool(self.algorithm.kl_in_reward)
         self.start_step = 1
         if run.resume_path is not None:
@@ -306,21 +307,6 @@ class RLDriver:
             self.environment, self.engine, self.sampler, self.tokenizer, self.loaded.stop_token_ids, options,
             EnvWorkers(cfg.env_workers),
         )
-
-    def _check_chats_first(self, alphabet: str | None) -> bool:
-        """Check the tokenizer's chat template against the first step's first chat before
-        any model is read or any process started (a family that can load its tokenizer
-        alone: TokenizerLoading); True when checked. Later batches' first chat is checked
-        when they are encoded."""
-        tasks = self.dataset.batch(1, self.cfg.batch_size)
-        chat = next((t.messages for t in tasks if t.messages is not None), None)
-        if chat is None:
-            return False
-        family = self.run_.plugin("model").create()
-        if not has(family, TokenizerLoading):
-            return False
-        check_chat_template(family.load_tokenizer(alphabet=alphabet).tokenizer, chat)
-        return True
 
     def close(self) -> None:
         """Stop what the launcher started (also after a failed start)."""

@@ -105,8 +105,9 @@ class EngineWorker:
         precision = request.precision.create()  # first: it may decide what the model code imports
         self.family = request.model.create()
         self.loaded = self.family.load(alphabet=request.alphabet, seed=request.seed)
-        self.sampler = request.sampler.create()
-        self.engine = start_engine(request, self.loaded, precision, self.sampler)
+        self.sampler = request.sampler.create()  # this process's: made once, shared with the engine
+        replay = [choice.create() for choice in request.replay]
+        self.engine = start_engine(request, self.loaded, precision, self.sampler, replay)
         self.transport = request.weight_sync.create()
         self.receiver: Any = None
         self.group: Any = None
@@ -229,7 +230,8 @@ class BackendWorker:
             dist.init_process_group(_dist_backend(device), init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
         request = self.request
-        self.backend = start_backend(request, self.loaded, request.algorithm, self.precision)
+        self.backend = start_backend(request, self.loaded, request.algorithm, self.precision,
+                                     [choice.create() for choice in request.replay])
         if self.transport is not None and self.transport.rendezvous:
             require(self.backend, ShardedWeights, who=describe(request.backend),
                     needed_by=f"transport {request.weight_sync.name!r}")
@@ -680,9 +682,10 @@ def start_ray(cluster: Any, config: Any) -> _PrivateAuth | bool:
 class RayPlacement:
     """The :class:`skyrl_host.interfaces.Placement` of the Ray launcher."""
 
-    def __init__(self, own_ray: _PrivateAuth | bool, loaded: LoadedModel) -> None:
+    def __init__(self, own_ray: _PrivateAuth | bool, loaded: LoadedModel, sampler: Any = None) -> None:
         self.own_ray = own_ray  # what start_ray returned
         self.loaded = loaded
+        self.sampler = sampler  # the driver's (each engine actor makes its own)
         self.actors = Actors()
         self.backend: Any = None
         self.engine: Any = None
@@ -769,7 +772,10 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
         loaded = family.load_tokenizer(alphabet=request.alphabet)  # the actors hold the models
     else:
         loaded = family.load(alphabet=request.alphabet, seed=request.seed)
-    placement = RayPlacement(start_ray(cluster, config), loaded)
+    if request.check_tokenizer is not None:
+        request.check_tokenizer(loaded.tokenizer)  # before any process starts
+    sampler = request.sampler.create() if request.sampler is not None else None
+    placement = RayPlacement(start_ray(cluster, config), loaded, sampler)
     try:
         ranks = cluster.trainer_ranks
         backends = placement.actors.start(

@@ -100,6 +100,17 @@ class JobSpec:
     plugins: Mapping[str, PluginChoice | tuple[PluginChoice, ...]]
     raw: Mapping[str, Any]
     launcher: PluginChoice | None = None  # [cluster] launcher, with its own keys of [cluster]
+    # Where each key path sits in the file, and which came from --set (for error()).
+    lines: Mapping[str, int] = attrs.field(factory=dict, eq=False, repr=False)
+    overridden: Mapping[str, str] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def error(self, key: str, message: str) -> UserError:
+        """A UserError about ``key`` located as ``skyrl validate``'s are (the file and the
+        line of the key, or the ``--set`` that gave it its value), for problems a driver
+        finds when it runs (a corpus that does not open, ...)."""
+        out = Located(str(self.path), self.lines, self.overridden)
+        out.add(key, message)
+        return UserError(out.problems)
 
     @property
     def name(self) -> str:
@@ -574,6 +585,8 @@ def load_job(
             plugins=plugins,
             raw=data,
             launcher=launcher,
+            lines=dict(out.lines),
+            overridden=dict(overridden),
         )
         _run_checks(spec, out)
     if out.problems:

@@ -45,9 +45,9 @@ class StepDriver(Protocol):
 
     def step(self, step: int) -> Mapping[str, float]: ...
 
-    def _save_checkpoint(self, step: int) -> None: ...
+    def save_checkpoint(self, step: int) -> None: ...
 
-    def _save_final(self) -> None: ...
+    def save_final(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -69,9 +69,9 @@ def run_steps(driver: StepDriver) -> None:
                 raise FloatingPointError(f"step {step}: {bad[0]} is NaN")
             run.report(step, metrics)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < run.total_steps:
-                driver._save_checkpoint(step)
-        driver._save_checkpoint(run.total_steps)
+                driver.save_checkpoint(step)
+        driver.save_checkpoint(run.total_steps)
         if cfg.save_final:
-            driver._save_final()
+            driver.save_final()
     finally:
         driver.close()

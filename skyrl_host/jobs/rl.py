@@ -352,7 +352,7 @@ class RLDriver:
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def _save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int) -> None:
         from skyrl_host.statefile import save_state
 
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
@@ -373,7 +373,7 @@ class RLDriver:
                 raise UserError(f"--resume: {folder}'s rollouts hold a {type(saved).__name__}, not what this job wrote")
             self._saved_rollouts = saved
 
-    def _save_final(self) -> None:
+    def save_final(self) -> None:
         self.placement.save_final(str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------

@@ -33,9 +33,8 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.checkpoints import CheckpointWriter, load_backend_state, read_state, save_backend_state
-from skyrl_host.config import locate_keys
 from skyrl_host.contracts import has
-from skyrl_host.errors import Problem, UserError
+from skyrl_host.errors import UserError
 from skyrl_host.interfaces import CorpusPieces, PlacementRequest
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
 from skyrl_host.options import OptionError, ge, gt, option
@@ -355,12 +354,7 @@ class SFTDriver:
     # -- errors located in the job file ---------------------------------------------
 
     def _problem(self, key: str, message: str) -> UserError:
-        path = self.run_.spec.path
-        try:
-            line = locate_keys(pathlib.Path(path).read_text(encoding="utf-8")).get(key)
-        except OSError:
-            line = None
-        return UserError(Problem(message, file=str(path), key=key, line=line))
+        return self.run_.spec.error(key, message)
 
     # -- set-up ----------------------------------------------------------------
 
@@ -467,7 +461,7 @@ class SFTDriver:
     def _driver_state(self, step: int) -> dict[str, Any]:
         return {"step": step, **self.data.state_dict(), "data_paths": list(self.cfg.data_paths)}
 
-    def _save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int) -> None:
         with CheckpointWriter(self.run_.output_dir, step, keep=self.cfg.keep_checkpoints) as folder:
             save_backend_state(folder, self.backend)
             save_rng(folder / "rng.safetensors")
@@ -487,7 +481,7 @@ class SFTDriver:
         self.data.load_state_dict(driver)
         restore_rng(rng, folder)
 
-    def _save_final(self) -> None:
+    def save_final(self) -> None:
         self.placement.save_final(str(self.run_.output_dir / "final"))
 
     # -- the loop ------------------------------------------------------------------

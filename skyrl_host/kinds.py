@@ -14,7 +14,7 @@ from typing import Mapping
 
 import attrs
 
-from skyrl_host import interfaces as i
+import skyrl_host.interfaces as i
 
 
 @attrs.frozen

@@ -53,7 +53,7 @@ from skyrl_backends._mcore_pipeline import global_layer_names, pipeline_stage
 from skyrl_backends._mcore_precision import MegatronPrecision, quantized_names
 from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._trainer import TorchBackend
-from skyrl_backends.megatron import context_parallel_problem
+from skyrl_backends._options import context_parallel_problem
 from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import ReplayView, ScoringReplay

@@ -64,3 +64,19 @@ class TrainerOptions:
     def __attrs_post_init__(self) -> None:
         if self.min_lr_ratio != 0.0 and self.schedule != "cosine":
             raise OptionError("min_lr_ratio", f"only applies to schedule = \"cosine\" (schedule is {self.schedule!r})")
+
+
+def context_parallel_problem(cfg: Any, mla: bool | None) -> str | None:
+    """Why ``context_parallel > 1`` cannot run with these options (None: it can): it is built
+    with tensor parallelism and data-parallel replicas; not with pipeline or expert
+    parallelism, nor with multi-latent attention (``mla``; None: not known yet), which
+    megatron-core rotates by the row's own slot numbers."""
+    cp = cfg.context_parallel
+    for key in ("pipeline_parallel", "expert_parallel"):
+        if getattr(cfg, key) > 1:
+            return f"context_parallel = {cp} with {key} = {getattr(cfg, key)} is not built (context parallelism runs " \
+                   "with tensor_parallel and data-parallel replicas)"
+    if mla:
+        return f"context_parallel = {cp} is not built for multi-latent attention (DeepSeek-V3, Kimi K2): megatron-core's " \
+               "MLA rotates by each slot's number in the row, which context parallelism splits"
+    return None

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from skyrl_backends._options import TrainerOptions
+from skyrl_backends._options import TrainerOptions, context_parallel_problem
 from skyrl_host import hookimpl
 from skyrl_host.devices import cuda_problem
 from skyrl_host.interfaces import BackendTraits
@@ -38,22 +38,6 @@ class MegatronBackendConfig(TrainerOptions):
     pipeline_parallel: int = option(1, help="pipeline-parallel size (megatron-core's PP)", validator=ge(1))
     expert_parallel: int = option(1, help="expert-parallel size (megatron-core's EP, MoE models)", validator=ge(1))
     context_parallel: int = option(1, help="context-parallel size (megatron-core's CP)", validator=ge(1))
-
-
-def context_parallel_problem(cfg: Any, mla: bool | None) -> str | None:
-    """Why ``context_parallel > 1`` cannot run with these options (None: it can): it is built
-    with tensor parallelism and data-parallel replicas; not with pipeline or expert
-    parallelism, nor with multi-latent attention (``mla``; None: not known yet), which
-    megatron-core rotates by the row's own slot numbers."""
-    cp = cfg.context_parallel
-    for key in ("pipeline_parallel", "expert_parallel"):
-        if getattr(cfg, key) > 1:
-            return f"context_parallel = {cp} with {key} = {getattr(cfg, key)} is not built (context parallelism runs " \
-                   "with tensor_parallel and data-parallel replicas)"
-    if mla:
-        return f"context_parallel = {cp} is not built for multi-latent attention (DeepSeek-V3, Kimi K2): megatron-core's " \
-               "MLA rotates by each slot's number in the row, which context parallelism splits"
-    return None
 
 
 def create(config: MegatronBackendConfig) -> Any:

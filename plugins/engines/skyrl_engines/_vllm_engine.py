@@ -54,7 +54,7 @@ import numpy as np
 
 from skyrl_engines._batch_assembly import assemble_batch, wants_support
 from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_json, vllm_build
-from skyrl_engines.vllm import missing_vllm_message, sampling_request
+from skyrl_engines._vllm_sampling import missing_vllm_message, sampling_request
 from skyrl_engines.vllm_worker import TOKEN_ENV
 from skyrl_host.errors import JobFailed, UserError
 from skyrl_host.contracts import has

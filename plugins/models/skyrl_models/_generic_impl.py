@@ -19,14 +19,17 @@ hand is found here by probing the model once it is built or loaded:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
-from skyrl_models.hf import INITIALIZER_RANGE, MAX_POSITION_EMBEDDINGS, PRESETS, HfConfig
+from skyrl_models._hf_data import INITIALIZER_RANGE, MAX_POSITION_EMBEDDINGS, PRESETS
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from skyrl_models.hf import HfConfig
 
 PROBE_TOKENS = 12  # tokens of the routing probe's forward
 

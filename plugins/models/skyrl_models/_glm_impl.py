@@ -8,20 +8,22 @@ causal LM lives in :mod:`skyrl_models._glm5_next`, imported only for its model t
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
-from skyrl_models.glm import (
+from skyrl_models._glm_data import (
     FULL_PRESETS,
     INITIALIZER_RANGE,
     LORA_TARGETS,
     MAX_POSITION_EMBEDDINGS,
     MODEL_TYPES,
     PRESETS,
-    GlmConfig,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from skyrl_models.glm import GlmConfig
 
 _CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),

@@ -7,14 +7,14 @@ Imported by :func:`skyrl_models.kimi.make_family` only when a job selects
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
-from skyrl_models.kimi import (
+from skyrl_models._kimi_data import (
     FULL_MODEL_TYPES,
     FULL_PRESETS,
     INITIALIZER_RANGE,
@@ -22,8 +22,10 @@ from skyrl_models.kimi import (
     MODEL_TYPES,
     PRESET_MODEL_TYPES,
     PRESETS,
-    KimiConfig,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from skyrl_models.kimi import KimiConfig
 
 _CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),

@@ -10,18 +10,20 @@ generation; that is what runs on a CPU.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
-from skyrl_models.nemotron import (
+from skyrl_models._nemotron_data import (
     FULL_CONFIGS,
     INITIALIZER_RANGE,
     MODEL_TYPES,
     PRESETS,
-    NemotronConfig,
     layer_types,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from skyrl_models.nemotron import NemotronConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj",
                 "fc1_latent_proj", "fc2_latent_proj")

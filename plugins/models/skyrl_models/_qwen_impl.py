@@ -12,11 +12,11 @@ that is what runs on a CPU.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skyrl_host.interfaces import RouterInfo
 from skyrl_models import _hf
-from skyrl_models.qwen import (
+from skyrl_models._qwen_data import (
     FULL_PRESETS,
     HYBRID_PRESETS,
     INITIALIZER_RANGE,
@@ -24,8 +24,10 @@ from skyrl_models.qwen import (
     MAX_POSITION_EMBEDDINGS,
     MODEL_TYPES,
     ROUTER_KIND,
-    QwenConfig,
 )
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from skyrl_models.qwen import QwenConfig
 
 _CLASSES = {  # model_type -> (config class, causal-LM class) names in transformers
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),

@@ -33,7 +33,7 @@ from skyrl_host.errors import UserError
 from skyrl_host.options import gt, option
 from skyrl_weightsync import lazy_exports, weights_to_serve, wire_dtype_problem
 
-INSTALL_HINT = "pip install 'skyrl-weightsync[nixl]' (the nixl-cu12 wheel; it works without a GPU)"
+from skyrl_weightsync._nixl_hint import INSTALL_HINT  # noqa: E402 - also this module's public name
 
 
 # The transport's halves, for programs that drive them themselves (benchmarks, other

@@ -27,7 +27,7 @@ def nixl_api() -> Any:
             from nixl_cu12 import _api  # type: ignore[import-not-found]
         except ImportError:
             from skyrl_host.errors import UserError
-            from skyrl_weightsync.nixl import INSTALL_HINT
+            from skyrl_weightsync._nixl_hint import INSTALL_HINT
 
             raise UserError(f"the nixl transport needs NIXL, which is not installed: {INSTALL_HINT}") from None
     _quiet(logging.getLogger("nixl"))

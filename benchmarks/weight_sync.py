@@ -39,7 +39,7 @@ moto or s3fs is missing). The full path's ``pipe_file`` of 1 GiB is a multipart 
 (s3fs: 50 MiB parts, 10 at a time); moto takes ~17 s to complete it, past s3fs's 15 s
 read timeout, and botocore's retry of the completion finds the upload gone ("The
 specified upload does not exist"): the client options come from
-``skyrl_host.s3server.client_options``, whose read timeout is long enough (``delta``
+``skyrl_toolkit.s3server.client_options``, whose read timeout is long enough (``delta``
 never uploads in parts: each payload object is at most 64 MiB of tensor bytes, one PUT).
 moto moves ~60-80 MB/s, so a full 1 GiB write + read takes ~35 s there: on ``s3`` the
 full path runs in ``--s3-full-rounds`` rounds only (default 2, spread
@@ -142,7 +142,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from skyrl_host.s3server import client_options, local_s3_server
+from skyrl_toolkit.s3server import client_options, local_s3_server
 from skyrl_weightsync import delta
 
 T0 = time.perf_counter()

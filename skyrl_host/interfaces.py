@@ -816,7 +816,7 @@ class WorkerReceiving(Protocol):
         ``{"receiver": "NAME", "kwargs": {...}}``, NAME an entry point of the
         ``skyrl.receivers`` group (never an importable path); a collective one also has
         ``"group": {"address", "world", "backend", "rank"}``: the engine's k-th worker
-        joins that weight group (:func:`skyrl_host.groups.weight_group`) as ``rank + k``,
+        joins that weight group (:func:`skyrl_toolkit.groups.weight_group`) as ``rank + k``,
         and this call blocks until every member joined, so the sender joins meanwhile."""
         ...
 

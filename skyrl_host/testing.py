@@ -13,8 +13,6 @@ Fixtures:
 ``skyrl_cli``
     ``skyrl_cli(*args)`` runs the ``skyrl`` command line in-process against
     ``skyrl_host`` and returns a :class:`CliResult` (exit code, stdout, stderr).
-``skyrl_s3_server``
-    The endpoint URL of a local S3 API (moto's server on 127.0.0.1), per test module.
 ``skyrl_ray``
     A local Ray cluster (2 CPUs, no dashboard) for the test module, its files in a short
     folder of its own.
@@ -105,18 +103,6 @@ def skyrl_cli(skyrl_host: PluginHost, capsys: pytest.CaptureFixture[str]) -> Cal
         return CliResult(code, out, err)
 
     return invoke
-
-
-@pytest.fixture(scope="module")
-def skyrl_s3_server() -> Iterator[str]:
-    """The endpoint URL of a local S3 API (moto's server on 127.0.0.1, started for the
-    test module, stopped after it): see :mod:`skyrl_host.s3server`."""
-    from skyrl_host.s3server import local_s3_server, moto_server_path
-
-    if moto_server_path() is None:
-        pytest.fail("skyrl_s3_server needs moto's server: pip install 'moto[server]' (in the test requirements)")
-    with local_s3_server() as (url, _pid):
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,8 @@ ROOT = KIT.parents[1]
 # its wheel is 79 MB), not skyrl-environments (SkyRL-Gym, gymnasium: no check needs them).
 DISTRIBUTIONS = {
     "skyrl-host": ROOT,
+    "skyrl-toolkit": ROOT / "plugins" / "toolkit",
+    "skyrl-launchers": ROOT / "plugins" / "launchers",  # the local launcher (the ray one needs Ray: not run there)
     "skyrl-models": ROOT / "plugins" / "models",
     "skyrl-algorithms": ROOT / "plugins" / "algorithms",
     "skyrl-replay": ROOT / "plugins" / "replay",
@@ -64,6 +66,7 @@ DISTRIBUTIONS = {
     "skyrl-backends": ROOT / "plugins" / "backends",
     "skyrl-server": ROOT / "plugins" / "server",
 }
+LIBRARIES = {"skyrl-toolkit"}  # distributions with no skyrl plugins of their own
 # Where requirement markers are evaluated: the lent machine's interpreter.
 LENT_MARKERS = {
     "python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
@@ -328,7 +331,7 @@ def preflight() -> dict:
         out["plugin_errors"] = failed
         dists = {r.distribution for r in records if getattr(r, "distribution", None)}
         out["distributions_found"] = sorted(dists)
-        absent = sorted(set(DISTRIBUTIONS) - {canonical(d) for d in dists})
+        absent = sorted(set(DISTRIBUTIONS) - LIBRARIES - {canonical(d) for d in dists})
         if absent:
             problems.append(f"no plugins found of {', '.join(absent)} (metadata not on PYTHONPATH?)")
     except Exception as exc:  # noqa: BLE001

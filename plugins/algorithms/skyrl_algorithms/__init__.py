@@ -3,7 +3,7 @@
 Each feature is one module here with its own ``skyrl`` entry point; they share
 one implementation (``_algorithm.PolicyGradient``) and differ in their config
 defaults. Shared math lives in ``_advantages`` (numpy) and ``_losses`` (torch),
-which share the one KL estimator, ``skyrl_host.kl`` (numpy or torch, one code path),
+which share the one KL estimator, ``skyrl_toolkit.kl`` (numpy or torch, one code path),
 imported only when an algorithm computes something.
 
 ``kl_reward_penalty`` (for ``kl_in_reward``) is importable from here; it loads

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from skyrl_host.kl import kl_estimate
+from skyrl_toolkit.kl import kl_estimate
 
 
 def _groups(group_ids: Any) -> tuple[np.ndarray, np.ndarray]:

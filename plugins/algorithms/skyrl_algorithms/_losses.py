@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from skyrl_host.kl import kl_estimate
+from skyrl_toolkit.kl import kl_estimate
 
 LOG_RATIO_LIMIT = 20.0  # log-ratios are clamped to [-20, 20] before exp (inf-safe)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import skyrl_host.kl as _kl
+import skyrl_toolkit.kl as _kl
 from skyrl_algorithms import _advantages, _losses
 
 LOGP = [-1.0, -2.0, -0.3, -4.25, 0.0]

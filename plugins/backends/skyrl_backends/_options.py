@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
-from skyrl_host.devices import check_device
+from skyrl_toolkit.devices import check_device
 from skyrl_host.options import OptionError, ge, gt, in_interval, option
 
 

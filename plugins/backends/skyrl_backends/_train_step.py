@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from skyrl_backends._packing import MicroBatch
 from skyrl_host.interfaces import LossInputs
-from skyrl_host.kl import kl_estimate
+from skyrl_toolkit.kl import kl_estimate
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

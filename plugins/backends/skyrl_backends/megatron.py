@@ -26,7 +26,7 @@ import attrs
 
 from skyrl_backends._options import TrainerOptions, context_parallel_problem
 from skyrl_host import hookimpl
-from skyrl_host.devices import cuda_problem
+from skyrl_toolkit.devices import cuda_problem
 from skyrl_host.interfaces import BackendTraits
 from skyrl_host.options import ge, option
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from skyrl_host.interfaces import ModelTraits
-from skyrl_host.launch import save_trained_model
+from skyrl_toolkit.launch import save_trained_model
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 2], [9, 8, 7, 6, 5, 4, 3, 2]])

@@ -693,10 +693,10 @@ def _fetch_whole(fs: Any, path: str, local: pathlib.Path, size: int) -> None:
 
 
 def _raise_remote_error(url: str, exc: BaseException, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Raise the user's mistake behind ``exc`` (see :mod:`skyrl_host.remote_errors`: no or
+    """Raise the user's mistake behind ``exc`` (see :mod:`skyrl_toolkit.remote_errors`: no or
     wrong credentials, a missing bucket, an unreachable endpoint, an option the filesystem
     does not take) as one line naming ``url`` and the fix; return if it is none of those."""
-    from skyrl_host.remote_errors import endpoint_of, remote_message
+    from skyrl_toolkit.remote_errors import endpoint_of, remote_message
 
     if isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc):  # s3fs: on first use
         message = f"the filesystem of {url} refuses these storage_options: {' '.join(str(exc).split())}"

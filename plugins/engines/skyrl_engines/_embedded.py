@@ -58,7 +58,7 @@ from skyrl_engines._served_model import copy_weights, engine_model, resolve_devi
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel, Sampler
 from skyrl_host.rollout import RolloutBatch
-from skyrl_host.routing import INDEXER_CHANNEL, indexer_paths
+from skyrl_toolkit.routing import INDEXER_CHANNEL, indexer_paths
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Compact the batch once at least this fraction of its rows are finished.
@@ -204,7 +204,7 @@ class EmbeddedEngine:
                     "engine.return_routed_experts is set, but the model has no MoE routers "
                     f"(model family {loaded.family or '?'!r} lists none): routing capture needs a mixture-of-experts model"
                 )
-            from skyrl_host.routing import RouterHooks, expert_dtype
+            from skyrl_toolkit.routing import RouterHooks, expert_dtype
 
             self._hooks = RouterHooks(self.model, self.routers)
             self.route_dtype = expert_dtype(self._hooks.n_experts)

@@ -2,7 +2,7 @@
 DeepSeek-V3.2), for ``r3`` to replay in the trainer (side channel ``indexer_topk``).
 
 Active with ``engine.return_routed_experts`` on a model whose attention runs a key
-indexer (:func:`skyrl_host.routing.indexer_paths`). Rows hold, per token and indexer
+indexer (:func:`skyrl_toolkit.routing.indexer_paths`). Rows hold, per token and indexer
 layer, the ``index_topk`` keys the token's query attended to, as positions in its own
 sequence (int32, -1 where the query saw fewer keys), largest first: prompt tokens'
 rows from the prefill, one row per fed response token from its decode step; the last
@@ -19,7 +19,7 @@ from typing import ContextManager
 import numpy as np
 import torch
 
-from skyrl_host.routing import IndexerHooks, columns_to_positions
+from skyrl_toolkit.routing import IndexerHooks, columns_to_positions
 
 
 class IndexerCapture:

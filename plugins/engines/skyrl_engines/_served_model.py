@@ -21,7 +21,7 @@ def resolve_device(requested: str, model_device: torch.device) -> torch.device:
     CUDA device) or ``"cuda:N"``. A CUDA device without CUDA raises UserError."""
     from skyrl_host.errors import UserError
 
-    from skyrl_host.devices import cuda_problem
+    from skyrl_toolkit.devices import cuda_problem
 
     if requested == "auto":
         if model_device.type == "cuda" or not torch.cuda.is_available():

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import attrs
 
 from skyrl_host import hookimpl
-from skyrl_host.devices import check_device, cuda_problem
+from skyrl_toolkit.devices import check_device, cuda_problem
 from skyrl_host.interfaces import EngineTraits
 from skyrl_host.options import ge, gt, option
 

@@ -253,7 +253,7 @@ def test_a_fault_inside_a_shared_batch_fails_only_the_request_that_causes_it() -
 
 
 def test_recorded_routes_are_the_models_own_and_kept_sets_hold_the_token(skyrl_host) -> None:
-    from skyrl_host.routing import RouterHooks
+    from skyrl_toolkit.routing import RouterHooks
 
     reg = skyrl_host.registry.get("models", "qwen")
     loaded = reg.create(reg.config(preset="tiny-moe")).load(alphabet="0123456789+=:", seed=0)

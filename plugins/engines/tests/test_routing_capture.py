@@ -12,7 +12,7 @@ import torch
 from skyrl_engines.embedded import Embedded, EmbeddedConfig
 from skyrl_host.interfaces import LoadedModel
 from skyrl_host.rollout import RolloutBatch
-from skyrl_host.routing import RouterHooks
+from skyrl_toolkit.routing import RouterHooks
 from skyrl_samplers.processing import TruncatedSampler
 
 ALPHABET = "0123456789+=:"
@@ -83,7 +83,7 @@ def test_capture_leaves_generation_unchanged(skyrl_host) -> None:
 
 
 def test_expert_dtype_is_the_smallest_that_holds_the_ids() -> None:
-    from skyrl_host.routing import expert_dtype
+    from skyrl_toolkit.routing import expert_dtype
 
     assert expert_dtype(8) == np.uint8 and expert_dtype(256) == np.uint8
     assert expert_dtype(257) == np.uint16 and expert_dtype(384) == np.uint16

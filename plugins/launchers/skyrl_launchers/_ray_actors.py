@@ -1,12 +1,12 @@
 """The Ray launcher's actors and the driver's handles on them (imports ray and torch).
 
-- an **engine actor** starts the engine (:func:`skyrl_host.launch.start_engine`) and
+- an **engine actor** starts the engine (:func:`skyrl_toolkit.launch.start_engine`) and
   the weight transport's receiver and answers ``generate`` with the RolloutBatch's
   numpy arrays (``RolloutBatch.to_arrays``), which travel through Ray's object store
   and reach the driver as zero-copy, read-only views; the driver splits a step's
   prompts between the replicas and joins their batches;
 - a **backend actor** (one per rank) starts the backend
-  (:func:`skyrl_host.launch.start_backend`, with the job's replay strategies and
+  (:func:`skyrl_toolkit.launch.start_backend`, with the job's replay strategies and
   precision) and trains on its share of each batch's sequences; rank 0 holds the
   transport's sender (every rank, for rendezvous transports) and publishes each version.
 
@@ -52,8 +52,8 @@ from skyrl_host.interfaces import (
     SplitTransport,
     TokenizerLoading,
 )
-from skyrl_host.groups import comm_device, destroy_group, group_backend, weight_group
-from skyrl_host.launch import save_trained_model, start_backend, start_engine, trains_adapters, vocab_size
+from skyrl_toolkit.groups import comm_device, destroy_group, group_backend, weight_group
+from skyrl_toolkit.launch import save_trained_model, start_backend, start_engine, trains_adapters, vocab_size
 
 
 def ray_get(refs: Any) -> Any:

@@ -11,7 +11,7 @@ hand is found here by probing the model once it is built or loaded:
   decoder layers; a router is a module whose output is ``(logits [N, E], weights [N, k],
   ids [N, k])`` where ``ids`` are the top-k of ``logits`` and ``weights`` are their
   softmax probabilities (renormalised over the k, or not): exactly what
-  :func:`skyrl_host.routing.weights_at` recomputes for ``softmax_topk``, so ``r3`` can
+  :func:`skyrl_toolkit.routing.weights_at` recomputes for ``softmax_topk``, so ``r3`` can
   force the ids and keep the router's gradient. A module with that output shape whose
   numbers differ (PhiMoE's sparsemixer, say) is a router ``r3`` cannot replay:
   :func:`probe_routers` says which and why, and the job is refused with it.
@@ -104,7 +104,7 @@ def probe_routers(model: torch.nn.Module) -> tuple[list[RouterInfo], dict[str, s
         for h in handles:
             h.remove()
         model.train(was_training)
-    from skyrl_host.routing import weights_at
+    from skyrl_toolkit.routing import weights_at
 
     found: list[RouterInfo] = []
     refused: dict[str, str] = {}

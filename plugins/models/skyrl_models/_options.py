@@ -106,7 +106,7 @@ def folder_facts(path: str) -> tuple[str | None, bool | None, bool | None]:
     it cannot be read (the family's own validator reports a bad folder)."""
     import json
 
-    from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
+    from skyrl_toolkit.routing import KEY_INDEXER_MODEL_TYPES
 
     try:
         data = json.loads((pathlib.Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))

@@ -24,7 +24,7 @@ import attrs
 
 from skyrl_host import hookimpl
 from skyrl_host.options import option
-from skyrl_host.routing import KEY_INDEXER_MODEL_TYPES
+from skyrl_toolkit.routing import KEY_INDEXER_MODEL_TYPES
 from skyrl_models._options import PresetOrPath, claims_model_types, model_traits
 
 from skyrl_models._kimi_data import (  # noqa: F401 - also this module's public names

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host.kinds import SLOT_KINDS
-from skyrl_host.routing import INDEXER_CHANNEL
+from skyrl_toolkit.routing import INDEXER_CHANNEL
 
 
 def check_trait(spec: Any, table: str, trait: str, strategy: str, what: str) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ from skyrl_host.contracts import has
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import LoadedModel, ReplayView, VocabShard
 from skyrl_host.rollout import CSR
-from skyrl_host.routing import INDEXER_CHANNEL, IndexerHooks, RouterHooks, indexer_paths
+from skyrl_toolkit.routing import INDEXER_CHANNEL, IndexerHooks, RouterHooks, indexer_paths
 
 
 def _missing(strategy: str, channel: str, how: str) -> ValueError:

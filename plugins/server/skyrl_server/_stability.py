@@ -8,7 +8,7 @@ prompt tokens and their routes, its sampled tokens and theirs) is kept under its
 ``sequence_id`` in a :class:`RouteStore` bounded by bytes (least recently used first
 out). In forward_backward, a datum whose ``model_input_spans`` tile its input tokens
 with runs of recorded prompts and sampled tokens is scored with those experts forced
-(``skyrl_host.routing.RouterHooks``): the trainer's logprobs then equal the sampler's,
+(``skyrl_toolkit.routing.RouterHooks``): the trainer's logprobs then equal the sampler's,
 as ``skyrl run``'s ``r3`` makes them. A run naming a sequence the store no longer
 holds (evicted, or never recorded) is scored with free routing, and the metric
 ``replay_missed_tokens:sum`` counts it; ``replay_tokens:sum`` counts the forced ones.
@@ -230,7 +230,7 @@ class StabilityMixin:
         if routers:
             held = self.route_hooks.get(tm.model_id)
             if held is None or held[0] is not tm.backend.module:
-                from skyrl_host.routing import RouterHooks
+                from skyrl_toolkit.routing import RouterHooks
 
                 held = self.route_hooks[tm.model_id] = (tm.backend.module, RouterHooks(tm.backend.module, routers))
             hooks = held[1]

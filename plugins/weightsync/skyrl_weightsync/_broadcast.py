@@ -90,13 +90,13 @@ class BroadcastReceiver:
     broadcast into buffers of its own, ``apply`` hands the complete set to the engine;
     ``sync`` does both. ``group``: a process group, or ``(address, rank, world,
     backend)`` of one to join now (a receiver built inside an engine's worker from a
-    recipe: :func:`skyrl_host.groups.weight_group`)."""
+    recipe: :func:`skyrl_toolkit.groups.weight_group`)."""
 
     def __init__(self, *, group: Any = None, src: int = 0, bucket_bytes: int = 64 << 20, device: Any = "cpu",
                  timeout_s: float = 300.0):
         self.joined = isinstance(group, (tuple, list))
         if self.joined:
-            from skyrl_host.groups import comm_device, weight_group
+            from skyrl_toolkit.groups import comm_device, weight_group
 
             address, rank, world, backend = group
             group = weight_group(address, int(rank), int(world), timeout_s, backend)
@@ -165,7 +165,7 @@ class BroadcastReceiver:
     def close(self) -> None:
         """Leave a group this receiver joined itself."""
         if self.joined and self.group is not None:
-            from skyrl_host.groups import destroy_group
+            from skyrl_toolkit.groups import destroy_group
 
             destroy_group(self.group)
         self.group = None

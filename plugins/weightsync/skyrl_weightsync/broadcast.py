@@ -4,7 +4,7 @@ are on CUDA, gloo otherwise: decided once for the whole group).
 
 The halves (:mod:`skyrl_weightsync._broadcast`): ``BroadcastSender.publish(version,
 named_tensors)`` on the trainer's rank, ``BroadcastReceiver.sync(engine)`` in each engine
-process, over a weight group (:mod:`skyrl_host.groups`). The engine gets the complete
+process, over a weight group (:mod:`skyrl_toolkit.groups`). The engine gets the complete
 set only once every bucket arrived.
 
 Where the receivers run:
@@ -118,7 +118,7 @@ class Broadcast:
                 "process (use transport = \"inproc\" or \"delta\", or [cluster] launcher = \"ray\")"
             )
         if self._local is None:
-            from skyrl_host.groups import comm_device, free_address, group_backend, weight_group
+            from skyrl_toolkit.groups import comm_device, free_address, group_backend, weight_group
 
             trainer_device = str(getattr(backend, "device", "cpu"))
             kind = group_backend([trainer_device, str(engine.device)])
@@ -141,7 +141,7 @@ class Broadcast:
     def close(self) -> None:
         """Leave the group of a one-process job."""
         if self._local is not None:
-            from skyrl_host.groups import destroy_group
+            from skyrl_toolkit.groups import destroy_group
 
             destroy_group(self._local[0])
             self._local = None

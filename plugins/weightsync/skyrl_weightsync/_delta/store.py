@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import fsspec
 
 from skyrl_host.errors import Problem, UserError
-from skyrl_host.remote_errors import endpoint_of, remote_error
+from skyrl_toolkit.remote_errors import endpoint_of, remote_error
 
 # Format 3 packs small payloads into shared objects (``payload_offset``); format 2 added
 # tensors in parts; formats 1 and 2 (every payload an object of its own) read the same way.

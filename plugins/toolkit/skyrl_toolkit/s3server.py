@@ -1,6 +1,6 @@
 """A local S3 API for tests and benchmarks: moto's server (``pip install "moto[server]"``)
 on a free port of 127.0.0.1, so fsspec/s3fs code runs against a real S3 protocol with
-no network. The pytest fixture ``skyrl_s3_server`` (skyrl_host.testing) wraps it.
+no network. The pytest fixture ``skyrl_s3_server`` (skyrl_toolkit.testing) wraps it.
 
 moto keeps objects in Python and is slow at big ones: completing a multipart upload copies
 the whole object several times (~17 s for 1 GiB here, ~8 s for 0.5 GiB, ~5.6 GiB of server

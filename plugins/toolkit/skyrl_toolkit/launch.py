@@ -1,14 +1,13 @@
-"""Placing a job's backend and engines: what every launcher shares, and the ``local``
-launcher (``[cluster] launcher = "local"``, the default: everything in the driver's
-process).
+"""Placing a job's backend and engines: what every launcher shares (the ``local``
+launcher of skyrl-launchers, and its ``ray`` launcher).
 
 A driver builds a :class:`~skyrl_host.interfaces.PlacementRequest` and calls
 ``launcher.place(request)``; it gets a :class:`~skyrl_host.interfaces.Placement` whose
 ``backend`` and ``engine`` satisfy the kinds' Protocols wherever they run, so drivers
-never branch on where things run. Launchers that place processes elsewhere (the Ray
-launcher of skyrl-launchers) build each backend rank and engine replica with
-:func:`start_backend` and :func:`start_engine` from this module, so every copy is
-built, checked and started alike.
+never branch on where things run. Every launcher builds each backend rank and engine
+replica with :func:`start_backend` and :func:`start_engine` from this module, so every
+copy is built, checked and started alike, and saves the final model with
+:func:`save_trained_model`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Mapping, Sequence
 
-from skyrl_host import hookimpl
 from skyrl_host.contracts import describe, has, require
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import (
@@ -28,7 +26,6 @@ from skyrl_host.interfaces import (
     ReferenceScoring,
     RewardKL,
     SideChannels,
-    StagedTransport,
 )
 
 
@@ -155,84 +152,3 @@ def trains_adapters(backend: Any) -> bool:
 def vocab_size(model: Any) -> int:
     """Rows of ``model``'s input embedding."""
     return int(model.get_input_embeddings().num_embeddings)
-
-
-class LocalPlacement:
-    """Backend and engine in the driver's process; weights move by the transport's
-    one-process ``publish``."""
-
-    def __init__(self, family: Any, loaded: LoadedModel, backend: Any, engine: Any, transport: Any,
-                 model: ModelTraits | None = None, sampler: Any = None):
-        self.family, self.loaded, self.sampler = family, loaded, sampler
-        self.model = model if model is not None else ModelTraits()
-        self.backend, self.engine, self.transport = backend, engine, transport
-        self._staged: int | None = None  # the version stage() sent, until commit() applies it
-
-    @property
-    def vocab_size(self) -> int:
-        return vocab_size(self.loaded.model)
-
-    def publish(self, version: int) -> Mapping[str, float]:
-        if self.transport is None or self.engine is None:
-            return {}
-        return self.transport.publish(self.backend, self.engine, version)
-
-    def stage(self, version: int) -> Mapping[str, float]:
-        """StagedPlacement: a transport that stages (delta) sends and fetches now; others wait for commit."""
-        if self.transport is None or self.engine is None or not has(self.transport, StagedTransport):
-            return {}
-        self._staged = version
-        return self.transport.stage(self.backend, self.engine, version)
-
-    def commit_on_engine_side(self) -> bool:
-        """EngineSideCommit: a staging transport's commit only applies what stage() fetched."""
-        return self.transport is not None and self.engine is not None and has(self.transport, StagedTransport)
-
-    def commit(self, version: int) -> Mapping[str, float]:
-        if self._staged == version:
-            self._staged = None
-            return self.transport.commit(self.engine, version)
-        return self.publish(version)
-
-    def save_final(self, path: str) -> None:
-        save_trained_model(self.backend, self.family, self.loaded, path, self.model)
-
-    def close(self) -> None:
-        pass
-
-
-class LocalLauncher:
-    """``[cluster] launcher = "local"``: one process."""
-
-    def __init__(self, config: Any = None, cluster: Any = None):
-        self.config, self.cluster = config, cluster
-
-    def place(self, request: PlacementRequest) -> LocalPlacement:
-        # The precision first: it may decide what the model code imports (bf16: no torchao).
-        precision = request.precision.create() if request.precision is not None else None
-        family = request.model.create()
-        loaded = family.load(alphabet=request.alphabet, seed=request.seed)
-        if request.check_tokenizer is not None:
-            request.check_tokenizer(loaded.tokenizer)
-        # Each made once, here, and shared: the sampler (the driver's and the engine's), the
-        # replay strategies (the backend's and the engine's).
-        sampler = request.sampler.create() if request.sampler is not None else None
-        replay = [choice.create() for choice in request.replay]
-        transport = request.weight_sync.create() if request.weight_sync is not None else None
-        backend = start_backend(request, loaded, request.algorithm, precision, replay)
-        engine = start_engine(request, loaded, precision, sampler, replay) if request.engine is not None else None
-        return LocalPlacement(family, loaded, backend, engine, transport, request.model.traits, sampler)
-
-
-def check_local(spec: Any) -> list[tuple[str, str]]:
-    """One process places one backend rank and one engine."""
-    return [
-        (f"cluster.{key}", f'more than one needs launcher = "ray" (launcher is {spec.cluster.launcher!r})')
-        for key in ("trainer_ranks", "engine_replicas")
-        if getattr(spec.cluster, key) > 1
-    ]
-
-
-@hookimpl
-def skyrl_register_launchers(register: Any) -> None:
-    register("local", LocalLauncher, description="Everything in the driver's process (the default)", check=check_local)

@@ -66,15 +66,24 @@ _BRIDGE_DIST = "skyrl_vllm_bridge-0.dist-info"
 
 
 def plugin_path(root: str) -> str:
-    """Make ``<root>/pythonpath``: links to skyrl_host and every package that registers
-    ``skyrl`` plugins (so a transport named by a recipe imports in vLLM's interpreter),
+    """Make ``<root>/pythonpath``: links to skyrl_host, every package that registers
+    ``skyrl`` plugins and the skyrl-* libraries they require (skyrl-toolkit), so a
+    transport named by a recipe imports in vLLM's interpreter,
     plus the distribution metadata that makes :func:`skyrl_engines.vllm_worker.register`
     a ``vllm.general_plugins`` entry point. Returns the folder."""
     out = os.path.join(root, "pythonpath")
     os.makedirs(out, exist_ok=True)
     packages = {"skyrl_host", "skyrl_engines"}
+    libraries = set()  # the skyrl-* libraries those packages' distributions require (skyrl-toolkit)
     for ep in importlib.metadata.entry_points(group="skyrl"):
         packages.add(ep.value.split(":")[0].split(".")[0].strip())
+        for requirement in (ep.dist.requires or []) if ep.dist is not None else []:
+            name = requirement.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
+            if name.startswith("skyrl-"):
+                libraries.add(name)
+    for package, dists in importlib.metadata.packages_distributions().items():
+        if any(d.lower() in libraries for d in dists):
+            packages.add(package)
     for name in sorted(packages):
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:

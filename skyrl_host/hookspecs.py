@@ -38,7 +38,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # Each registration hook receives ``register``, a callable bound to the calling
 # plugin so the host records which plugin and distribution every name came from:
 #
-#     register(name, factory, *, config=None, description, override=False)
+#     register(name, factory, *, config=None, description, override=False, check=None,
+#              claims=None, traits=None)
 #
 # ``factory`` is called by the host when a job selects ``name``; ``config`` is an
 # attrs class that validates the plugin's table of the job file (None: the table

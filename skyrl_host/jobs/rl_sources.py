@@ -146,7 +146,23 @@ class RolloutParts:
         return {k: float(v) for k, v in self.dataset.reward_metrics().items()} if has(self.dataset, RewardMetrics) else {}
 
 
-class SingleTurnSource:
+class _Synchronous:
+    """What the synchronous sources share: nothing for the checkpoint, nothing after a step."""
+
+    def after_step(self, step_time: float) -> Mapping[str, float]:
+        return {}
+
+    def state_dict(self, step: int) -> None:
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SingleTurnSource(_Synchronous):
     """One response per prompt, ``n_samples`` per prompt, in one generation; the dataset
     scores them; the algorithm shapes the rewards and keeps groups (dynamic sampling
     refills the step with further prompts of the same step until it is full)."""
@@ -230,20 +246,8 @@ class SingleTurnSource:
         batch = RolloutBatch.concat(kept)
         return Rollout(batch, np.concatenate(kept_rewards).astype(np.float32), metrics, gen_time, gen_tokens)
 
-    def after_step(self, step_time: float) -> Mapping[str, float]:
-        return {}
 
-    def state_dict(self, step: int) -> None:
-        return None
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class MultiTurnSource:
+class MultiTurnSource(_Synchronous):
     """The step's trajectories (``n_samples`` per record: the GRPO groups) through a
     multi-turn environment; no reward shaping and no refills (dynamic sampling still drops
     uniform groups)."""
@@ -284,11 +288,6 @@ class MultiTurnSource:
         metrics.update(out.metrics)
         metrics.update(p.dataset_metrics())
         return Rollout(batch, rewards, metrics, out.gen_time, out.gen_tokens)
-
-    after_step = SingleTurnSource.after_step
-    state_dict = SingleTurnSource.state_dict
-    load_state_dict = SingleTurnSource.load_state_dict
-    close = SingleTurnSource.close
 
 
 def staleness_metrics(step: int, batch: Any) -> dict[str, float]:

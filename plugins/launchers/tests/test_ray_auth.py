@@ -18,13 +18,13 @@ import pytest
 JOIN = "import ray, sys; ray.init(address=sys.argv[1]); print('JOINED', ray.get(ray.put(7)))"
 
 
-def join(address: str, env: dict[str, str]) -> tuple[bool, str]:
+def join(address: str, env: dict[str, str], *, tries: int = 20) -> tuple[bool, str]:
     """Whether a driver in a new process, with ``env`` and a home of its own (no token file
-    in ~/.ray), joins the cluster at ``address``; and its errors. It tries twice, not Ray's
-    twenty times a second apart (``RAY_NUM_REDIS_GET_RETRIES``)."""
+    in ~/.ray), joins the cluster at ``address``; and its errors. ``tries``: Ray's connection
+    attempts, a second apart (``RAY_NUM_REDIS_GET_RETRIES``; a refused driver fails every one)."""
     home = tempfile.mkdtemp(prefix="home")
     try:
-        result = subprocess.run([sys.executable, "-c", JOIN, address], env={**env, "HOME": home, "RAY_NUM_REDIS_GET_RETRIES": "2"},
+        result = subprocess.run([sys.executable, "-c", JOIN, address], env={**env, "HOME": home, "RAY_NUM_REDIS_GET_RETRIES": str(tries)},
                                 capture_output=True, text=True, timeout=120)
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -55,9 +55,10 @@ def test_the_cluster_a_job_starts_refuses_drivers_without_its_token(monkeypatch)
         assert ray.get(worker_token.remote()) == token  # the job's own workers have it
         address = ray.get_runtime_context().gcs_address
         outside = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        joined, error = join(address, outside)
+        joined, error = join(address, outside, tries=2)
         assert not joined and "InvalidAuthToken" in error, error[-2000:]
-        joined, error = join(address, {**outside, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+        joined, error = join(address, {**outside, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)},
+                             tries=2)
         assert not joined and "InvalidAuthToken" in error, error[-2000:]
         joined, error = join(address, dict(os.environ))  # the check itself: the right token joins
         assert joined, error[-2000:]

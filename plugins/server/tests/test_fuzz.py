@@ -86,6 +86,15 @@ async def _check(session, url, route, data, ctype="application/json"):
         return r.status, text
 
 
+async def _finish(s, url, reply) -> tuple[int, object]:
+    """The result of an accepted request (``reply``: its future), polled until it is done."""
+    for _ in range(100):
+        status, result = await _check(s, url, "retrieve_future", json.dumps({"request_id": reply["request_id"]}))
+        if not (isinstance(result, dict) and result.get("type") == "try_again"):
+            return status, result
+    raise AssertionError(f"request {reply['request_id']} did not finish")
+
+
 def _sample_body() -> dict:
     return {"base_model": BASE, "num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
             "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_k": 5, "top_p": 0.9, "seed": 3,
@@ -103,10 +112,7 @@ def valid(url) -> dict:
             lora = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2, "seed": 1}}
             _, fut = await _check(s, url, "create_model", json.dumps(lora))
             mid = fut["model_id"]
-            for _ in range(50):
-                _, done = await _check(s, url, "retrieve_future", json.dumps({"request_id": fut["request_id"]}))
-                if done.get("type") != "try_again":
-                    break
+            await _finish(s, url, fut)
             sample = _sample_body()
             return {
                 "create_session": {"tags": ["a"], "user_metadata": {}, "sdk_version": "0.38.0"},
@@ -126,15 +132,6 @@ def valid(url) -> dict:
             }
 
     return asyncio.run(main())
-
-
-async def _finish(s, url, reply) -> tuple[int, object]:
-    """The result of an accepted request (``reply``: its future), polled until it is done."""
-    for _ in range(100):
-        status, result = await _check(s, url, "retrieve_future", json.dumps({"request_id": reply["request_id"]}))
-        if not (isinstance(result, dict) and result.get("type") == "try_again"):
-            return status, result
-    raise AssertionError(f"request {reply['request_id']} did not finish")
 
 
 def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url, valid) -> None:
@@ -191,17 +188,11 @@ def test_mutated_json_and_protobuf_bodies_never_get_a_5xx(url, valid) -> None:
                 answered += 1
             # Still serving everyone: a fresh sample completes.
             _, reply = await _check(s, url, "asample", json.dumps(sample))
-            for _ in range(50):
-                status, result = await _check(s, url, "retrieve_future", json.dumps({"request_id": reply["request_id"]}))
-                if not (isinstance(result, dict) and result.get("type") == "try_again"):
-                    break
+            status, result = await _finish(s, url, reply)
             assert status == 200 and isinstance(result, bytes)  # a protobuf SampleResponse
             faults = []
             for rid in ACCEPTED:  # what was accepted ran to a result or a user error, never a server fault
-                for _ in range(50):
-                    status, result = await _check(s, url, "retrieve_future", json.dumps({"request_id": rid}))
-                    if not (isinstance(result, dict) and result.get("type") == "try_again"):
-                        break
+                status, result = await _finish(s, url, {"request_id": rid})
                 if isinstance(result, dict) and result.get("category") == "server":
                     faults.append(result["error"])
             assert not faults, faults[:5]

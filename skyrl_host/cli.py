@@ -37,6 +37,12 @@ def _host(ctx: click.Context) -> PluginHost:
 SET_HELP = "Override a job key, e.g. --set job.steps=10 (VALUE is a TOML value). Repeatable."
 
 
+def _notices(spec: Any) -> None:
+    """What the job file says in a form that still works but will not (a moved key), on stderr."""
+    for notice in spec.notices:
+        click.echo(f"notice: {notice}", err=True)
+
+
 def make_cli(host: PluginHost) -> click.Group:
     """Build the CLI for ``host``; plugins add their commands through
     ``skyrl_register_commands``."""
@@ -66,6 +72,7 @@ def make_cli(host: PluginHost) -> click.Group:
         from skyrl_host.runner import run_job
 
         spec = load_job(job_file, _host(ctx), overrides)
+        _notices(spec)
         start = time.monotonic()
         result = run_job(_host(ctx), spec, overwrite=overwrite, resume=resume)
         resumed = f" (resumed after step {result.resume_step})" if result.resuming else ""
@@ -87,6 +94,7 @@ def make_cli(host: PluginHost) -> click.Group:
         from skyrl_host.runner import describe_spec
 
         spec = load_job(job_file, _host(ctx), overrides)
+        _notices(spec)
         if as_json:
             click.echo(json.dumps(describe_spec(spec), indent=2, default=str))
             return
@@ -183,14 +191,14 @@ def _flatten(spec: Any) -> dict[str, str]:
     walk("cluster", desc["cluster"])
     if desc.get("launcher"):
         walk("cluster", desc["launcher"]["config"])
-    from skyrl_host.config import SLOTS
+    from skyrl_host.config import PLUGIN_TABLES
 
     for table, entries in desc["plugins"].items():
-        slot = SLOTS[table]
+        slot = PLUGIN_TABLES[table]
         names = [e["name"] for e in entries]
         out[f"{table}.{slot.selector}"] = repr(names if slot.many else names[0])
         for entry in entries:
-            prefix = f"{table}.{entry['name']}" if SLOTS[table].many else table
+            prefix = f"{table}.{entry['name']}" if PLUGIN_TABLES[table].many else table
             walk(prefix, entry["config"])
     return out
 

@@ -46,7 +46,21 @@ class Slot:
 
 SLOTS: dict[str, Slot] = {t: Slot(t, k.key, k.selector, k.many) for t, k in SLOT_KINDS.items()}
 LAUNCHER = KINDS["launchers"]
-HOST_TABLES = ("job", "cluster")
+OBSERVERS = Slot("observers", "observers", KINDS["observers"].selector, many=True)  # every job kind's
+HOST_TABLES = ("job", "cluster", "observers")
+PLUGIN_TABLES: dict[str, Slot] = {**SLOTS, OBSERVERS.table: OBSERVERS}  # every table that lists plugins by name
+
+# Keys of [job] that moved to [observers] (old name -> observer, its key there; None: the
+# switch that lists the observer). Still read, with a notice; to be refused in a later release.
+MOVED_JOB_KEYS: Mapping[str, tuple[str, str | None]] = {
+    "tensorboard": ("tensorboard", None),
+    "wandb": ("wandb", None),
+    "wandb_project": ("wandb", "project"),
+    "wandb_mode": ("wandb", "mode"),
+    "mlflow": ("mlflow", None),
+    "mlflow_tracking_uri": ("mlflow", "tracking_uri"),
+    "mlflow_experiment": ("mlflow", "experiment"),
+}
 
 
 @attrs.frozen
@@ -103,6 +117,7 @@ class JobSpec:
     # Where each key path sits in the file, and which came from --set (for error()).
     lines: Mapping[str, int] = attrs.field(factory=dict, eq=False, repr=False)
     overridden: Mapping[str, str] = attrs.field(factory=dict, eq=False, repr=False)
+    notices: tuple[str, ...] = attrs.field(default=(), eq=False)  # e.g. a key that moved (the CLI prints them)
 
     def error(self, key: str, message: str) -> UserError:
         """A UserError about ``key`` located as ``skyrl validate``'s are (the file and the
@@ -508,7 +523,7 @@ def load_job(
     overridden: dict[str, str] = {}
     out = Located(file, locate_keys(text), overridden)
     out.problems += apply_overrides(data, overrides, overridden)
-    registry = host.registry
+    notices = _move_job_keys(data, out)
 
     for key, value in data.items():
         if key in HOST_TABLES or key in SLOTS:
@@ -553,8 +568,12 @@ def load_job(
                 config = _plugin_config(reg, cluster_table, "cluster", list(HOST_CLUSTER_KEYS), out)
                 launcher = PluginChoice("cluster", reg, config) if config is not _INVALID else None
 
-    # Plugin tables: the ones the kind uses, with defaults; others are errors.
+    # Plugin tables: [observers] for every kind, the ones the kind uses (with defaults); others are errors.
     plugins: dict[str, PluginChoice | tuple[PluginChoice, ...]] = {}
+    if isinstance(data.get("observers", {}), dict):
+        observers = _choose(host, OBSERVERS, data.get("observers", {}), [], out)
+        if observers:
+            plugins["observers"] = observers
     uses: Mapping[str, str | None] | None = kind.slots if kind is not None else None
     for table, slot in SLOTS.items():
         present = table in data and isinstance(data[table], dict)
@@ -587,6 +606,7 @@ def load_job(
             launcher=launcher,
             lines=dict(out.lines),
             overridden=dict(overridden),
+            notices=tuple(notices),
         )
         _run_checks(spec, out)
     if out.problems:
@@ -594,6 +614,49 @@ def load_job(
         out.problems.sort(key=lambda p: (p.line is None, p.line or 0))
         raise UserError(out.problems)
     return spec
+
+
+def _move_job_keys(data: dict[str, Any], out: Located) -> list[str]:
+    """Move the observers' old keys of ``[job]`` (``tensorboard = true``, ``wandb_project``,
+    ...) to ``[observers]``, in place; a notice for each. A key that also has a value in
+    ``[observers]`` keeps that value (the new place wins)."""
+    job = data.get("job")
+    if not isinstance(job, dict) or not any(k in job for k in MOVED_JOB_KEYS):
+        return []
+    table = data.setdefault("observers", {})
+    if not isinstance(table, dict):
+        return []  # reported as a table of the wrong type
+    notices = []
+    switches = {name for name, key in MOVED_JOB_KEYS.values() if key is None}
+    wanted = {name for name in switches if job.get(name) is True}
+    for old in [k for k in job if k in MOVED_JOB_KEYS]:
+        name, key = MOVED_JOB_KEYS[old]
+        value = job.pop(old)
+        where = f"job.{old}"
+        if key is None:
+            new = f'[observers] use = ["{name}"]'
+            if value is True and name not in table.setdefault("use", []):
+                if isinstance(table["use"], list):
+                    table["use"].append(name)
+        else:
+            new = f"[observers.{name}] {key}"
+            sub = table.setdefault(name, {})
+            if name in wanted and isinstance(sub, dict) and key not in sub:
+                sub[key] = value
+                # Errors about the value point where it was given.
+                if where in out.overridden:
+                    out.overridden[f"observers.{name}.{key}"] = out.overridden[where]
+                elif where in out.lines:
+                    out.lines[f"observers.{name}.{key}"] = out.lines[where]  # type: ignore[index]
+        line = out.lines.get(where)
+        given = f"--set {out.overridden[where]}" if where in out.overridden else f"{out.file}{f':{line}' if line else ''}"
+        notices.append(f"{given}: [job] {old} is deprecated; write {new}")
+    for name in list(table):
+        if table[name] == {} and name != "use":
+            del table[name]  # a sub-table made only for keys of an observer not used
+    if table == {} or table == {"use": []}:
+        del data["observers"]
+    return notices
 
 
 def _run_checks(spec: JobSpec, out: Located) -> None:
@@ -783,10 +846,10 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
         docs += explain_class(spec.launcher.registration.config, "cluster", str(spec.launcher.registration.origin),
                               skip=HOST_CLUSTER_KEYS)
     for table, value in spec.plugins.items():
-        slot = SLOTS[table]
+        slot = PLUGIN_TABLES[table]
         choices = value if isinstance(value, tuple) else (value,)
         noun = KINDS[slot.kind].noun
-        default = spec.kind.slots.get(table)
+        default = spec.kind.slots.get(table, [] if slot is OBSERVERS else None)
         default_text = "(required)" if default is None else repr(list(default) if isinstance(default, tuple) else default)
         key = f"{table}.{slot.selector}"
         if slot.many:

@@ -1071,3 +1071,30 @@ class CorpusReader(Protocol):
         """Open the corpus at ``path`` (a path prefix or an fsspec URL), or raise a
         UserError naming the path and what is wrong with it."""
         ...
+
+
+# ---------------------------------------------------------------------------
+# Observers (``[observers] use = [...]``): where a run's metrics go besides metrics.jsonl.
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """Follows one run: made by ``factory(config)`` when the job lists it in
+    ``[observers] use``, then told of the run's start, each step's metrics and the
+    end. ``finished`` is called for every observer whose ``started`` returned, whatever
+    happened after (a failed job, an interrupt)."""
+
+    def started(self, run: Any) -> None:
+        """The run begins (``run``: a :class:`skyrl_host.runner.Run`; ``run.resuming``
+        and ``run.resume_step`` say whether it continues an earlier one). A missing
+        optional package is a UserError naming the table."""
+        ...
+
+    def step_finished(self, run: Any, step: int, metrics: Mapping[str, float | int]) -> None:
+        """One step's metrics, as the driver reported them (names to numbers)."""
+        ...
+
+    def finished(self, run: Any, status: str, error: BaseException | None) -> None:
+        """The run ended: ``status`` is ``completed``, ``failed`` or ``interrupted``."""
+        ...

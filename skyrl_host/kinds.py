@@ -75,6 +75,12 @@ KINDS: Mapping[str, Kind] = {
              factory_call="factory(config, cluster)",
              details="``cluster``: the host's :class:`skyrl_host.sections.ClusterSection` (``trainer_ranks``, "
              "``engine_replicas``); the launcher's own keys sit in ``[cluster]`` beside the host's."),
+        Kind("observers", "skyrl_register_observers", "observer", "observers", "use", i.Observer,
+             "sends a run's metrics somewhere besides metrics.jsonl (TensorBoard, W&B, MLflow, ...)", many=True,
+             host_table=True,
+             details="Every job kind may list observers; each one's keys live in the sub-table "
+             "``[observers.NAME]``. (Observers that always run, like ``metrics_jsonl``, implement the run hooks "
+             "instead.)"),
         Kind("jobs", "skyrl_register_jobs", "job kind", "job", "kind", i.JobDriver,
              "the loop of one kind of job (rl, sft, ...)", host_table=True, factory_call="factory(run)",
              details="Besides the common arguments, ``register`` takes ``slots``: the plugin tables the job uses "

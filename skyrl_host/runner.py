@@ -35,6 +35,7 @@ class Run:
     resume_path: pathlib.Path | None = None
     last_step: int = 0
     started_at: float = attrs.field(factory=time.monotonic)
+    observers: list[Any] = attrs.field(factory=list)  # [observers] use, made and started (interfaces.Observer)
 
     @property
     def job(self) -> JobSpec:
@@ -62,6 +63,8 @@ class Run:
             clean[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
         self.last_step = step
         self.host.pm.hook.skyrl_step_finished(run=self, step=step, metrics=clean)
+        for observer in self.observers:
+            observer.step_finished(self, step, clean)
 
 
 def describe_spec(spec: JobSpec) -> dict[str, Any]:
@@ -198,6 +201,10 @@ def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume:
     status, error = "failed", None
     try:
         hook.skyrl_job_started(run=run)
+        for choice in spec.plugins.get("observers", ()):  # type: ignore[union-attr]
+            observer = choice.create()
+            observer.started(run)
+            run.observers.append(observer)
         driver = spec.kind.create(run)
         driver.run()
         status = "completed"
@@ -208,5 +215,23 @@ def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume:
         status, error = "failed", exc
         raise
     finally:
-        hook.skyrl_job_finished(run=run, status=status, error=error)
+        try:
+            hook.skyrl_job_finished(run=run, status=status, error=error)
+        finally:
+            _finish_observers(run, status, error)
     return run
+
+
+def _finish_observers(run: Run, status: str, error: BaseException | None) -> None:
+    """``finished`` for every started observer, in reverse order, even when one fails
+    (the first failure is raised after all were told, unless the job failed already:
+    its error is the one to see)."""
+    failure = None
+    while run.observers:
+        observer = run.observers.pop()
+        try:
+            observer.finished(run, status, error)
+        except BaseException as exc:  # noqa: BLE001 - the others still end their runs
+            failure = failure or exc
+    if failure is not None and error is None:
+        raise failure

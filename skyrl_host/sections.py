@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
 
 from skyrl_host.options import ge, gt, gt_le, option
@@ -19,17 +17,6 @@ class JobSection:
     steps: int = option(100, help="number of steps to run", validator=gt_le(0, 1 << 40))
     output_dir: str | None = option(None, help="folder for metrics, plots and checkpoints (default: runs/<name>)")
     name: str | None = option(None, help="run name (default: the job file's stem)")
-    tensorboard: bool = option(False, help="also write TensorBoard event files to <output_dir>/tensorboard")
-    wandb: bool = option(False, help="also log the run to Weights & Biases (needs skyrl-host[wandb])")
-    wandb_project: str = option("skyrl", help="the W&B project of the run (with wandb = true)")
-    wandb_mode: Literal["online", "offline"] = option(
-        "online", help="W&B mode: online, or offline (the run stays in <output_dir>/wandb; `wandb sync` uploads it)"
-    )
-    mlflow: bool = option(False, help="also log the run to MLflow (needs skyrl-host[mlflow])")
-    mlflow_tracking_uri: str | None = option(
-        None, help="the MLflow tracking URI (default: a local file store, file:<output_dir>/mlruns)"
-    )
-    mlflow_experiment: str = option("skyrl", help="the MLflow experiment of the run (with mlflow = true)")
 
 
 @attrs.frozen

@@ -138,6 +138,64 @@ def test_hook_skyrl_register_corpus_readers(skyrl_empty_host, tmp_path) -> None:
     _check_registration(skyrl_empty_host, tmp_path, "corpus_readers")
 
 
+def test_hook_skyrl_register_observers(skyrl_empty_host, tmp_path) -> None:
+    """An observer is listed in [observers] use (a host table, for every job kind), its
+    keys in [observers.NAME]; made once per run with its config; told of the start, each
+    step and the end, in order; ended even when the job fails, without hiding its error."""
+    told = []
+
+    class Tally:
+        def __init__(self, config):
+            self.level = config.level
+
+        def started(self, run):
+            told.append(("started", self.level, run.resume_step))
+
+        def step_finished(self, run, step, metrics):
+            told.append((step, metrics["square"]))
+
+        def finished(self, run, status, error):
+            told.append(("finished", status, type(error).__name__ if error else None))
+            raise OSError("the dashboard is gone")  # never hides the job's own error
+
+    class Broken:
+        def __init__(self):
+            self.run_ = None
+
+        def run(self):
+            raise RuntimeError("the job's own error")
+
+    class Plugin:
+        @hookimpl
+        def skyrl_register_observers(self, register):
+            register("tally", Tally, config=LevelConfig, description="tallies steps")
+
+        @hookimpl
+        def skyrl_register_jobs(self, register):
+            _register_job(register, "uses_it", {})
+            register("broken", lambda run: Broken(), description="fails")
+
+    skyrl_empty_host.add_plugin(Plugin(), "tally_plugin")
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nkind = "uses_it"\nsteps = 2\noutput_dir = "{tmp_path / "a"}"\n'
+                   '[observers]\nuse = ["tally"]\n[observers.tally]\nlevel = 3\n')
+    spec = load_job(job, skyrl_empty_host)
+    assert [c.name for c in spec.plugins["observers"]] == ["tally"]
+    with pytest.raises(OSError, match="the dashboard is gone"):  # a completed job whose observer failed to end
+        run_job(skyrl_empty_host, spec)
+    assert told == [("started", 3, 0), (1, 1), (2, 4), ("finished", "completed", None)]
+
+    told.clear()
+    job.write_text(job.read_text().replace('"uses_it"', '"broken"').replace('/a"', '/b"'))
+    with pytest.raises(RuntimeError, match="the job's own error"):
+        run_job(skyrl_empty_host, load_job(job, skyrl_empty_host))
+    assert told == [("started", 3, 0), ("finished", "failed", "RuntimeError")]
+
+    job.write_text(job.read_text().replace("level = 3", "level = 0"))
+    with pytest.raises(UserError, match=r"job.toml:8: observers.tally.level: "):
+        load_job(job, skyrl_empty_host)
+
+
 def test_hook_skyrl_register_launchers(skyrl_empty_host, tmp_path) -> None:
     """A launcher is selected by [cluster] launcher (a host table: no job kind lists it),
     its own keys beside the host's; its factory gets (config, cluster)."""

@@ -33,11 +33,10 @@ USER_ERROR = 2
 
 VALID_TABLES = (
     "valid tables: 'algorithm', 'backend', 'cluster', 'corpus', 'data', 'dataset', 'engine', 'environment', 'job', 'model', "
-    "'precision', 'replay', 'sampler', 'weight_sync'"
+    "'observers', 'precision', 'replay', 'sampler', 'weight_sync'"
 )
 JOB_KEYS = (
-    "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'mlflow', 'mlflow_experiment', 'mlflow_tracking_uri', "
-    "'name', 'output_dir', 'seed', 'steps', 'tensorboard', 'wandb', 'wandb_mode', 'wandb_project'"
+    "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps'"
 )
 DATASET_KEYS = "valid keys: 'alphabet', 'max_len', 'min_len', 'name', 'partial_credit', 'seed_offset'"
 

@@ -46,7 +46,7 @@ def test_the_registry_and_the_job_file_slots_follow_the_table() -> None:
         t: (k.key, k.selector, k.many) for t, k in SLOT_KINDS.items()
     }
     # The host's own tables are kinds too, but no job kind lists them as slots.
-    assert {k.table for k in KINDS.values() if k.host_table} == {"job", "cluster"}
+    assert {k.table for k in KINDS.values() if k.host_table} == {"job", "cluster", "observers"}
     tables = [k.table for k in KINDS.values()]
     assert len(tables) == len(set(tables)), tables
 

@@ -60,8 +60,13 @@ def test_metrics_jsonl_and_plot(skyrl_cli, job, tmp_path) -> None:
     assert png.startswith(b"\x89PNG") and len(png) > 5000
 
 
-def test_tensorboard_when_asked(skyrl_cli, job, tmp_path) -> None:
-    assert skyrl_cli("run", str(job), "--set", "job.tensorboard=true").exit_code == 0
+@pytest.mark.parametrize("ask", ['observers.use=["tensorboard"]', "job.tensorboard=true"])
+def test_tensorboard_when_asked(ask, skyrl_cli, job, tmp_path) -> None:
+    """Listed in [observers], or with the [job] key it had before (a notice says where it moved)."""
+    result = skyrl_cli("run", str(job), "--set", ask)
+    assert result.exit_code == 0, result.stderr
+    moved = "notice: --set job.tensorboard=true: [job] tensorboard is deprecated; write [observers] use = [\"tensorboard\"]"
+    assert (moved in result.stderr) == ask.startswith("job.")
     events = read_events(tmp_path / "out" / "tensorboard")
     assert (12, "square", 144.0) in events and (3, "half", 1.5) in events
     assert len([e for e in events if e[1] == "square"]) == 12
@@ -82,3 +87,49 @@ def test_a_line_being_written_is_not_read(tmp_path) -> None:
     (tmp_path / "metrics.jsonl").write_text("\n".join(whole) + "\n" + json.dumps({"step": 3, "loss": 0.125})[:12])
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert [r["step"] for r in step_rows(tmp_path)] == [1, 2]
+
+
+class Recorder:
+    """A third party's observer: keeps what it was told, in a file of the output folder."""
+
+    def __init__(self, config):
+        self.config, self.lines = config, []
+
+    def started(self, run):
+        self.lines.append(f"start {self.config.label}")
+
+    def step_finished(self, run, step, metrics):
+        if step % self.config.every == 0:
+            self.lines.append(f"{step} {metrics['square']}")
+
+    def finished(self, run, status, error):
+        self.lines.append(f"end {status}")
+        (run.output_dir / "recorded.txt").write_text("\n".join(self.lines) + "\n")
+
+
+def test_a_registered_observer_with_its_own_table(skyrl_cli, skyrl_plugin, job, tmp_path) -> None:
+    import attrs
+
+    @attrs.frozen
+    class RecorderOptions:
+        label: str = "run"
+        every: int = 1
+
+    class RecorderPlugin:
+        @hookimpl
+        def skyrl_register_observers(self, register):
+            register("recorder", Recorder, config=RecorderOptions, description="records steps")
+
+    skyrl_plugin(RecorderPlugin(), "recorder_plugin")
+    job.write_text(job.read_text() + '[observers]\nuse = ["recorder"]\n[observers.recorder]\nlabel = "mine"\nevery = 4\n')
+    shown = skyrl_cli("validate", str(job), "--explain")
+    assert shown.exit_code == 0 and "observers.recorder.every: " in shown.stdout
+    assert skyrl_cli("run", str(job)).exit_code == 0
+    assert (tmp_path / "out" / "recorded.txt").read_text() == "start mine\n4 16.0\n8 64.0\n12 144.0\nend completed\n"
+    recorded = json.loads((tmp_path / "out" / "job.json").read_text())
+    assert recorded["plugins"]["observers"][0]["config"] == {"label": "mine", "every": 4}
+
+    job.write_text(job.read_text().replace('"recorder"]', '"recorderr"]').replace("every = 4", "every = 4\nevry = 2"))
+    bad = skyrl_cli("validate", str(job))
+    assert bad.exit_code == 2 and "Traceback" not in bad.stderr
+    assert "observers.use: unknown observer 'recorderr'" in bad.stderr and "did you mean 'recorder'?" in bad.stderr

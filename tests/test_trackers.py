@@ -21,7 +21,7 @@ from skyrl_host.testing import step_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
-TRACKED = {"wandb": True, "wandb_mode": "offline", "mlflow": True}
+TRACKED = {"use": ["wandb", "mlflow"], "wandb": {"mode": "offline"}}
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +117,7 @@ def metric_names(rows) -> list[str]:
 
 @pytest.mark.slow
 def test_a_tiny_rl_job_logs_every_step_to_wandb_and_mlflow(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
-    job = skyrl_tiny_rl_job(tmp_path, job=TRACKED)
+    job = skyrl_tiny_rl_job(tmp_path, observers=TRACKED)
     result = skyrl_cli("run", str(job.path))
     assert result.exit_code == 0, result.stderr
     rows = job.rows()
@@ -153,7 +153,7 @@ def test_a_tiny_rl_job_logs_every_step_to_wandb_and_mlflow(skyrl_cli, skyrl_tiny
 @pytest.mark.slow
 def test_resume_continues_the_same_runs_without_logging_a_step_twice(skyrl_tiny_rl_job, tmp_path, monkeypatch) -> None:
     # Checkpoints at steps 2 and 3; without the last, the resumed run redoes step 3.
-    job = skyrl_tiny_rl_job(tmp_path, job={**TRACKED, "checkpoint_every": 2})
+    job = skyrl_tiny_rl_job(tmp_path, job={"checkpoint_every": 2}, observers=TRACKED)
     first = subprocess.run([SKYRL, "run", str(job.path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     wandb_id = (job.out / "wandb_run_id").read_text()
@@ -206,17 +206,23 @@ class FlakyPlugin:
         register("flaky", Flaky, description="three steps, then an error")
 
 
-def write_job(tmp_path, kind: str, **keys) -> pathlib.Path:
+def write_job(tmp_path, kind: str, observers=None, **keys) -> pathlib.Path:
     path = tmp_path / "job.toml"
     lines = [f'kind = "{kind}"', f'output_dir = "{tmp_path / "out"}"'] + [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
-    path.write_text("[job]\n" + "\n".join(lines) + "\n")
+    text = "[job]\n" + "\n".join(lines) + "\n"
+    if observers:
+        text += f"[observers]\nuse = {json.dumps(observers['use'])}\n"
+        for name, sub in observers.items():
+            if name != "use":
+                text += f"[observers.{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in sub.items())
+    path.write_text(text)
     return path
 
 
 def test_a_failed_job_finishes_both_runs_as_failed(skyrl_cli, skyrl_plugin, tmp_path) -> None:
     skyrl_plugin(FlakyPlugin(), "flaky_plugin")
     with pytest.raises(RuntimeError, match="the engine went away"):  # an error of the job, not the user's
-        skyrl_cli("run", str(write_job(tmp_path, "flaky", **TRACKED)))
+        skyrl_cli("run", str(write_job(tmp_path, "flaky", observers=TRACKED)))
     out = tmp_path / "out"
     client, run = mlflow_run(out)
     assert run.info.status == "FAILED" and run.data.tags["skyrl.status"] == "failed"
@@ -237,12 +243,29 @@ def test_no_tracker_unless_the_job_asks(skyrl_cli, skyrl_plugin, tmp_path) -> No
         assert not (out / name).exists(), name
 
 
-def test_an_mlflow_tracking_uri_and_experiment_from_the_job(skyrl_cli, skyrl_plugin, tmp_path) -> None:
+@pytest.mark.parametrize("form", ["observers", "deprecated job keys"])
+def test_an_mlflow_tracking_uri_and_experiment_from_the_job(form, skyrl_cli, skyrl_plugin, tmp_path) -> None:
+    """Given in [observers.mlflow], or in [job] as before (still read, with a notice)."""
     skyrl_plugin(FlakyPlugin(), "flaky_plugin")
     store = tmp_path / "elsewhere"
     uri = store.as_uri()
+    if form == "observers":
+        job = write_job(tmp_path, "flaky", observers={"use": ["mlflow"], "mlflow": {"tracking_uri": uri, "experiment": "ablation"}})
+    else:
+        job = write_job(tmp_path, "flaky", mlflow=True, mlflow_tracking_uri=uri, mlflow_experiment="ablation")
+    checked = skyrl_cli("validate", str(job))
+    assert checked.exit_code == 0, checked.stderr
+    notices = [line for line in checked.stderr.splitlines() if line.startswith("notice:")]
+    if form == "observers":
+        assert notices == []
+    else:
+        assert notices == [
+            f"notice: {job}:4: [job] mlflow is deprecated; write [observers] use = [\"mlflow\"]",
+            f"notice: {job}:5: [job] mlflow_tracking_uri is deprecated; write [observers.mlflow] tracking_uri",
+            f"notice: {job}:6: [job] mlflow_experiment is deprecated; write [observers.mlflow] experiment",
+        ]
     with pytest.raises(RuntimeError):
-        skyrl_cli("run", str(write_job(tmp_path, "flaky", mlflow=True, mlflow_tracking_uri=uri, mlflow_experiment="ablation")))
+        skyrl_cli("run", str(job))
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
@@ -261,10 +284,10 @@ def test_a_missing_package_is_a_user_error_naming_the_extra(tracker, tmp_path) -
     (fake / "__init__.py").write_text(f'raise ModuleNotFoundError("No module named {tracker!r}", name="{tracker}")\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [SKYRL, "run", "examples/reward_check.toml", "--set", f"job.{tracker}=true", "--set", "job.steps=1",
+        [SKYRL, "run", "examples/reward_check.toml", "--set", f'observers.use=["{tracker}"]', "--set", "job.steps=1",
          "--set", f"job.output_dir={tmp_path / 'out'}"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
     )
     assert proc.returncode == 2, proc.stderr
-    assert f'pip install "skyrl-host[{tracker}]"' in proc.stderr and f"job.{tracker}" in proc.stderr
+    assert f'pip install "skyrl-host[{tracker}]"' in proc.stderr and "observers.use" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -1,8 +1,8 @@
-"""Logs the run to MLflow when the job says ``[job] mlflow = true`` (needs
-``pip install 'skyrl-host[mlflow]'``).
+"""Logs the run to MLflow when the job lists the observer (``[observers] use =
+["mlflow"]``; its keys in ``[observers.mlflow]``; needs ``pip install 'skyrl-host[mlflow]'``).
 
-The run goes to ``[job] mlflow_tracking_uri`` (default: a local file store,
-``file:<output_dir>/mlruns``), experiment ``[job] mlflow_experiment``. The resolved job
+The run goes to ``tracking_uri`` (default: a local file store,
+``file:<output_dir>/mlruns``), experiment ``experiment``. The resolved job
 (``job.json``) is logged flattened as params (``job.seed``, ``kind.config.batch_size``,
 ...) and whole as the artifact ``job.json``; every step's metrics at their step; the final
 status as the tag ``skyrl.status`` and the run's status (FINISHED, FAILED, or KILLED when
@@ -21,10 +21,12 @@ import os
 import time
 from typing import Any, Iterator, Mapping
 
+import attrs
+
 from skyrl_host import hookimpl
 from skyrl_host.errors import Problem, UserError
+from skyrl_host.options import option
 
-KEY = "mlflow"
 FOLDER = "mlruns"
 RUN_ID_FILE = "mlflow_run_id"
 MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value's length
@@ -34,9 +36,15 @@ BATCH = 100  # params per log_batch call (MLflow allows at most 100)
 RUN_STATUS = {"completed": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 
 
-def tracking_uri(run: Any) -> str:
-    """The job's MLflow tracking URI: ``[job] mlflow_tracking_uri`` or the local file store."""
-    return run.spec.job.mlflow_tracking_uri or (run.output_dir / FOLDER).resolve().as_uri()
+@attrs.frozen
+class MlflowOptions:
+    tracking_uri: str | None = option(None, help="the MLflow tracking URI (default: a local file store, file:<output_dir>/mlruns)")
+    experiment: str = option("skyrl", help="the MLflow experiment of the run")
+
+
+def tracking_uri(config: MlflowOptions, run: Any) -> str:
+    """The job's MLflow tracking URI: ``tracking_uri`` or the local file store."""
+    return config.tracking_uri or (run.output_dir / FOLDER).resolve().as_uri()
 
 
 def _is_file_store(uri: str) -> bool:
@@ -68,72 +76,71 @@ def _last_logged_step(client: Any, run_id: str) -> int:
     return max((m.step for key in data.metrics for m in client.get_metric_history(run_id, key)), default=0)
 
 
-@hookimpl
-def skyrl_job_started(run: Any) -> None:
-    job = run.spec.job
-    if not job.mlflow:
-        return
-    uri = tracking_uri(run)
-    if _is_file_store(uri):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    try:
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
-    except ImportError:
-        raise UserError(
-            Problem(
-                "mlflow = true needs MLflow: pip install \"skyrl-host[mlflow]\"",
-                file=str(run.spec.path),
-                key="job.mlflow",
+class Mlflow:
+    def __init__(self, config: MlflowOptions) -> None:
+        self.config = config
+        self.client: Any = None
+        self.run_id = ""
+        self.logged_through = 0
+
+    def started(self, run: Any) -> None:
+        uri = tracking_uri(self.config, run)
+        if _is_file_store(uri):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        try:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise UserError(
+                Problem(
+                    "the mlflow observer needs MLflow: pip install \"skyrl-host[mlflow]\"",
+                    file=str(run.spec.path),
+                    key="observers.use",
+                )
+            ) from None
+        client = MlflowClient(tracking_uri=uri)
+        id_file = run.output_dir / RUN_ID_FILE
+        run_id = id_file.read_text(encoding="utf-8").strip() if run.resuming and id_file.exists() else ""
+        if run_id:
+            client.update_run(run_id, status="RUNNING")
+            self.logged_through = _last_logged_step(client, run_id)
+            held = client.get_run(run_id).data.params
+        else:
+            experiment = client.get_experiment_by_name(self.config.experiment)
+            experiment_id = (
+                experiment.experiment_id if experiment is not None else client.create_experiment(self.config.experiment)
             )
-        ) from None
-    client = MlflowClient(tracking_uri=uri)
-    id_file = run.output_dir / RUN_ID_FILE
-    run_id = id_file.read_text(encoding="utf-8").strip() if run.resuming and id_file.exists() else ""
-    logged_through = 0
-    if run_id:
-        client.update_run(run_id, status="RUNNING")
-        logged_through = _last_logged_step(client, run_id)
-        held = client.get_run(run_id).data.params
-    else:
-        experiment = client.get_experiment_by_name(job.mlflow_experiment)
-        experiment_id = (
-            experiment.experiment_id if experiment is not None else client.create_experiment(job.mlflow_experiment)
-        )
-        run_id = client.create_run(experiment_id, run_name=run.spec.name).info.run_id
-        id_file.write_text(run_id + "\n", encoding="utf-8")
-        held = {}
-    record = _job_record(run)
-    # A param cannot change once logged: a resumed run adds the keys it lacks (the
-    # artifact job.json holds the job as it is now).
-    params = [Param(k, v) for k, v in flatten(record) if k not in held]
-    for i in range(0, len(params), BATCH):
-        client.log_batch(run_id, params=params[i : i + BATCH], synchronous=True)
-    client.log_dict(run_id, record, "job.json")
-    run.scratch[KEY] = {"client": client, "run_id": run_id, "logged_through": logged_through}
+            run_id = client.create_run(experiment_id, run_name=run.spec.name).info.run_id
+            id_file.write_text(run_id + "\n", encoding="utf-8")
+            held = {}
+        record = _job_record(run)
+        # A param cannot change once logged: a resumed run adds the keys it lacks (the
+        # artifact job.json holds the job as it is now).
+        params = [Param(k, v) for k, v in flatten(record) if k not in held]
+        for i in range(0, len(params), BATCH):
+            client.log_batch(run_id, params=params[i : i + BATCH], synchronous=True)
+        client.log_dict(run_id, record, "job.json")
+        self.client, self.run_id = client, run_id
+
+    def step_finished(self, run: Any, step: int, metrics: Mapping[str, Any]) -> None:
+        if step <= self.logged_through:
+            return  # a resumed run's steps that the MLflow run already holds
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(name, float(value), now, step) for name, value in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000], synchronous=True)
+
+    def finished(self, run: Any, status: str, error: BaseException | None) -> None:
+        client, run_id = self.client, self.run_id
+        client.set_tag(run_id, "skyrl.status", status)
+        client.set_tag(run_id, "skyrl.last_step", str(run.last_step))
+        if error is not None:
+            client.set_tag(run_id, "skyrl.error", f"{type(error).__name__}: {error}"[:5000])
+        client.set_terminated(run_id, status=RUN_STATUS.get(status, "FAILED"))
 
 
 @hookimpl
-def skyrl_step_finished(run: Any, step: int, metrics: Mapping[str, Any]) -> None:
-    state = run.scratch.get(KEY)
-    if state is None or step <= state["logged_through"]:
-        return  # a resumed run's steps that the MLflow run already holds
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    batch = [Metric(name, float(value), now, step) for name, value in metrics.items()]
-    for i in range(0, len(batch), 1000):
-        state["client"].log_batch(state["run_id"], metrics=batch[i : i + 1000], synchronous=True)
-
-
-@hookimpl
-def skyrl_job_finished(run: Any, status: str, error: BaseException | None) -> None:
-    state = run.scratch.pop(KEY, None)
-    if state is None:
-        return
-    client, run_id = state["client"], state["run_id"]
-    client.set_tag(run_id, "skyrl.status", status)
-    client.set_tag(run_id, "skyrl.last_step", str(run.last_step))
-    if error is not None:
-        client.set_tag(run_id, "skyrl.error", f"{type(error).__name__}: {error}"[:5000])
-    client.set_terminated(run_id, status=RUN_STATUS.get(status, "FAILED"))
+def skyrl_register_observers(register: Any) -> None:
+    register("mlflow", Mlflow, config=MlflowOptions, description="an MLflow run (pip install \"skyrl-host[mlflow]\")")

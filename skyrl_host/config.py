@@ -364,6 +364,26 @@ def make_converter() -> cattrs.Converter:
         return [conv.structure(v, args[0]) for v in value] if args else list(value)
 
     conv.register_structure_hook_func(is_sequence, structure_sequence)
+
+    # A union of several types (``str | list[str]``: one path or many): the first that fits.
+    def is_union(tp: Any) -> bool:
+        return typing.get_origin(tp) in (typing.Union, types.UnionType) and \
+            len([a for a in typing.get_args(tp) if a is not type(None)]) > 1
+
+    def structure_union(value: Any, tp: Any) -> Any:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return conv.structure(value, arg)
+            except Exception:  # noqa: BLE001 - the next member may fit
+                continue
+        raise TypeError("mismatch")
+
+    conv.register_structure_hook_func(is_union, structure_union)
     return conv
 
 

@@ -79,6 +79,34 @@ def test_records_in_skyrl_format_through_the_jsonl_dataset(tmp_path):
     assert answer.done and answer.reward == 1.0  # the single-turn gsm8k env: done after one step
 
 
+def test_rows_of_skyrls_gsm8k_parquet_run_in_their_env_class(tmp_path):
+    """SkyRL's examples/gsm8k/gsm8k_dataset.py rows, written by `datasets` as that script
+    does, through the `files` dataset: each row runs in its env_class, SkyRL-Gym scoring
+    it from reward_spec, and the dataset's own reward (by data_source) agrees."""
+    import datasets
+
+    from skyrl_datasets.files import Files, FilesConfig
+
+    rows = [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"{q} Let's think step by step and output the final answer after \"####\"."}],
+             "env_class": env, "reward_spec": {"method": "rule", "ground_truth": a},
+             "extra_info": {"split": "train", "index": i, "max_turns": 2}}
+            for i, (q, a, env) in enumerate([("What is 6 * 7?", "42", "gsm8k"),
+                                             ("What is 48 + 24?", "72", "gsm8k_multi_turn")])]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    dataset = Files(FilesConfig(path=str(tmp_path / "train.parquet"), shuffle=False))
+    single_task, multi_task = dataset.batch(1, 2)
+    env = SkyRLGym(SkyRLGymConfig(env_id=""), dataset=dataset)
+    single, multi = env.episode(single_task, seed=0), env.episode(multi_task, seed=0)
+    assert single.reset() == rows[0]["prompt"] and multi.reset() == rows[1]["prompt"]
+    answer = single.step("6 * 7 = 42 #### 42")
+    assert answer.done and answer.reward == 1.0
+    assert dataset.reward(single_task, "6 * 7 = 42 #### 42") == 1.0
+    first = multi.step("#### 70")
+    assert not first.done and first.reward == pytest.approx(0.1)  # max_turns = 2 from the row's extra_info
+    assert multi.step("#### 72").reward == 1.0
+
+
 def test_searchcode_python_tool_runs_in_the_sandbox(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("job data")

@@ -82,6 +82,43 @@ def make_cli(host: PluginHost) -> click.Group:
             err=True,
         )
 
+    @cli.command("eval")
+    @click.argument("job_file", type=click.Path(dir_okay=False))
+    @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help=SET_HELP)
+    @click.option("--checkpoint", metavar="PATH", help="Evaluate this checkpoint (checkpoints/step_N, or a run's "
+                  "output folder: its latest).")
+    @click.option("--model", "model_path", metavar="PATH", help="Evaluate this model folder instead of the job's "
+                  "(sets [model] path).")
+    @click.option("--out", metavar="FILE", help="Write the results as JSON here (default: <output_dir>/eval.json).")
+    @click.pass_context
+    def evaluate(ctx: click.Context, job_file: str, overrides: Sequence[str], checkpoint: str | None,
+                 model_path: str | None, out: str | None) -> None:
+        """Evaluate a checkpoint or a model with JOB_FILE's [eval], without training."""
+        import pathlib
+
+        from rich.console import Console
+
+        from skyrl_host.config import load_job
+        from skyrl_host.errors import UserError as Refused
+        from skyrl_host.jobs.evaluation import evaluate_job, render_table
+
+        if checkpoint and model_path:
+            raise Refused("--checkpoint and --model exclude each other")
+        if model_path:
+            overrides = (*overrides, f"model.path={json.dumps(model_path)}")
+        spec = load_job(job_file, _host(ctx), overrides)
+        _notices(spec)
+        result = evaluate_job(_host(ctx), spec, checkpoint=checkpoint)
+        result["evaluated"] = {"checkpoint": checkpoint, "model": model_path, "job": str(spec.path)}
+        target = pathlib.Path(out) if out else spec.output_dir / "eval.json"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as exc:
+            raise Refused(f"--out {target}: cannot write: {exc.strerror or exc}") from None
+        Console().print(render_table(result))
+        click.echo(f"results in {target}", err=True)
+
     @cli.command()
     @click.argument("job_file", type=click.Path(dir_okay=False))
     @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help=SET_HELP)
@@ -191,6 +228,8 @@ def _flatten(spec: Any) -> dict[str, str]:
     walk("cluster", desc["cluster"])
     if desc.get("launcher"):
         walk("cluster", desc["launcher"]["config"])
+    if desc.get("eval"):
+        walk("eval", desc["eval"])
     from skyrl_host.config import PLUGIN_TABLES
 
     for table, entries in desc["plugins"].items():

@@ -24,10 +24,10 @@ import attrs
 import cattrs
 
 from skyrl_host.errors import Problem, UserError, did_you_mean, quoted_list
-from skyrl_host.kinds import KINDS, SLOT_KINDS
+from skyrl_host.kinds import EVAL_TABLE, KINDS, SLOT_KINDS
 from skyrl_host.options import OptionError, ge, gt, in_interval, le, lt, option  # noqa: F401 - the old home of these names
 from skyrl_host.registry import Registration
-from skyrl_host.sections import HOST_CLUSTER_KEYS, HOST_JOB_KEYS, ClusterSection, JobSection
+from skyrl_host.sections import HOST_CLUSTER_KEYS, HOST_EVAL_KEYS, HOST_JOB_KEYS, ClusterSection, EvalSection, JobSection
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from skyrl_host.plugins import PluginHost
@@ -47,8 +47,9 @@ class Slot:
 SLOTS: dict[str, Slot] = {t: Slot(t, k.key, k.selector, k.many) for t, k in SLOT_KINDS.items()}
 LAUNCHER = KINDS["launchers"]
 OBSERVERS = Slot("observers", "observers", KINDS["observers"].selector, many=True)  # every job kind's
-HOST_TABLES = ("job", "cluster", "observers")
-PLUGIN_TABLES: dict[str, Slot] = {**SLOTS, OBSERVERS.table: OBSERVERS}  # every table that lists plugins by name
+EVAL = Slot(EVAL_TABLE, "datasets", "name")  # the evaluation's dataset, beside the host's keys of [eval]
+HOST_TABLES = ("job", "cluster", "observers", EVAL_TABLE)
+PLUGIN_TABLES: dict[str, Slot] = {**SLOTS, OBSERVERS.table: OBSERVERS, EVAL.table: EVAL}  # tables naming plugins
 
 # Keys of [job] that moved to [observers] (old name -> observer, its key there; None: the
 # switch that lists the observer). Still read, with a notice; to be refused in a later release.
@@ -114,6 +115,7 @@ class JobSpec:
     plugins: Mapping[str, PluginChoice | tuple[PluginChoice, ...]]
     raw: Mapping[str, Any]
     launcher: PluginChoice | None = None  # [cluster] launcher, with its own keys of [cluster]
+    eval: EvalSection | None = None  # [eval]'s host keys (its dataset: plugins["eval"]); None: no evaluation
     # Where each key path sits in the file, and which came from --set (for error()).
     lines: Mapping[str, int] = attrs.field(factory=dict, eq=False, repr=False)
     overridden: Mapping[str, str] = attrs.field(factory=dict, eq=False, repr=False)
@@ -588,12 +590,27 @@ def load_job(
                 config = _plugin_config(reg, cluster_table, "cluster", list(HOST_CLUSTER_KEYS), out)
                 launcher = PluginChoice("cluster", reg, config) if config is not _INVALID else None
 
+    # [eval]: the host's keys, then its dataset plugin (name) with that plugin's keys beside them.
+    evaluation = None
+    eval_table = data.get(EVAL_TABLE)
+    eval_choice: PluginChoice | None = None
+    if isinstance(eval_table, dict) and kind is not None:
+        if EVAL_TABLE not in kind.slots:
+            out.add(EVAL_TABLE, f"job kind {kind.name!r} does not evaluate: it takes no [{EVAL_TABLE}] table")
+        else:
+            host_part = {k: v for k, v in eval_table.items() if k in HOST_EVAL_KEYS}
+            evaluation = structure_table(EvalSection, host_part, EVAL_TABLE, out)
+            found = _choose(host, EVAL, {k: v for k, v in eval_table.items() if k not in HOST_EVAL_KEYS}, None, out)
+            eval_choice = found if isinstance(found, PluginChoice) else None
+
     # Plugin tables: [observers] for every kind, the ones the kind uses (with defaults); others are errors.
     plugins: dict[str, PluginChoice | tuple[PluginChoice, ...]] = {}
     if isinstance(data.get("observers", {}), dict):
         observers = _choose(host, OBSERVERS, data.get("observers", {}), [], out)
         if observers:
             plugins["observers"] = observers
+    if eval_choice is not None:
+        plugins[EVAL_TABLE] = eval_choice
     uses: Mapping[str, str | None] | None = kind.slots if kind is not None else None
     for table, slot in SLOTS.items():
         present = table in data and isinstance(data[table], dict)
@@ -624,6 +641,7 @@ def load_job(
             plugins=plugins,
             raw=data,
             launcher=launcher,
+            eval=evaluation if eval_choice is not None else None,
             lines=dict(out.lines),
             overridden=dict(overridden),
             notices=tuple(notices),
@@ -865,12 +883,16 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
     if spec.launcher is not None and spec.launcher.registration.config:
         docs += explain_class(spec.launcher.registration.config, "cluster", str(spec.launcher.registration.origin),
                               skip=HOST_CLUSTER_KEYS)
+    if spec.eval is not None:
+        docs += explain_class(EvalSection, EVAL_TABLE, "host")
     for table, value in spec.plugins.items():
         slot = PLUGIN_TABLES[table]
         choices = value if isinstance(value, tuple) else (value,)
         noun = KINDS[slot.kind].noun
         default = spec.kind.slots.get(table, [] if slot is OBSERVERS else None)
         default_text = "(required)" if default is None else repr(list(default) if isinstance(default, tuple) else default)
+        if slot is EVAL:
+            default_text = "(none: no evaluation)"
         key = f"{table}.{slot.selector}"
         if slot.many:
             names = ", ".join(repr(c.name) for c in choices)

@@ -69,6 +69,36 @@ class RewardMetrics(Protocol):
         ...
 
 
+@runtime_checkable
+class FiniteDataset(Protocol):
+    """A dataset with a fixed list of rows (files of prompts): an evaluation takes them
+    all, once each, in file order."""
+
+    def rows(self) -> Sequence[Task]:
+        """Every row once, in order (a UserError names every bad row)."""
+        ...
+
+
+@runtime_checkable
+class AnswerExtraction(Protocol):
+    """A dataset whose reward compares an answer it extracts from a completion (a number,
+    a boxed expression, a letter): an evaluation's majority vote (maj@k) counts those."""
+
+    def extract_answer(self, task: Task, completion: str) -> str | None:
+        """The answer ``task``'s reward would compare, normalized (None: the completion holds none)."""
+        ...
+
+
+@runtime_checkable
+class DataSources(Protocol):
+    """A dataset whose rows name where they come from (verl's and SkyRL's ``data_source``):
+    an evaluation reports its metrics per source too."""
+
+    def data_source(self, task: Task) -> str | None:
+        """``task``'s data source (None: its row names none)."""
+        ...
+
+
 @attrs.frozen
 class EnvStep:
     """What an episode answers to one response.
@@ -130,6 +160,17 @@ class JobDriver(Protocol):
     ``run.report(step, metrics)``."""
 
     def run(self) -> None: ...
+
+
+@runtime_checkable
+class StandaloneEvaluation(Protocol):
+    """A job driver that can evaluate without training (``skyrl eval``): it builds what the
+    job's ``[eval]`` needs, evaluates the weights it was given (the run's ``resume_path``
+    checkpoint, or the model the job names), and stops everything it started."""
+
+    def evaluate_alone(self) -> Mapping[str, Any]:
+        """The evaluation's results: ``overall`` and ``by_data_source`` metrics, seconds, settings."""
+        ...
 
 
 @attrs.define

@@ -91,6 +91,10 @@ KINDS: Mapping[str, Kind] = {
     )
 }
 
+# The evaluation's table: a dataset plugin (``name``) beside the host's keys of [eval]. A job
+# kind that evaluates lists it in its slots (never required: absent, the job does not evaluate).
+EVAL_TABLE = "eval"
+
 # Tables a job kind may use (its slots): every kind's table but the host's own.
 SLOT_KINDS: Mapping[str, Kind] = {k.table: k for k in KINDS.values() if not k.host_table}
 

@@ -16,7 +16,7 @@ import attrs
 
 from skyrl_host.contracts import check_product
 from skyrl_host.errors import UserError, did_you_mean, quoted_list
-from skyrl_host.kinds import KINDS, SLOT_KINDS
+from skyrl_host.kinds import EVAL_TABLE, KINDS, SLOT_KINDS
 from skyrl_host.sections import HOST_JOB_KEYS
 
 
@@ -140,6 +140,10 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
 
 def _check_job_kind(name: str, config: type | None, slots: Mapping[str, str | None]) -> None:
     for table, default in slots.items():
+        if table == EVAL_TABLE:
+            if default is not None:
+                raise TypeError(f"job kind {name!r}: slot {EVAL_TABLE!r} takes None (the evaluation is never required)")
+            continue
         if table not in SLOT_KINDS:
             raise ValueError(
                 f"job kind {name!r}: unknown slot table {table!r}{did_you_mean(table, SLOT_KINDS)}; "

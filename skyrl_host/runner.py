@@ -36,6 +36,7 @@ class Run:
     last_step: int = 0
     started_at: float = attrs.field(factory=time.monotonic)
     observers: list[Any] = attrs.field(factory=list)  # [observers] use, made and started (interfaces.Observer)
+    _reported: bool = attrs.field(default=False, init=False, repr=False)
 
     @property
     def job(self) -> JobSpec:
@@ -53,15 +54,17 @@ class Run:
 
     def report(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Called by drivers once per step: checks the metrics and fires
-        ``skyrl_step_finished``."""
-        if step <= self.last_step:
+        ``skyrl_step_finished``. Steps increase; a new run may report step 0 first (what
+        it measured before training, e.g. an evaluation of the starting weights)."""
+        first_zero = step == 0 == self.last_step and not self._reported  # e.g. an evaluation before training
+        if step <= self.last_step and not first_zero:
             raise ValueError(f"steps must increase: step {step} reported after step {self.last_step}")
         clean: dict[str, float | int] = {}
         for key, value in metrics.items():
             if not isinstance(key, str) or not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise TypeError(f"metric {key!r} must map a name to a number, got {value!r}")
             clean[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
-        self.last_step = step
+        self.last_step, self._reported = step, True
         self.host.pm.hook.skyrl_step_finished(run=self, step=step, metrics=clean)
         for observer in self.observers:
             observer.step_finished(self, step, clean)
@@ -97,6 +100,7 @@ def describe_spec(spec: JobSpec) -> dict[str, Any]:
         },
         "cluster": conv.unstructure(spec.cluster),
         "launcher": entry(spec.launcher) if spec.launcher is not None else None,  # [cluster] launcher, its own keys
+        **({"eval": conv.unstructure(spec.eval)} if spec.eval is not None else {}),  # its dataset: plugins["eval"]
         "plugins": plugins,
     }
 

@@ -1,7 +1,10 @@
-"""The tables of the job file that the host owns: ``[job]`` (its host keys) and
-``[cluster]`` (the launcher and what every launcher places)."""
+"""The tables of the job file that the host owns: ``[job]`` (its host keys),
+``[cluster]`` (the launcher and what every launcher places) and ``[eval]`` (how a job
+kind that evaluates does it; its dataset plugin's keys beside)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 
@@ -36,5 +39,34 @@ class ClusterSection:
     )
 
 
+def _ks(inst: "EvalSection", _attr: Any, value: list[int]) -> None:
+    if not value or any(k < 1 for k in value) or len(set(value)) != len(value):
+        raise ValueError(f"expected distinct values >= 1, found {value!r}")
+    if max(value) > inst.n_samples:
+        raise ValueError(f"pass@{max(value)} needs at least {max(value)} samples per prompt; n_samples is {inst.n_samples}")
+
+
+@attrs.frozen
+class EvalSection:
+    """The keys of ``[eval]`` that the host owns (for job kinds that evaluate, e.g. ``rl``);
+    ``name`` selects the evaluation's dataset plugin, whose own keys sit beside these."""
+
+    every: int = option(0, help="evaluate after every N steps (0: only before the first and after the last)",
+                        validator=ge(0))
+    before: bool = option(True, help="evaluate the starting weights before the first step (reported at step 0)")
+    n_samples: int = option(8, help="responses sampled per prompt", validator=gt_le(0, 1 << 12))
+    k: list[int] = option(factory=lambda: [1], help="the k of pass@k, maj@k and mean@k (each <= n_samples)",
+                          validator=_ks)
+    prompts: int | None = option(
+        None, help="prompts evaluated (default: every row of a dataset that has a fixed list of rows; a generated "
+        "dataset needs it)", validator=gt(0))
+    temperature: float | None = option(
+        None, help="sampling temperature (default: the job's sampler, as it is; 0: greedy)", validator=ge(0))
+    max_new_tokens: int | None = option(None, help="new-token limit per response (default: the job's)",
+                                        validator=gt(0))
+    batch_prompts: int = option(64, help="prompts per generation call", validator=gt(0))
+
+
 HOST_JOB_KEYS = tuple(f.name for f in attrs.fields(JobSection))
 HOST_CLUSTER_KEYS = tuple(f.name for f in attrs.fields(ClusterSection))
+HOST_EVAL_KEYS = tuple(f.name for f in attrs.fields(EvalSection))

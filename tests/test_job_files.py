@@ -32,7 +32,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "reward_che
 USER_ERROR = 2
 
 VALID_TABLES = (
-    "valid tables: 'algorithm', 'backend', 'cluster', 'corpus', 'data', 'dataset', 'engine', 'environment', 'job', 'model', "
+    "valid tables: 'algorithm', 'backend', 'cluster', 'corpus', 'data', 'dataset', 'engine', 'environment', 'eval', 'job', 'model', "
     "'observers', 'precision', 'replay', 'sampler', 'weight_sync'"
 )
 JOB_KEYS = (

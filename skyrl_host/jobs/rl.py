@@ -76,6 +76,7 @@ def one_of(*choices: str) -> Any:
     return check
 
 SLOTS = {
+    "eval": None,  # [eval]: never required; absent, the job does not evaluate
     "model": None,
     "dataset": None,
     "engine": "embedded",
@@ -152,6 +153,9 @@ def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     consistent."""
     cfg = spec.kind_config
     problems = []
+    if spec.eval is not None and cfg.mode == "async":
+        problems.append(("eval", '[eval] evaluates between the steps of a synchronous job; with mode = "async" the '
+                         'engine is generating the coming steps meanwhile (evaluate the checkpoints with skyrl eval)'))
     if cfg.stale_samples == "drop" and cfg.mode != "async":
         problems.append(("job.stale_samples", 'stale_samples = "drop" needs mode = "async" (a synchronous step trains '
                          'what it has just generated: nothing is ever stale)'))
@@ -189,6 +193,8 @@ class RLDriver:
         self.source: RolloutSource | None = None
         self.handover: WeightHandover | None = None
         self._saved_rollouts: Mapping[str, Any] | None = None  # async resume: what the source had generated
+        self.evaluation: Any = None  # [eval]: a jobs.evaluation.Evaluation
+        self._alone = False  # evaluate_alone(): no evaluation before training, nothing reported
 
     # -- set-up ----------------------------------------------------------------
 
@@ -234,10 +240,44 @@ class RLDriver:
         source: RolloutSource = SingleTurnSource(parts) if single else MultiTurnSource(parts, self._multiturn())
         self.max_len = cfg.max_new_tokens if single else cfg.max_total_tokens  # a sequence's most trained tokens
         self.placement.publish(self.start_step - 1)
+        self.evaluation = self._evaluation() if run.spec.eval is not None else None
+        if (self.evaluation is not None and self.start_step == 1 and run.spec.eval.before and not run.resuming
+                and not self._alone):
+            run.report(0, self.evaluation("before training"))
         if cfg.mode == "async":
             self.source, self.handover = self._ahead(source)
         else:
             self.source, self.handover = source, Publish(self.placement)
+
+    def _evaluation(self) -> Any:
+        from skyrl_host.jobs.evaluation import EVAL_SEED_OFFSET, Evaluation, eval_sampler
+
+        run = self.run_
+        options = run.spec.eval
+        dataset = run.plugin("eval").create(seed=self.seed + EVAL_SEED_OFFSET)
+        sampler = eval_sampler(run.host, self.sampler, options.temperature)
+        return Evaluation(options, dataset, engine=self.engine, sampler=sampler, prompts=self.prompts,
+                          stop_token_ids=self.loaded.stop_token_ids, max_new_tokens=self.cfg.max_new_tokens,
+                          seed=self.seed)
+
+    def evaluate_alone(self) -> Mapping[str, Any]:
+        """``skyrl eval``: build (loading the run's ``resume_path`` checkpoint, if any),
+        evaluate the engine's weights once, close."""
+        if self.run_.spec.eval is None:
+            raise UserError(f"{self.run_.spec.path}: the job has no [eval] table to evaluate with (docs/evaluation.md)")
+        self._alone = True
+        try:
+            self.build()
+            label = f"step {self.run_.resume_step}" if self.run_.resume_path is not None else "model"
+            self.evaluation(label)
+            return self.evaluation.last
+        finally:
+            self.close()
+
+    def evaluate_now(self, step: int) -> bool:
+        """Whether ``[eval]`` evaluates after ``step`` (every N steps, and after the last)."""
+        every = self.run_.spec.eval.every if self.evaluation is not None else 0
+        return self.evaluation is not None and ((every and step % every == 0) or step == self.run_.total_steps)
 
     def _ahead(self, inner: RolloutSource) -> tuple[RolloutSource, WeightHandover]:
         """``mode = "async"``: ``inner`` run ahead in a thread, and the hand-over that fits
@@ -339,6 +379,8 @@ class RLDriver:
         metrics["gen_tokens_per_s"] = float(rollout.gen_tokens / max(rollout.gen_time, 1e-9))
         metrics["step_time"] = time.perf_counter() - t0
         metrics.update(self.source.after_step(metrics["step_time"]))
+        if self.evaluate_now(step):  # the weights just handed over: the engine serves version `step`
+            metrics.update(self.evaluation(f"step {step}"))
         return metrics
 
     def _kl_penalty(self, batch: Any, metrics: dict[str, float]) -> Any:

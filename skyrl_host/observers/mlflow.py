@@ -73,7 +73,7 @@ def _job_record(run: Any) -> dict[str, Any]:
 
 def _last_logged_step(client: Any, run_id: str) -> int:
     data = client.get_run(run_id).data
-    return max((m.step for key in data.metrics for m in client.get_metric_history(run_id, key)), default=0)
+    return max((m.step for key in data.metrics for m in client.get_metric_history(run_id, key)), default=-1)
 
 
 class Mlflow:
@@ -81,7 +81,7 @@ class Mlflow:
         self.config = config
         self.client: Any = None
         self.run_id = ""
-        self.logged_through = 0
+        self.logged_through = -1  # a new run logs from step 0 (an evaluation before training) on
 
     def started(self, run: Any) -> None:
         uri = tracking_uri(self.config, run)

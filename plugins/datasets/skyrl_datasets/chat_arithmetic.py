@@ -114,6 +114,11 @@ class ChatArithmetic:
         got = last_integer(completion)
         return 1.0 if got is not None and got == int(task.answer) else 0.0
 
+    def extract_answer(self, task: Task, completion: str) -> str | None:
+        """The answer the reward compares (the last integer), for majority votes."""
+        got = last_integer(completion)
+        return None if got is None else str(got)
+
 
 @hookimpl
 def skyrl_register_datasets(register: Any) -> None:

@@ -237,6 +237,17 @@ class Files:
         source = field(task.meta, self.config.data_source_key)
         return None if source is MISSING else source
 
+    def data_source(self, task: Task) -> str | None:
+        """The :class:`~skyrl_host.interfaces.DataSources` capability: the row's data source as text."""
+        source = self.source_of(task)
+        return None if source is None else str(source)
+
+    def extract_answer(self, task: Task, completion: str) -> str | None:
+        """The :class:`~skyrl_host.interfaces.AnswerExtraction` capability: the answer the
+        row's reward compares (None for a user's function, which extracts nothing)."""
+        extract = getattr(self.reward_of(task), "extract", None)
+        return extract(completion) if callable(extract) else None
+
     def reward_of(self, task: Task) -> Any:
         """The reward object scoring ``task`` (it has ``extract`` when it is a built-in one)."""
         if self._fixed is not None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import numbers
+import os
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -89,6 +90,13 @@ def _check_paths(_inst: Any, _attr: Any, value: Any) -> None:
     paths = [value] if isinstance(value, str) else value
     if not paths or not all(isinstance(p, str) and p for p in paths):
         raise ValueError("expected a path or URL, or a non-empty list of them")
+    for p in paths:  # local paths are checked at validate (URLs and globs when opened)
+        if "://" in p or "::" in p or any(c in p for c in "*?["):
+            continue
+        local = os.path.expanduser(p)
+        if not os.path.exists(local):
+            where = "" if os.path.isabs(local) else f" (relative to the current folder {os.getcwd()!r})"
+            raise ValueError(f"expected an existing file or folder, found nothing at {p!r}{where}")
 
 
 @attrs.frozen

@@ -259,7 +259,6 @@ def test_bad_files_are_one_clear_message(tmp_path) -> None:
     cases = {
         "fake.parquet": "not a Parquet file: ",
         "notes.txt": "cannot tell the format: expected a .parquet, .jsonl or .arrow file, or a datasets save_to_disk folder",
-        "missing.parquet": "no such file or folder",
         "dd": "a DatasetDict folder (splits 'train', 'test'): name one split's folder, e.g. ",
         "evil": "state.json names a data file '../fake.parquet': expected a plain *.arrow file name",
         "*.none": "the pattern matches no file",
@@ -268,6 +267,8 @@ def test_bad_files_are_one_clear_message(tmp_path) -> None:
         with pytest.raises(UserError) as exc:
             files(tmp_path / name)
         assert problem(exc).startswith(f"{tmp_path / name}: {message}"), problem(exc)
+    with pytest.raises(ValueError, match="expected an existing file or folder, found nothing at "):
+        files(tmp_path / "missing.parquet")  # checked when the job file is validated
     single = tmp_path / "dd" / "test"
     assert [t.prompt for t in files(single, default_reward="exact").batch(1, 1)] == ["r"]  # one split's folder
 
@@ -328,3 +329,5 @@ def test_an_rl_job_reads_verl_and_skyrl_files_in_all_three_forms(skyrl_cli, skyr
     mistyped = skyrl_cli("validate", str(job.path), "--set", 'dataset.reward="gsm8"')
     assert mistyped.exit_code == 2 and "dataset.reward: expected one of" in mistyped.stderr
     assert "did you mean 'gsm8k'?" in mistyped.stderr
+    missing = skyrl_cli("validate", str(job.path), "--set", f'dataset.path="{tmp_path / "nope.parquet"}"')
+    assert missing.exit_code == 2 and "dataset.path: expected an existing file or folder, found nothing at" in missing.stderr

@@ -106,7 +106,7 @@ def test_a_job_evaluates_before_every_n_and_after_the_last_step_and_trains_the_s
     found = json.loads(out.read_text())
     last = rows[-1]
     assert {f"eval/{k}": v for k, v in found["overall"].items()} == {k: last[k] for k in last if k.startswith(
-        "eval/") and k.count("/") == 1 and k not in ("eval/time_s", "eval/gen_tokens_per_s")}
+        "eval/") and k.count("/") == 1 and k not in ("eval/wall_time_s", "eval/gen_tokens_per_s")}
     assert found["by_data_source"]["cais/mmlu"]["pass_at_1"] == last["eval/cais/mmlu/pass_at_1"]
     start = skyrl_cli("eval", str(job.path), "--model", str(skyrl_real_checkpoint("qwen3")), "--out", str(out))
     assert start.exit_code == 0, start.stderr

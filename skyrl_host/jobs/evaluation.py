@@ -153,7 +153,7 @@ class Evaluation:
             for source, values in by_source.items():
                 safe = _UNSAFE.sub("_", source).strip("/") or "_"
                 metrics.update({f"eval/{safe}/{name}": value for name, value in values.items()})
-        metrics["eval/time_s"] = seconds
+        metrics["eval/wall_time_s"] = seconds
         metrics["eval/gen_tokens_per_s"] = self.last["gen_tokens_per_s"]
         return metrics
 

@@ -153,13 +153,14 @@ class EngineWorker:
             kwargs["payload"] = payload
         return self.receiver.sync(self.engine, **kwargs)
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, seed: int,
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampler: Any, max_new_tokens: int, seed: int,
                  group_offset: int) -> Mapping[str, Any]:
+        """The driver's call, with the driver's sampler (the job's, or another: an evaluation's)."""
         if self.threads:  # a threaded actor's calls run in pool threads, which start with the default count
             import torch
 
             torch.set_num_threads(self.threads)
-        batch = self.engine.generate(prompts, n=n, sampler=self.sampler, max_new_tokens=max_new_tokens, seed=seed,
+        batch = self.engine.generate(prompts, n=n, sampler=sampler, max_new_tokens=max_new_tokens, seed=seed,
                                      group_offset=group_offset)
         return dict(batch.to_arrays())
 
@@ -311,11 +312,12 @@ class BackendWorker:
     def endpoint(self) -> Any:
         return self.sender.endpoint()
 
-    def train_step(self, arrays: Mapping[str, Any], advantages: Any, temperature: float,
+    def train_step(self, arrays: Mapping[str, Any], advantages: Any, algorithm: Any, temperature: float,
                    max_new_tokens: int) -> Mapping[str, float]:
+        """The driver's step, with the driver's algorithm (its loss)."""
         from skyrl_host.rollout import RolloutBatch
 
-        return self.backend.train_step(RolloutBatch.from_arrays(arrays), advantages, self.request.algorithm,
+        return self.backend.train_step(RolloutBatch.from_arrays(arrays), advantages, algorithm,
                                        temperature=temperature, max_new_tokens=max_new_tokens)
 
     def reference_logprobs(self, arrays: Mapping[str, Any], temperature: float) -> Any:
@@ -410,7 +412,7 @@ class RemoteBackend:
                 cu = batch.cu_seqlens
                 tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs]) if len(seqs) else np.zeros(0, np.int64)
                 adv = advantages[tokens]
-            calls.append(actor.train_step.remote(dict(part.to_arrays()), adv, temperature, max_new_tokens))
+            calls.append(actor.train_step.remote(dict(part.to_arrays()), adv, algorithm, temperature, max_new_tokens))
         ended: list[float] = []
         calls[0].future().add_done_callback(lambda _: ended.append(time.perf_counter()))
 
@@ -485,7 +487,7 @@ class RemoteEngine:
         prompts = [list(p) for p in prompts]
         bounds = np.linspace(0, len(prompts), len(self.actors) + 1).round().astype(int)
         calls = [
-            actor.generate.remote(prompts[a:b], n, max_new_tokens, replica_seed(seed, i), group_offset + a)
+            actor.generate.remote(prompts[a:b], n, sampler, max_new_tokens, replica_seed(seed, i), group_offset + a)
             for i, (actor, a, b) in enumerate(zip(self.actors, bounds[:-1], bounds[1:]))
             if b > a
         ]

@@ -30,14 +30,28 @@ def learning(rows: list[dict]) -> list[dict]:
     return [learning_metrics(r) for r in rows]
 
 
+# An evaluation greedy where the job samples at temperature 1: the engine actors must use
+# the sampler each call brings, not their own (the evaluation's numbers match one process's).
+EVAL = {"eval": {"n_samples": 2, "k": [1, 2], "prompts": 8, "temperature": 0.0, "max_new_tokens": 24, "name": "reverse_digits",
+                 "min_len": 3, "max_len": 4, "prefix": ""}}
+
+
 @pytest.mark.slow
 def test_ray_launcher_learns_exactly_like_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
-                weight_sync={"transport": "inproc"})
+                weight_sync={"transport": "inproc"}, **EVAL)
     delta = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "delta", launcher="ray", engine_dtype="float32",
-                weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/weights", "dtype": "float32"})
+                weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/weights", "dtype": "float32"}, **EVAL)
     broadcast = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "broadcast", launcher="ray", engine_dtype="float32",
                     weight_sync={"transport": "broadcast", "dtype": "float32"})
+    assert [r["step"] for r in local] == [0, 1, 2, 3] and [r["step"] for r in delta] == [0, 1, 2, 3]
+    evaluated = lambda rows: [{k: v for k, v in learning_metrics(r).items() if k.startswith("eval/")}  # noqa: E731
+                              for r in rows if "eval/pass_at_1" in r]
+    assert [r["step"] for r in local if "eval/pass_at_1" in r] == [0, 3]
+    assert evaluated(delta) == evaluated(local)
+    assert all(r["eval/pass_at_1"] == r["eval/pass_at_2"] for r in evaluated(local))  # greedy: two equal samples
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rows[1:]]  # noqa: E731
+    local, delta = strip(local), strip(delta)
     assert [r["step"] for r in local] == [1, 2, 3]
     assert "reward_std" in learning(local)[0]
     assert learning(delta) == learning(local)

@@ -70,6 +70,21 @@ class RewardMetrics(Protocol):
 
 
 @runtime_checkable
+class RewardPart(Protocol):
+    """One part of a job's reward (``[reward] parts = [...]``): the job's reward of a
+    completion is the sum of every part's score times its ``weight``. Made by
+    ``factory(config, dataset=DATASET)``: the ``dataset`` part scores with the dataset's
+    own reward; others with a model, a judge, a function. A part that cannot score raises
+    (a UserError for what the user can fix); it never answers a silent zero."""
+
+    weight: float  # its share of the job's reward (from its config; 1.0 unless set)
+
+    def score(self, tasks: Sequence[Task], completions: Sequence[str]) -> Sequence[float]:
+        """One finite number per (task, completion) pair, in order."""
+        ...
+
+
+@runtime_checkable
 class FiniteDataset(Protocol):
     """A dataset with a fixed list of rows (files of prompts): an evaluation takes them
     all, once each, in file order."""

@@ -55,6 +55,11 @@ KINDS: Mapping[str, Kind] = {
              i.WeightTransport, "moves new weights from the backend to the engines"),
         Kind("datasets", "skyrl_register_datasets", "dataset", "dataset", "name", i.Dataset,
              "prompts and their reward", factory_call="factory(config, seed=SEED)"),
+        Kind("rewards", "skyrl_register_rewards", "reward part", "reward", "parts", i.RewardPart,
+             "scores completions: a job's reward is the weighted sum of its parts", many=True,
+             factory_call="factory(config, dataset=DATASET)",
+             details="Each part's keys live in the sub-table ``[reward.NAME]`` (its ``weight`` among them). "
+             "``dataset``: the job's Dataset (the ``dataset`` part scores with its ``reward``)."),
         Kind("data_strategies", "skyrl_register_data_strategies", "data strategy", "data", "strategy",
              i.DataStrategy, "the order in which an SFT job reads documents",
              details="The driver binds the strategy to the datasets' document lengths and the job's seed, then "

@@ -122,6 +122,10 @@ def test_hook_skyrl_register_environments(skyrl_empty_host, tmp_path) -> None:
     _check_registration(skyrl_empty_host, tmp_path, "environments")
 
 
+def test_hook_skyrl_register_rewards(skyrl_empty_host, tmp_path) -> None:
+    _check_registration(skyrl_empty_host, tmp_path, "rewards")
+
+
 def test_hook_skyrl_register_data_strategies(skyrl_empty_host, tmp_path) -> None:
     _check_registration(skyrl_empty_host, tmp_path, "data_strategies")
 

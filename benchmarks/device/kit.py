@@ -57,6 +57,7 @@ DISTRIBUTIONS = {
     "skyrl-launchers": ROOT / "plugins" / "launchers",  # the local launcher (the ray one needs Ray: not run there)
     "skyrl-models": ROOT / "plugins" / "models",
     "skyrl-algorithms": ROOT / "plugins" / "algorithms",
+    "skyrl-rewards": ROOT / "plugins" / "rewards",
     "skyrl-replay": ROOT / "plugins" / "replay",
     "skyrl-precisions": ROOT / "plugins" / "precisions",
     "skyrl-weightsync": ROOT / "plugins" / "weightsync",

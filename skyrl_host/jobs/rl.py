@@ -55,6 +55,7 @@ from skyrl_host.jobs.rl_sources import (  # noqa: F401 - step_seed, encode_task:
     DroppingSource,
     MultiTurnSource,
     Prompts,
+    RewardParts,
     RolloutParts,
     RolloutSource,
     SingleTurnSource,
@@ -85,6 +86,7 @@ SLOTS = {
     "backend": "torch",
     "weight_sync": "inproc",
     "replay": (),
+    "reward": ("dataset",),  # [reward] parts: the dataset's own reward unless the job says more
     "precision": "bf16",
     # Single-turn unless [environment] names a multi-turn environment (skyrl_host.multiturn).
     "environment": "single_turn",
@@ -156,6 +158,11 @@ def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     if spec.eval is not None and cfg.mode == "async":
         problems.append(("eval", '[eval] evaluates between the steps of a synchronous job; with mode = "async" the '
                          'engine is generating the coming steps meanwhile (evaluate the checkpoints with skyrl eval)'))
+    parts = [c.name for c in spec.plugins.get("reward", ())]
+    environment = spec.plugins.get("environment")
+    if parts and parts != ["dataset"] and environment is not None and environment.name != "single_turn":
+        problems.append(("reward.parts", f"[reward] parts score single-turn responses; environment "
+                         f"{environment.name!r} rewards its episodes itself (use parts = [\"dataset\"] or no [reward])"))
     if cfg.stale_samples == "drop" and cfg.mode != "async":
         problems.append(("job.stale_samples", 'stale_samples = "drop" needs mode = "async" (a synchronous step trains '
                          'what it has just generated: nothing is ever stale)'))
@@ -231,10 +238,11 @@ class RLDriver:
         if run.resume_path is not None:
             self._load_checkpoint(run.resume_path)
             self.start_step = run.resume_step + 1
+        rewards = RewardParts([(c.name, c.create(dataset=self.dataset)) for c in run.plugin("reward")])
         parts = RolloutParts(
             dataset=self.dataset, engine=self.engine, sampler=self.sampler, algorithm=self.algorithm,
             prompts=self.prompts, stop_token_ids=self.loaded.stop_token_ids, batch_size=cfg.batch_size,
-            n_samples=cfg.n_samples, max_new_tokens=cfg.max_new_tokens, seed=self.seed,
+            n_samples=cfg.n_samples, max_new_tokens=cfg.max_new_tokens, seed=self.seed, rewards=rewards,
         )
         single = isinstance(self.environment, SingleTurn)
         source: RolloutSource = SingleTurnSource(parts) if single else MultiTurnSource(parts, self._multiturn())

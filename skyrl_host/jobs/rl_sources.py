@@ -126,6 +126,39 @@ class Prompts:
         return [encode_task(self.tokenizer, t) for t in tasks]
 
 
+class RewardParts:
+    """The job's reward parts (``[reward] parts``, each a
+    :class:`~skyrl_host.interfaces.RewardPart`): a completion's reward is the sum of the
+    parts' scores times their weights. A part that fails stops the job naming the part."""
+
+    def __init__(self, parts: list[tuple[str, Any]]):
+        self.parts = parts
+        # The default (the dataset's reward alone, weight 1) adds no metric: jobs without
+        # [reward] report what they always did.
+        self.report = not (len(parts) == 1 and parts[0][0] == "dataset" and parts[0][1].weight == 1.0)
+
+    def score(self, tasks: list[Any], completions: list[str]) -> tuple[Any, dict[str, float]]:
+        import numpy as np
+
+        total = np.zeros(len(completions), dtype=np.float64)
+        metrics: dict[str, float] = {}
+        for name, part in self.parts:
+            try:
+                values = np.asarray(part.score(tasks, completions), dtype=np.float64)
+            except UserError:
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"[reward] part {name!r} failed to score {len(completions)} completions: "
+                                   f"{exc!r}") from exc
+            if values.shape != (len(completions),) or not np.isfinite(values).all():
+                raise RuntimeError(f"[reward] part {name!r} returned {values.shape[0] if values.ndim else 'no'} "
+                                   f"scores for {len(completions)} completions, or a score that is not finite")
+            total += part.weight * values
+            if self.report:
+                metrics[f"reward/{name}_mean"] = float(values.mean())
+        return total.astype(np.float32), metrics
+
+
 @attrs.frozen
 class RolloutParts:
     """What a synchronous source generates with: the job's plugin products, its sizes and seed."""
@@ -140,6 +173,7 @@ class RolloutParts:
     n_samples: int
     max_new_tokens: int
     seed: int
+    rewards: RewardParts | None = None  # [reward] parts (None: the dataset's reward alone)
 
     def dataset_metrics(self) -> dict[str, float]:
         """The dataset's own reward metrics (e.g. answers the math verifier could not parse)."""
@@ -177,21 +211,24 @@ class SingleTurnSource(_Synchronous):
             seed=step_seed(p.seed, step, round_), group_offset=group_offset,
         )
 
-    def _score(self, batch: Any, tasks: list[Any], group_offset: int) -> None:
+    def _score(self, batch: Any, tasks: list[Any], group_offset: int) -> dict[str, float]:
         import numpy as np
 
         p = self.parts
         stop = set(p.stop_token_ids)
         tokenizer = p.prompts.tokenizer
-        rewards = np.empty(batch.n_sequences, dtype=np.float32)
+        texts, owners = [], []
         for i in range(batch.n_sequences):
             ids = [int(t) for t in batch.response(i) if int(t) not in stop]
             # Only the stop tokens are dropped: any other special token the policy emits
             # stays in the text the reward sees (else emitting <unk> would be free).
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            task = tasks[int(batch.group_ids[i]) - group_offset]
-            rewards[i] = float(p.dataset.reward(task, text))
-        batch.rewards = rewards
+            texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+            owners.append(tasks[int(batch.group_ids[i]) - group_offset])
+        if p.rewards is None:
+            batch.rewards = np.asarray([float(p.dataset.reward(t, x)) for t, x in zip(owners, texts)], dtype=np.float32)
+            return {}
+        batch.rewards, metrics = p.rewards.score(owners, texts)
+        return metrics
 
     def take(self, step: int) -> Rollout:
         import numpy as np
@@ -206,7 +243,7 @@ class SingleTurnSource(_Synchronous):
         first = self._generate(step, 0, tasks, 0)
         gen_time += time.perf_counter() - g0
         gen_tokens += int(first.loss_mask.sum())
-        self._score(first, tasks, 0)
+        part_metrics = self._score(first, tasks, 0)
         raw = first.rewards.copy()
         shaped = np.asarray(algorithm.shape_rewards(first, p.max_new_tokens), dtype=np.float32)
         # Dynamic sampling judges groups by their outcome (raw rewards), not by shaping.
@@ -241,6 +278,7 @@ class SingleTurnSource(_Synchronous):
             "weight_version": float(first.versions.min()),  # the weights that generated this step's rollouts
             "kept_groups": float(n_groups),
             "refill_rounds": float(rounds),
+            **part_metrics,
             **p.dataset_metrics(),
         }
         batch = RolloutBatch.concat(kept)

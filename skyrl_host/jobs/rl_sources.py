@@ -156,6 +156,8 @@ class RewardParts:
             total += part.weight * values
             if self.report:
                 metrics[f"reward/{name}_mean"] = float(values.mean())
+            if has(part, RewardMetrics):  # the part's counters (a judge's requests, fallbacks, ...)
+                metrics.update({k: float(v) for k, v in part.reward_metrics().items()})
         return total.astype(np.float32), metrics
 
 

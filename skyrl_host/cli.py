@@ -228,8 +228,9 @@ def _flatten(spec: Any) -> dict[str, str]:
     walk("cluster", desc["cluster"])
     if desc.get("launcher"):
         walk("cluster", desc["launcher"]["config"])
-    if desc.get("eval"):
-        walk("eval", desc["eval"])
+    for table in ("eval", "teacher"):
+        if desc.get(table):
+            walk(table, desc[table])
     from skyrl_host.config import PLUGIN_TABLES
 
     for table, entries in desc["plugins"].items():

@@ -24,10 +24,19 @@ import attrs
 import cattrs
 
 from skyrl_host.errors import Problem, UserError, did_you_mean, quoted_list
-from skyrl_host.kinds import EVAL_TABLE, KINDS, SLOT_KINDS
+from skyrl_host.kinds import EVAL_TABLE, KINDS, SLOT_KINDS, TEACHER_TABLE
 from skyrl_host.options import OptionError, ge, gt, in_interval, le, lt, option  # noqa: F401 - the old home of these names
 from skyrl_host.registry import Registration
-from skyrl_host.sections import HOST_CLUSTER_KEYS, HOST_EVAL_KEYS, HOST_JOB_KEYS, ClusterSection, EvalSection, JobSection
+from skyrl_host.sections import (
+    HOST_CLUSTER_KEYS,
+    HOST_EVAL_KEYS,
+    HOST_JOB_KEYS,
+    HOST_TEACHER_KEYS,
+    ClusterSection,
+    EvalSection,
+    JobSection,
+    TeacherSection,
+)
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from skyrl_host.plugins import PluginHost
@@ -48,8 +57,14 @@ SLOTS: dict[str, Slot] = {t: Slot(t, k.key, k.selector, k.many) for t, k in SLOT
 LAUNCHER = KINDS["launchers"]
 OBSERVERS = Slot("observers", "observers", KINDS["observers"].selector, many=True)  # every job kind's
 EVAL = Slot(EVAL_TABLE, "datasets", "name")  # the evaluation's dataset, beside the host's keys of [eval]
-HOST_TABLES = ("job", "cluster", "observers", EVAL_TABLE)
-PLUGIN_TABLES: dict[str, Slot] = {**SLOTS, OBSERVERS.table: OBSERVERS, EVAL.table: EVAL}  # tables naming plugins
+TEACHER = Slot(TEACHER_TABLE, "models", "family")  # the teacher's model family, beside [teacher]'s host keys
+# Tables of the host's keys beside one plugin of another kind's: (slot, host keys class, its keys, what it is).
+HOSTED: Mapping[str, tuple[Slot, type, tuple[str, ...], str]] = {
+    EVAL_TABLE: (EVAL, EvalSection, HOST_EVAL_KEYS, "evaluate"),
+    TEACHER_TABLE: (TEACHER, TeacherSection, HOST_TEACHER_KEYS, "distil from a teacher"),
+}
+HOST_TABLES = ("job", "cluster", "observers", EVAL_TABLE, TEACHER_TABLE)
+PLUGIN_TABLES: dict[str, Slot] = {**SLOTS, OBSERVERS.table: OBSERVERS, EVAL.table: EVAL, TEACHER.table: TEACHER}
 
 # Keys of [job] that moved to [observers] (old name -> observer, its key there; None: the
 # switch that lists the observer). Still read, with a notice; to be refused in a later release.
@@ -116,6 +131,7 @@ class JobSpec:
     raw: Mapping[str, Any]
     launcher: PluginChoice | None = None  # [cluster] launcher, with its own keys of [cluster]
     eval: EvalSection | None = None  # [eval]'s host keys (its dataset: plugins["eval"]); None: no evaluation
+    teacher: TeacherSection | None = None  # [teacher]'s host keys (its model family: plugins["teacher"])
     # Where each key path sits in the file, and which came from --set (for error()).
     lines: Mapping[str, int] = attrs.field(factory=dict, eq=False, repr=False)
     overridden: Mapping[str, str] = attrs.field(factory=dict, eq=False, repr=False)
@@ -590,18 +606,20 @@ def load_job(
                 config = _plugin_config(reg, cluster_table, "cluster", list(HOST_CLUSTER_KEYS), out)
                 launcher = PluginChoice("cluster", reg, config) if config is not _INVALID else None
 
-    # [eval]: the host's keys, then its dataset plugin (name) with that plugin's keys beside them.
-    evaluation = None
-    eval_table = data.get(EVAL_TABLE)
-    eval_choice: PluginChoice | None = None
-    if isinstance(eval_table, dict) and kind is not None:
-        if EVAL_TABLE not in kind.slots:
-            out.add(EVAL_TABLE, f"job kind {kind.name!r} does not evaluate: it takes no [{EVAL_TABLE}] table")
-        else:
-            host_part = {k: v for k, v in eval_table.items() if k in HOST_EVAL_KEYS}
-            evaluation = structure_table(EvalSection, host_part, EVAL_TABLE, out)
-            found = _choose(host, EVAL, {k: v for k, v in eval_table.items() if k not in HOST_EVAL_KEYS}, None, out)
-            eval_choice = found if isinstance(found, PluginChoice) else None
+    # [eval], [teacher]: the host's keys, then one plugin (its selector) with its keys beside them.
+    hosted: dict[str, Any] = {}
+    hosted_choices: dict[str, PluginChoice] = {}
+    for table, (slot, section_class, host_keys, verb) in HOSTED.items():
+        section = data.get(table)
+        if not isinstance(section, dict) or kind is None:
+            continue
+        if table not in kind.slots:
+            out.add(table, f"job kind {kind.name!r} does not {verb}: it takes no [{table}] table")
+            continue
+        hosted[table] = structure_table(section_class, {k: v for k, v in section.items() if k in host_keys}, table, out)
+        found = _choose(host, slot, {k: v for k, v in section.items() if k not in host_keys}, None, out)
+        if isinstance(found, PluginChoice):
+            hosted_choices[table] = found
 
     # Plugin tables: [observers] for every kind, the ones the kind uses (with defaults); others are errors.
     plugins: dict[str, PluginChoice | tuple[PluginChoice, ...]] = {}
@@ -609,8 +627,7 @@ def load_job(
         observers = _choose(host, OBSERVERS, data.get("observers", {}), [], out)
         if observers:
             plugins["observers"] = observers
-    if eval_choice is not None:
-        plugins[EVAL_TABLE] = eval_choice
+    plugins.update(hosted_choices)
     uses: Mapping[str, str | None] | None = kind.slots if kind is not None else None
     for table, slot in SLOTS.items():
         present = table in data and isinstance(data[table], dict)
@@ -641,7 +658,8 @@ def load_job(
             plugins=plugins,
             raw=data,
             launcher=launcher,
-            eval=evaluation if eval_choice is not None else None,
+            eval=hosted.get(EVAL_TABLE) if EVAL_TABLE in hosted_choices else None,
+            teacher=hosted.get(TEACHER_TABLE) if TEACHER_TABLE in hosted_choices else None,
             lines=dict(out.lines),
             overridden=dict(overridden),
             notices=tuple(notices),
@@ -885,6 +903,8 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
                               skip=HOST_CLUSTER_KEYS)
     if spec.eval is not None:
         docs += explain_class(EvalSection, EVAL_TABLE, "host")
+    if spec.teacher is not None:
+        docs += explain_class(TeacherSection, TEACHER_TABLE, "host")
     for table, value in spec.plugins.items():
         slot = PLUGIN_TABLES[table]
         choices = value if isinstance(value, tuple) else (value,)
@@ -893,6 +913,8 @@ def explain_job(spec: JobSpec) -> list[KeyDoc]:
         default_text = "(required)" if default is None else repr(list(default) if isinstance(default, tuple) else default)
         if slot is EVAL:
             default_text = "(none: no evaluation)"
+        elif slot is TEACHER:
+            default_text = "(none: no teacher)"
         key = f"{table}.{slot.selector}"
         if slot.many:
             names = ", ".join(repr(c.name) for c in choices)

@@ -560,6 +560,16 @@ class EngineTraits:
 
 
 @attrs.frozen
+class AlgorithmTraits:
+    """An ``[algorithm]`` choice."""
+
+    #: its advantages are the teacher's per-token signal: the job needs ``[teacher]``, whose
+    #: logprobs of the sampled tokens the driver puts in the batch's ``teacher_logprobs``
+    #: side channel (float32 [T]) before ``advantages``
+    teacher: bool = False
+
+
+@attrs.frozen
 class BackendTraits:
     """A ``[backend]`` choice."""
 

@@ -45,7 +45,7 @@ KINDS: Mapping[str, Kind] = {
         Kind("samplers", "skyrl_register_samplers", "sampler", "sampler", "name", i.Sampler,
              "chooses the next token from logits", traits=i.SamplerTraits),
         Kind("algorithms", "skyrl_register_algorithms", "algorithm", "algorithm", "name", i.Algorithm,
-             "rewards to advantages, group filtering and the policy loss"),
+             "rewards to advantages, group filtering and the policy loss", traits=i.AlgorithmTraits),
         Kind("replay_strategies", "skyrl_register_replay_strategies", "replay strategy", "replay", "strategies",
              i.ReplayStrategy, "makes the trainer score exactly what the engine sampled", many=True,
              details="Each strategy's keys live in the sub-table ``[replay.NAME]``."),
@@ -99,6 +99,9 @@ KINDS: Mapping[str, Kind] = {
 # The evaluation's table: a dataset plugin (``name``) beside the host's keys of [eval]. A job
 # kind that evaluates lists it in its slots (never required: absent, the job does not evaluate).
 EVAL_TABLE = "eval"
+# The teacher's table: a model family (``family``) beside the host's keys of [teacher]; a job
+# kind that distils lists it in its slots (never required).
+TEACHER_TABLE = "teacher"
 
 # Tables a job kind may use (its slots): every kind's table but the host's own.
 SLOT_KINDS: Mapping[str, Kind] = {k.table: k for k in KINDS.values() if not k.host_table}

@@ -16,7 +16,7 @@ import attrs
 
 from skyrl_host.contracts import check_product
 from skyrl_host.errors import UserError, did_you_mean, quoted_list
-from skyrl_host.kinds import EVAL_TABLE, KINDS, SLOT_KINDS
+from skyrl_host.kinds import EVAL_TABLE, KINDS, SLOT_KINDS, TEACHER_TABLE
 from skyrl_host.sections import HOST_JOB_KEYS
 
 
@@ -140,9 +140,9 @@ def make_register(kind: str, origin: Origin, sink: list[Registration]) -> Regist
 
 def _check_job_kind(name: str, config: type | None, slots: Mapping[str, str | None]) -> None:
     for table, default in slots.items():
-        if table == EVAL_TABLE:
+        if table in (EVAL_TABLE, TEACHER_TABLE):
             if default is not None:
-                raise TypeError(f"job kind {name!r}: slot {EVAL_TABLE!r} takes None (the evaluation is never required)")
+                raise TypeError(f"job kind {name!r}: slot {table!r} takes None (the table is never required)")
             continue
         if table not in SLOT_KINDS:
             raise ValueError(

@@ -101,6 +101,7 @@ def describe_spec(spec: JobSpec) -> dict[str, Any]:
         "cluster": conv.unstructure(spec.cluster),
         "launcher": entry(spec.launcher) if spec.launcher is not None else None,  # [cluster] launcher, its own keys
         **({"eval": conv.unstructure(spec.eval)} if spec.eval is not None else {}),  # its dataset: plugins["eval"]
+        **({"teacher": conv.unstructure(spec.teacher)} if spec.teacher is not None else {}),  # plugins["teacher"]
         "plugins": plugins,
     }
 

@@ -1,10 +1,11 @@
 """The tables of the job file that the host owns: ``[job]`` (its host keys),
-``[cluster]`` (the launcher and what every launcher places) and ``[eval]`` (how a job
-kind that evaluates does it; its dataset plugin's keys beside)."""
+``[cluster]`` (the launcher and what every launcher places), ``[eval]`` (how a job
+kind that evaluates does it; its dataset plugin's keys beside) and ``[teacher]`` (where a
+distilling job's teacher scores; its model family's keys beside)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -67,6 +68,19 @@ class EvalSection:
     batch_prompts: int = option(64, help="prompts per generation call", validator=gt(0))
 
 
+@attrs.frozen
+class TeacherSection:
+    """The keys of ``[teacher]`` that the host owns (for job kinds that distil, e.g. ``rl``
+    with ``opd``); ``family`` selects the teacher's model family, whose own keys (``path``,
+    ``preset``, ...) sit beside these."""
+
+    device: str = option("cpu", help="where the teacher scores: cpu, cuda, cuda:1, ... (in the driver's process)")
+    dtype: Literal["float32", "bfloat16"] = option("float32", help="the dtype the teacher computes in")
+    batch_tokens: int = option(8192, help="tokens per teacher forward at most (sequences padded to the longest)",
+                               validator=gt(0))
+
+
 HOST_JOB_KEYS = tuple(f.name for f in attrs.fields(JobSection))
 HOST_CLUSTER_KEYS = tuple(f.name for f in attrs.fields(ClusterSection))
 HOST_EVAL_KEYS = tuple(f.name for f in attrs.fields(EvalSection))
+HOST_TEACHER_KEYS = tuple(f.name for f in attrs.fields(TeacherSection))

@@ -33,7 +33,7 @@ USER_ERROR = 2
 
 VALID_TABLES = (
     "valid tables: 'algorithm', 'backend', 'cluster', 'corpus', 'data', 'dataset', 'engine', 'environment', 'eval', 'job', 'model', "
-    "'observers', 'precision', 'replay', 'sampler', 'weight_sync'"
+    "'observers', 'precision', 'replay', 'reward', 'sampler', 'teacher', 'weight_sync'"
 )
 JOB_KEYS = (
     "valid keys: 'batch_size', 'kind', 'max_shuffled_reward', 'name', 'output_dir', 'seed', 'steps'"

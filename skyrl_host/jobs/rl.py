@@ -78,6 +78,7 @@ def one_of(*choices: str) -> Any:
 
 SLOTS = {
     "eval": None,  # [eval]: never required; absent, the job does not evaluate
+    "teacher": None,  # [teacher]: never required; the algorithm opd needs it
     "model": None,
     "dataset": None,
     "engine": "embedded",
@@ -158,6 +159,14 @@ def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     if spec.eval is not None and cfg.mode == "async":
         problems.append(("eval", '[eval] evaluates between the steps of a synchronous job; with mode = "async" the '
                          'engine is generating the coming steps meanwhile (evaluate the checkpoints with skyrl eval)'))
+    algorithm = spec.plugins.get("algorithm")
+    distils = algorithm is not None and algorithm.traits.teacher
+    if distils and spec.teacher is None:
+        problems.append(("algorithm.name", f"algorithm {algorithm.name!r} distils from a teacher: add a [teacher] table "
+                         "naming its model (family and path or preset)"))
+    elif spec.teacher is not None and algorithm is not None and not distils:
+        problems.append(("teacher", f"algorithm {algorithm.name!r} does not use a teacher; [teacher] is for "
+                         "algorithm = \"opd\""))
     parts = [c.name for c in spec.plugins.get("reward", ())]
     environment = spec.plugins.get("environment")
     if parts and parts != ["dataset"] and environment is not None and environment.name != "single_turn":
@@ -201,6 +210,7 @@ class RLDriver:
         self.handover: WeightHandover | None = None
         self._saved_rollouts: Mapping[str, Any] | None = None  # async resume: what the source had generated
         self.evaluation: Any = None  # [eval]: a jobs.evaluation.Evaluation
+        self.teacher: Any = None  # [teacher]: a jobs.teacher.Teacher
         self._alone = False  # evaluate_alone(): no evaluation before training, nothing reported
 
     # -- set-up ----------------------------------------------------------------
@@ -233,6 +243,12 @@ class RLDriver:
         self.tokenizer = self.loaded.tokenizer
         self.backend, self.engine, self.sampler = self.placement.backend, self.placement.engine, self.placement.sampler
         self.prompts = Prompts(self.tokenizer, checked=first_chat is not None)
+        if run.spec.teacher is not None:
+            from skyrl_host.jobs.teacher import Teacher, check_same_tokenizer
+
+            taught = run.plugin("teacher").create().load(alphabet=alphabet, seed=self.seed)
+            check_same_tokenizer(self.tokenizer, taught.tokenizer)
+            self.teacher = Teacher(taught, run.spec.teacher, temperature=self.sampler.temperature)
         self.kl_in_reward = has(self.algorithm, RewardKL) and bool(self.algorithm.kl_in_reward)
         self.start_step = 1
         if run.resume_path is not None:
@@ -374,6 +390,8 @@ class RLDriver:
         rollout = self.source.take(step)
         batch, rewards, metrics = rollout.batch, rollout.rewards, dict(rollout.metrics)
         training = None
+        if batch.n_sequences > 0 and self.teacher is not None:
+            self._teach(batch, metrics)
         if batch.n_sequences > 0:
             if self.kl_in_reward:
                 rewards = rewards - self._kl_penalty(batch, metrics)
@@ -390,6 +408,19 @@ class RLDriver:
         if self.evaluate_now(step):  # the weights just handed over: the engine serves version `step`
             metrics.update(self.evaluation(f"step {step}"))
         return metrics
+
+    def _teach(self, batch: Any, metrics: dict[str, float]) -> None:
+        """The teacher's logprobs of the sampled tokens, into the batch (``teacher_logprobs``),
+        and how far the student is from it: ``teacher_kl``, the mean over generated tokens of
+        log p_student - log p_teacher (the reverse KL's sample estimate)."""
+        import numpy as np
+
+        t0 = time.perf_counter()
+        teacher = self.teacher.logprobs(batch)
+        batch.side_channels["teacher_logprobs"] = teacher
+        mask = batch.loss_mask != 0
+        metrics["teacher_kl"] = float(np.mean(batch.logprobs[mask] - teacher[mask])) if mask.any() else 0.0
+        metrics["teacher_time_s"] = time.perf_counter() - t0
 
     def _kl_penalty(self, batch: Any, metrics: dict[str, float]) -> Any:
         """KL against the reference policy as a reward penalty (instead of a loss term)."""

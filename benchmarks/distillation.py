@@ -29,7 +29,9 @@ SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
 
 
 def run(job: pathlib.Path, out: pathlib.Path, *sets: str) -> list[dict]:
-    cmd = [SKYRL, "run", str(job), "--set", f'job.output_dir="{out}"', "--set", "job.checkpoint_every=0", *sets]
+    cmd = [SKYRL, "run", str(job), "--set", f'job.output_dir="{out}"', "--set", "job.checkpoint_every=0"]
+    for value in sets:
+        cmd += ["--set", value]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")

@@ -55,16 +55,23 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.9, help="share of the teacher's final reward to reach")
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--teacher", default=None, help="a finished quickstart run's output folder to teach with "
+                    "(its final/ and metrics.jsonl) instead of training one")
     args = ap.parse_args()
     quickstart = ROOT / "examples" / "quickstart.toml"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        teacher_rows = run(quickstart, tmp / "teacher", f"job.steps={args.teacher_steps}", "job.seed=0")
+        teacher = pathlib.Path(args.teacher) if args.teacher else tmp / "teacher"
+        if args.teacher:
+            rows = [json.loads(line) for line in (teacher / "metrics.jsonl").read_text().splitlines()]
+            teacher_rows = [r for r in rows if "step" in r and "event" not in r and r["step"] > 0]
+        else:
+            teacher_rows = run(quickstart, teacher, f"job.steps={args.teacher_steps}", "job.seed=0")
         teacher_final = statistics.fmean(r["reward_mean"] for r in teacher_rows[-20:])
         level = args.target * teacher_final
         opd_job = tmp / "opd.toml"
         opd_job.write_text(quickstart.read_text().replace('name = "grpo"', 'name = "opd"')
-                           + f'\n[teacher]\nfamily = "qwen"\npath = "{tmp / "teacher" / "final"}"\n')
+                           + f'\n[teacher]\nfamily = "qwen"\npath = "{teacher / "final"}"\n')
         runs: dict[str, dict[int, list[dict]]] = {"opd": {}, "grpo": {}}
         for seed in args.seeds:
             sets = (f"job.steps={args.student_steps}", f"job.seed={seed}", "job.save_final=false")
@@ -83,7 +90,7 @@ def main() -> None:
                        if table["grpo"][s]["seconds"] and table["opd"][s]["seconds"]]
         print(json.dumps({
             "claim": "opd reaches the teacher's reward in fewer steps and less time than grpo from the same start",
-            "teacher": {"steps": args.teacher_steps, "final_mean": round(teacher_final, 3)},
+            "teacher": {"steps": len(teacher_rows), "final_mean": round(teacher_final, 3)},
             "level": round(level, 3), "window": args.window, "student_steps": args.student_steps,
             "runs": table,
             "steps_ratio_grpo_over_opd": {"median": statistics.median(ratios) if ratios else None, "per_seed": ratios},

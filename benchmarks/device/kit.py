@@ -467,6 +467,13 @@ def async_delta(ctx: Context) -> list[list[str]]:
                     "job.max_staleness=1", "engine.share_weights=false", steps=4 if ctx.cpu else 40)]
 
 
+def opd_teacher(ctx: Context) -> list[list[str]]:
+    """On-policy distillation with the teacher scoring on the device (the tiny preset as
+    its own teacher: teacher_kl starts at ~0, and each step runs the teacher's forward)."""
+    sets = ['algorithm.name="opd"', 'teacher.family="qwen"', 'teacher.preset="tiny"', f'teacher.device="{ctx.device}"']
+    return [ctx.job("examples/quickstart.toml", *on(ctx), *threads(ctx), *sets, steps=3 if ctx.cpu else 20)]
+
+
 def megatron_quickstart(ctx: Context) -> list[list[str]]:
     return [ctx.job("examples/quickstart.toml", 'backend.name="megatron"', *on(ctx), *threads(ctx),
                     steps=3 if ctx.cpu else 30)]
@@ -572,6 +579,8 @@ CHECKS = [
     Check("delta_sync", "the quickstart with delta weight sync (file:// store, float32 on the wire)", (60, 60),
           delta_sync, run_summary),
     Check("async_delta", "async RL (k = 1) with the delta written in the background", (60, 60), async_delta,
+          run_summary),
+    Check("opd_teacher", "on-policy distillation with the [teacher] scoring on the device", (60, 60), opd_teacher,
           run_summary),
     Check("megatron_step", "megatron vs torch backend: the same first step (parity), then step times", (120, 90),
           megatron_step, benchmark_json),

@@ -12,6 +12,7 @@ Arrow.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 from typing import Any, Iterator, Mapping, Sequence
@@ -51,7 +52,7 @@ class _Missing:
 MISSING = _Missing()
 
 
-class Table:
+class Table(abc.ABC):
     """One file's rows in blocks. ``where``: the path or URL, for messages; ``unit``:
     how messages count rows (``row`` from 0, or ``line`` from 1)."""
 
@@ -59,9 +60,9 @@ class Table:
     unit: str = "row"
     block_rows: list[int]
 
+    @abc.abstractmethod
     def read(self, block: int) -> list[tuple[int, Any]]:
         """Block ``block``'s rows as (row number, the row: a dict, or a RowError) pairs."""
-        raise NotImplementedError
 
     def close(self) -> None:
         pass

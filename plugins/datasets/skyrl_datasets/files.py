@@ -36,11 +36,10 @@ prompts it would have seen.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import numbers
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import attrs
 import numpy as np
@@ -51,6 +50,7 @@ from skyrl_host.interfaces import Task
 from skyrl_host.options import option
 
 from skyrl_datasets import verifiers
+from skyrl_toolkit.functions import load_function
 from skyrl_datasets._tables import MISSING, RowError, Rows, field, open_tables
 
 GROUND_TRUTHS = ("reward_model.ground_truth", "reward_spec.ground_truth", "answer")
@@ -133,27 +133,6 @@ class FilesConfig:
         validator=_check_default,
     )
     shuffle: bool = option(True, help="a new order each epoch, seeded by (seed, epoch): blocks, then rows within")
-
-
-def load_function(spec: str, key: str) -> Callable[..., Any]:
-    """``module:function`` (a class is made once); a UserError at ``key`` when it cannot be."""
-    module_name, _, attr_path = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(Problem(f"cannot import {module_name!r} of {spec!r}: {exc}", key=key)) from None
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise UserError(Problem(f"module {module_name!r} has no attribute {attr_path!r}", key=key))
-        obj = getattr(obj, part)
-    if isinstance(obj, type):
-        try:
-            obj = obj()
-        except TypeError as exc:
-            raise UserError(Problem(f"cannot make {spec!r} with no arguments: {exc}", key=key)) from None
-    if not callable(obj):
-        raise UserError(Problem(f"{spec!r} is {type(obj).__name__}, not callable", key=key))
-    return obj
 
 
 class UserReward:

@@ -19,6 +19,7 @@ is the row's ground truth.
 
 from __future__ import annotations
 
+import abc
 import re
 import types
 from typing import Any, Callable, Mapping
@@ -34,7 +35,7 @@ _CHOICE_PATTERNS = (
 )
 
 
-class _Counted:
+class _Counted(abc.ABC):
     """Counters every reward keeps: ``scored``, ``no_answer`` (completions it found no
     answer in) and ``correct``, reported under the reward's name."""
 
@@ -53,8 +54,9 @@ class _Counted:
         self.correct += right
         return float(right)
 
+    @abc.abstractmethod
     def extract(self, completion: str) -> str | None:
-        raise NotImplementedError
+        """The answer of ``completion`` this reward compares (None: it holds none)."""
 
     def same(self, guess: str, answer: str | None) -> bool:
         return answer is not None and guess == answer.strip()

@@ -7,12 +7,11 @@ made once, then called). With ``batched = true`` it is called once per step as
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import math
 import numbers
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import attrs
 
@@ -20,6 +19,7 @@ from skyrl_host import hookimpl
 from skyrl_host.errors import Problem, UserError
 from skyrl_host.interfaces import Task
 from skyrl_host.options import option
+from skyrl_toolkit.functions import load_function
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -44,30 +44,10 @@ class FunctionRewardConfig:
     weight: float = option(1.0, help="this part's share of the job's reward")
 
 
-def load(spec: str, key: str) -> Callable[..., Any]:
-    module_name, _, path = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(Problem(f"cannot import {module_name!r} of {spec!r}: {exc}", key=key)) from None
-    for part in path.split("."):
-        if not hasattr(obj, part):
-            raise UserError(Problem(f"module {module_name!r} has no attribute {path!r}", key=key))
-        obj = getattr(obj, part)
-    if isinstance(obj, type):
-        try:
-            obj = obj()
-        except TypeError as exc:
-            raise UserError(Problem(f"cannot make {spec!r} with no arguments: {exc}", key=key)) from None
-    if not callable(obj):
-        raise UserError(Problem(f"{spec!r} is {type(obj).__name__}, not callable", key=key))
-    return obj
-
-
 class FunctionReward:
     def __init__(self, config: FunctionRewardConfig, dataset: Any = None) -> None:
         self.config, self.weight = config, config.weight
-        self.fn = load(config.function, "reward.function.function")
+        self.fn = load_function(config.function, "reward.function.function")
 
     def score(self, tasks: Sequence[Task], completions: Sequence[str]) -> list[float]:
         if self.config.batched:

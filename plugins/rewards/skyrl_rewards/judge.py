@@ -39,6 +39,7 @@ DEFAULT_TEMPLATE = (
     "Think briefly, then end with a line 'Score: N'."
 )
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+MAX_REPLY_BYTES = 4 << 20  # an endpoint's answer larger than this is refused, not read on
 
 
 def _check_url(_inst: Any, _attr: Any, value: str) -> None:
@@ -153,7 +154,10 @@ class Judge:
             try:
                 async with session.post(url, json=body, headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as reply:
-                    text = await reply.text()
+                    raw = await reply.content.read(MAX_REPLY_BYTES + 1)
+                    if len(raw) > MAX_REPLY_BYTES:
+                        raise JudgeError(f"{url} answered more than {MAX_REPLY_BYTES} bytes")
+                    text = raw.decode("utf-8", errors="replace")
                     if reply.status in RETRY_STATUS:
                         last = f"HTTP {reply.status}: {text[:200]}"
                         continue

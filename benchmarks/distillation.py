@@ -5,8 +5,8 @@ The quickstart's task (reverse digit strings; the tiny Qwen3 preset; examples/qu
 unchanged but for what is named here). First a teacher: the quickstart's GRPO run for
 ``--teacher-steps`` steps, saved as a folder. Then, for each seed, two students from the
 same fresh start (the preset at that seed): ``opd`` with ``[teacher]`` naming the folder,
-and ``grpo`` (the quickstart itself), each up to ``--student-steps`` steps, one after the
-other, alone on the machine. For each run: the first step at which the trailing
+and ``grpo`` (the quickstart itself), each up to ``--student-steps`` (opd) or ``--grpo-steps`` (GRPO) steps, one after
+the other, alone on the machine. For each run: the first step at which the trailing
 ``--window``-step mean reward reaches ``--target`` times the teacher's final mean, the
 wall-clock seconds to that step (from the metrics' timestamps, after the first step), and
 the final mean. Prints JSON; ``--plot PATH`` draws the curves (PNG).
@@ -51,7 +51,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--teacher-steps", type=int, default=1000)
-    ap.add_argument("--student-steps", type=int, default=600)
+    ap.add_argument("--student-steps", type=int, default=600, help="steps of each opd student")
+    ap.add_argument("--grpo-steps", type=int, default=1500,
+                    help="steps of each GRPO student (longer: GRPO needs more to reach the level, and its time to "
+                    "reach it is what opd's is compared with)")
     ap.add_argument("--target", type=float, default=0.9, help="share of the teacher's final reward to reach")
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--plot", default=None)
@@ -74,9 +77,9 @@ def main() -> None:
                            + f'\n[teacher]\nfamily = "qwen"\npath = "{teacher / "final"}"\n')
         runs: dict[str, dict[int, list[dict]]] = {"opd": {}, "grpo": {}}
         for seed in args.seeds:
-            sets = (f"job.steps={args.student_steps}", f"job.seed={seed}", "job.save_final=false")
-            runs["opd"][seed] = run(opd_job, tmp / f"opd-{seed}", *sets)
-            runs["grpo"][seed] = run(quickstart, tmp / f"grpo-{seed}", *sets)
+            sets = (f"job.seed={seed}", "job.save_final=false")
+            runs["opd"][seed] = run(opd_job, tmp / f"opd-{seed}", f"job.steps={args.student_steps}", *sets)
+            runs["grpo"][seed] = run(quickstart, tmp / f"grpo-{seed}", f"job.steps={args.grpo_steps}", *sets)
         table = {}
         for name, by_seed in runs.items():
             table[name] = {}
@@ -91,7 +94,7 @@ def main() -> None:
         print(json.dumps({
             "claim": "opd reaches the teacher's reward in fewer steps and less time than grpo from the same start",
             "teacher": {"steps": len(teacher_rows), "final_mean": round(teacher_final, 3)},
-            "level": round(level, 3), "window": args.window, "student_steps": args.student_steps,
+            "level": round(level, 3), "window": args.window, "student_steps": {"opd": args.student_steps, "grpo": args.grpo_steps},
             "runs": table,
             "steps_ratio_grpo_over_opd": {"median": statistics.median(ratios) if ratios else None, "per_seed": ratios},
             "time_ratio_grpo_over_opd": {"median": statistics.median(time_ratios) if time_ratios else None,

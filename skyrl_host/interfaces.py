@@ -329,6 +329,7 @@ class LossInputs:
     global_tokens: float  # masked tokens in the whole step
     global_seqs: float  # sequences in the whole step
     ref_logprobs: Any = None  # frozen reference policy, when the algorithm asks for it
+    teacher_logprobs: Any = None  # the [teacher]'s logprobs of the same tokens, when the job has one
     max_response_len: int = 0  # the job's max_new_tokens (Dr. GRPO's constant normaliser)
 
 
@@ -563,9 +564,10 @@ class EngineTraits:
 class AlgorithmTraits:
     """An ``[algorithm]`` choice."""
 
-    #: its advantages are the teacher's per-token signal: the job needs ``[teacher]``, whose
-    #: logprobs of the sampled tokens the driver puts in the batch's ``teacher_logprobs``
-    #: side channel (float32 [T]) before ``advantages``
+    #: it learns from a teacher (opd's advantages; any algorithm's ``teacher_kl_coef``): the
+    #: job needs ``[teacher]``, whose logprobs of the sampled tokens the driver puts in the
+    #: batch's ``teacher_logprobs`` side channel (float32 [T]) before ``advantages``; the
+    #: backend gives each micro-batch's share to the loss as ``LossInputs.teacher_logprobs``
     teacher: bool = False
 
 
@@ -1045,6 +1047,21 @@ class StagedPlacement(Protocol):
     def stage(self, version: int) -> Mapping[str, float]: ...
 
     def commit(self, version: int) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class TeacherPlacement(Protocol):
+    """A placement that runs a distilling job's ``[teacher]`` in a process of its own (the
+    Ray launcher: an actor, with a GPU of its own when the cluster has one free), so the
+    driver keeps only the tokenizer."""
+
+    def place_teacher(self, family: Any, options: Any, *, alphabet: str | None, seed: int,
+                      temperature: float) -> Any:
+        """Start the teacher (``family``: the [teacher]'s model-family choice; ``options``:
+        its host keys); returns what scores batches: ``logprobs(batch)`` (float32 [T], as
+        :class:`skyrl_host.jobs.teacher.Teacher`), ``vocab()`` (its tokenizer's) and
+        ``counters`` (a dict the step's metrics gain)."""
+        ...
 
 
 @runtime_checkable

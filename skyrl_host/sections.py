@@ -76,8 +76,30 @@ class TeacherSection:
 
     device: str = option("cpu", help="where the teacher scores: cpu, cuda, cuda:1, ... (in the driver's process)")
     dtype: Literal["float32", "bfloat16"] = option("float32", help="the dtype the teacher computes in")
-    batch_tokens: int = option(8192, help="tokens per teacher forward at most (sequences padded to the longest)",
+    batch_tokens: int = option(8192, help="tokens per teacher forward (or per request to base_url) at most",
                                validator=gt(0))
+    # A teacher served elsewhere: an OpenAI-compatible vLLM server's prompt logprobs.
+    base_url: str | None = option(
+        None, help="score with a vLLM server serving the teacher (its prompt logprobs), e.g. "
+        "http://10.0.0.5:8000/v1, instead of in the driver's process (the family's tokenizer alone is loaded)",
+        validator=lambda _i, _a, v: _check_url(v))
+    served_model: str | None = option(None, help="with base_url: the served model's name (default: the server's "
+                                      "only model, from /v1/models)")
+    api_key_env: str | None = option(None, help="with base_url: the environment variable holding its API key")
+    concurrency: int = option(4, help="with base_url: requests in flight at once", validator=gt(0))
+    timeout: float = option(120.0, help="with base_url: seconds one request may take", validator=gt(0))
+    retries: int = option(3, help="with base_url: retries of a request that failed to connect, timed out, or got a "
+                          "429/5xx (waiting 1, 2, 4... s)", validator=ge(0))
+
+
+def _check_url(value: str | None) -> None:
+    if value is None:
+        return
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"expected an http:// or https:// URL with a host, found {value!r}")
 
 
 HOST_JOB_KEYS = tuple(f.name for f in attrs.fields(JobSection))

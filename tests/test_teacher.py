@@ -1,6 +1,7 @@
 """On-policy distillation as a user meets it: [teacher] names a model, the algorithm opd
 makes the teacher's per-token signal the advantage, and the student moves toward the
-teacher (the reverse KL it reports falls); a teacher identical to the student gives no
+teacher (the reverse KL it reports falls); any algorithm's ``teacher_kl_coef`` adds the KL
+to its loss and keeps it near the teacher; a teacher identical to the student gives no
 signal; what cannot work is refused with one message."""
 
 from __future__ import annotations
@@ -55,17 +56,155 @@ def test_the_student_moves_toward_its_teacher(skyrl_cli, skyrl_tiny_rl_job, tmp_
     assert first > 0.01 and last < 0.5 * first, (first, last)  # measured: 0.027 -> 0.003
 
 
+@pytest.mark.slow
+def test_a_teacher_kl_term_keeps_any_algorithm_near_its_teacher(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    made = _job(skyrl_tiny_rl_job, tmp_path, "teacher_src", job={"seed": 9, "steps": 1, "save_final": True})
+    assert skyrl_cli("run", str(made.path)).exit_code == 0
+    teacher = {"family": "qwen", "path": str(made.out / "final")}
+
+    def drift(name: str, algorithm: dict) -> float:
+        job = _job(skyrl_tiny_rl_job, tmp_path, name, job={"steps": 25}, algorithm=algorithm, teacher=teacher,
+                   backend={"lr": 3e-3})
+        result = skyrl_cli("run", str(job.path))
+        assert result.exit_code == 0, result.stderr
+        rows = job.rows()
+        if algorithm.get("teacher_kl_coef"):
+            assert all(np.isfinite(r["teacher_kl_loss"]) for r in rows)
+        return float(np.mean([r["teacher_kl"] for r in rows[-5:]]))
+
+    # The control learns from the reward alone (opd without its teacher signal reports the KL it
+    # drifts to); the same with the KL term, and GRPO with it, stay near the teacher.
+    reward_only = {"name": "opd", "teacher_coef": 0.0, "reward_weight": 1.0}
+    control = drift("control", reward_only)
+    same_plus_term = drift("term", {**reward_only, "teacher_kl_coef": 1.0})
+    grpo_plus_term = drift("grpo", {"name": "grpo", "teacher_kl_coef": 1.0})
+    print(f"teacher_kl of the last 5 steps: reward alone {control:.3f}, with the term {same_plus_term:.3f}, "
+          f"grpo with it {grpo_plus_term:.3f}")
+    # measured: 0.46, 0.03, 0.04
+    assert control > 0.1 and same_plus_term < 0.3 * control and grpo_plus_term < 0.3 * control
+
+
 def test_what_cannot_work_is_refused(skyrl_cli, skyrl_tiny_rl_job, skyrl_real_checkpoint, tmp_path) -> None:
     job = _job(skyrl_tiny_rl_job, tmp_path, "no_teacher", algorithm={"name": "opd"})
     result = skyrl_cli("validate", str(job.path))
-    assert result.exit_code == 2 and "algorithm 'opd' distils from a teacher: add a [teacher] table" in result.stderr
+    assert result.exit_code == 2 and "algorithm 'opd' learns from a teacher (opd, or teacher_kl_coef > 0): add a [teacher] table" in result.stderr
+    job = _job(skyrl_tiny_rl_job, tmp_path, "kl_no_teacher", algorithm={"name": "grpo", "teacher_kl_coef": 0.1})
+    result = skyrl_cli("validate", str(job.path))
+    assert result.exit_code == 2 and "algorithm 'grpo' learns from a teacher" in result.stderr
+    job = _job(skyrl_tiny_rl_job, tmp_path, "kl_k1", algorithm={"name": "grpo", "teacher_kl_coef": 0.1,
+                                                               "teacher_kl_estimator": "k1"},
+               teacher={"family": "qwen", "preset": "tiny"})
+    result = skyrl_cli("validate", str(job.path))
+    assert result.exit_code == 2 and "teacher_kl_estimator" in result.stderr and "'k1'" in result.stderr
+    job = _job(skyrl_tiny_rl_job, tmp_path, "bad_url", algorithm={"name": "opd"},
+               teacher={"family": "qwen", "preset": "tiny", "base_url": "ftp://teacher"})
+    result = skyrl_cli("validate", str(job.path))
+    assert result.exit_code == 2 and "teacher.base_url" in result.stderr and "http:// or https://" in result.stderr
     job = _job(skyrl_tiny_rl_job, tmp_path, "grpo_teacher", teacher={"family": "qwen", "preset": "tiny"})
     result = skyrl_cli("validate", str(job.path))
     assert result.exit_code == 2 and "teacher: algorithm 'grpo' does not use a teacher" in result.stderr
     # Another tokenizer: the real-shaped checkpoint's BPE against the preset's characters.
     job = _job(skyrl_tiny_rl_job, tmp_path, "other_vocab", algorithm={"name": "opd"},
                teacher={"family": "qwen", "path": str(skyrl_real_checkpoint("qwen3"))})
-    assert skyrl_cli("validate", str(job.path)).exit_code == 0
-    result = skyrl_cli("run", str(job.path))
-    assert result.exit_code == 2 and "Traceback" not in result.stderr
-    assert "[teacher]: its tokenizer (" in result.stderr and "is not the student's" in result.stderr
+    for command in ("validate", "run"):
+        result = skyrl_cli(command, str(job.path))
+        assert result.exit_code == 2 and "Traceback" not in result.stderr
+        assert "teacher: the teacher's tokenizer (" in result.stderr and "tokens) is not the student's (" in result.stderr
+        assert str(skyrl_real_checkpoint("qwen3")) in result.stderr  # the teacher's folder named
+
+
+class _Answers:
+    """A local HTTP server answering /v1/models and /v1/completions with what a test sets
+    (a server that is not vLLM, or a broken one); it counts the requests."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+        import threading
+
+        self.completions: tuple[int, bytes] = (200, b"{}")
+        self.models = {"data": [{"id": "t"}]}
+        self.posts = 0
+        answers = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(200, json.dumps(answers.models).encode())
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                answers.posts += 1
+                self._send(*answers.completions)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_served_teacher_that_fails_or_is_not_vllm_is_one_clear_error(monkeypatch) -> None:
+    import json
+    import socket
+
+    from skyrl_host.errors import UserError
+    from skyrl_host.jobs.teacher import ServedTeacher
+    from skyrl_host.sections import TeacherSection
+
+    batch = RolloutBatch.from_sequences([[5, 6]], [[7, 8]], [[-1.0, -1.0]], group_ids=[0])
+    answers = _Answers()
+    try:
+        teacher = ServedTeacher(TeacherSection(base_url=answers.url, retries=0), temperature=1.0)
+        assert teacher.model == "t"  # the only model the server lists
+        # A server that is not vLLM: choices without prompt logprobs.
+        answers.completions = (200, json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode())
+        with pytest.raises(UserError, match="sequence 0 of 4 tokens came back with no prompt logprobs"):
+            teacher.logprobs(batch)
+        # The wrong token's logprob: refused, never used.
+        entries = [None] + [{"99": {"logprob": -1.0}}] * 3
+        answers.completions = (200, json.dumps({"choices": [{"index": 0, "prompt_logprobs": entries}]}).encode())
+        with pytest.raises(UserError, match=r"token 1 \(id 6\): no logprob of that token"):
+            teacher.logprobs(batch)
+        # The right ones: each token's, 0 at the first.
+        entries = [None] + [{str(t): {"logprob": -0.5 * t}} for t in (6, 7, 8)]
+        answers.completions = (200, json.dumps({"choices": [{"index": 0, "prompt_logprobs": entries}]}).encode())
+        assert teacher.logprobs(batch).tolist() == [0.0, -3.0, -3.5, -4.0]
+        # Not JSON; an answer larger than the request allows.
+        answers.completions = (200, b"<html>")
+        with pytest.raises(UserError, match="not JSON"):
+            teacher.logprobs(batch)
+        answers.completions = (200, b" " * (2 << 20))
+        with pytest.raises(UserError, match="answered more than"):
+            teacher.logprobs(batch)
+        # A 503 is retried (1 s, then 2 s), then the job stops naming the last answer.
+        answers.completions, answers.posts = (503, b"overloaded"), 0
+        retrying = ServedTeacher(TeacherSection(base_url=answers.url, retries=2), temperature=1.0)
+        with pytest.raises(UserError, match="failed 3 times; last: HTTP 503: overloaded"):
+            retrying.logprobs(batch)
+        assert answers.posts == 3  # and the listing of its models before them:
+        assert retrying.counters == {"teacher_requests": 4.0, "teacher_retries": 2.0}
+        # Two models and no served_model.
+        answers.models = {"data": [{"id": "a"}, {"id": "b"}]}
+        with pytest.raises(UserError, match=r"serves \['a', 'b'\]; name one with served_model"):
+            ServedTeacher(TeacherSection(base_url=answers.url), temperature=1.0)
+    finally:
+        answers.server.shutdown()
+    # Nothing listening.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UserError, match=f"GET http://127.0.0.1:{port}/v1/models failed 1 times"):
+        ServedTeacher(TeacherSection(base_url=f"http://127.0.0.1:{port}/v1", retries=0), temperature=1.0)
+    # Sampling at another temperature than the server's prompt logprobs: refused.
+    with pytest.raises(UserError, match="untempered distribution, but the job samples at temperature 0.7"):
+        ServedTeacher(TeacherSection(base_url="http://127.0.0.1:1/v1"), temperature=0.7)
+    monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
+    with pytest.raises(UserError, match="'NO_SUCH_KEY_VAR' is not set"):
+        ServedTeacher(TeacherSection(base_url="http://127.0.0.1:1/v1", api_key_env="NO_SUCH_KEY_VAR"), temperature=1.0)

@@ -40,6 +40,8 @@ from skyrl_host.interfaces import (
     RewardKL,
     SideChannels,
     StagedPlacement,
+    TeacherPlacement,
+    TokenizerLoading,
     TurnContinuation,
 )
 from skyrl_host.jobs.common import restore_rng, run_steps, save_rng
@@ -149,6 +151,23 @@ class RLConfig:
     )
 
 
+def _teacher_tokenizer_problems(spec: Any) -> list[tuple[str, str]]:
+    """The student's and the teacher's tokenizers, loaded alone (no model; families
+    with :class:`TokenizerLoading`) and compared: a teacher that cannot score the
+    student's tokens is refused before anything starts. A preset's character tokenizer
+    is built from the dataset's alphabet, so the dataset is opened when it has one."""
+    from skyrl_host.jobs.teacher import tokenizer_mismatch
+
+    student, teacher = spec.plugins["model"].create(), spec.plugins["teacher"].create()
+    if not (has(student, TokenizerLoading) and has(teacher, TokenizerLoading)):
+        return []  # checked when the models are loaded
+    dataset = spec.plugins["dataset"].create()
+    alphabet = dataset.alphabet if has(dataset, CharacterAlphabet) else None
+    problem = tokenizer_mismatch(student.load_tokenizer(alphabet=alphabet).tokenizer,
+                                 teacher.load_tokenizer(alphabet=alphabet).tokenizer)
+    return [] if problem is None else [("teacher", problem)]
+
+
 def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     """Job-level checks (``skyrl validate``, and ``skyrl run`` before anything starts):
     updates that land inside generations need an engine recording each token's version,
@@ -162,11 +181,13 @@ def check_rl_job(spec: Any) -> list[tuple[str, str]]:
     algorithm = spec.plugins.get("algorithm")
     distils = algorithm is not None and algorithm.traits.teacher
     if distils and spec.teacher is None:
-        problems.append(("algorithm.name", f"algorithm {algorithm.name!r} distils from a teacher: add a [teacher] table "
-                         "naming its model (family and path or preset)"))
+        problems.append(("algorithm.name", f"algorithm {algorithm.name!r} learns from a teacher (opd, or "
+                         "teacher_kl_coef > 0): add a [teacher] table naming its model (family and path or preset)"))
     elif spec.teacher is not None and algorithm is not None and not distils:
         problems.append(("teacher", f"algorithm {algorithm.name!r} does not use a teacher; [teacher] is for "
-                         "algorithm = \"opd\""))
+                         "algorithm = \"opd\" or an algorithm's teacher_kl_coef > 0"))
+    if distils and spec.teacher is not None:
+        problems += _teacher_tokenizer_problems(spec)
     parts = [c.name for c in spec.plugins.get("reward", ())]
     environment = spec.plugins.get("environment")
     if parts and parts != ["dataset"] and environment is not None and environment.name != "single_turn":
@@ -244,11 +265,7 @@ class RLDriver:
         self.backend, self.engine, self.sampler = self.placement.backend, self.placement.engine, self.placement.sampler
         self.prompts = Prompts(self.tokenizer, checked=first_chat is not None)
         if run.spec.teacher is not None:
-            from skyrl_host.jobs.teacher import Teacher, check_same_tokenizer
-
-            taught = run.plugin("teacher").create().load(alphabet=alphabet, seed=self.seed)
-            check_same_tokenizer(self.tokenizer, taught.tokenizer)
-            self.teacher = Teacher(taught, run.spec.teacher, temperature=self.sampler.temperature)
+            self.teacher = self._make_teacher(run, alphabet)
         self.kl_in_reward = has(self.algorithm, RewardKL) and bool(self.algorithm.kl_in_reward)
         self.start_step = 1
         if run.resume_path is not None:
@@ -409,6 +426,29 @@ class RLDriver:
             metrics.update(self.evaluation(f"step {step}"))
         return metrics
 
+    def _make_teacher(self, run: Any, alphabet: str | None) -> Any:
+        """[teacher]: a vLLM server serving it (``base_url``; its tokenizer alone loaded
+        here), or its model in a process of its own where the placement offers one
+        (TeacherPlacement: the Ray launcher's actor), or in this process; its tokenizer must
+        be the student's."""
+        from skyrl_host.jobs.teacher import ServedTeacher, Teacher, check_same_tokenizer
+
+        options, family = run.spec.teacher, run.plugin("teacher").create()
+        if options.base_url is not None:
+            if not has(family, TokenizerLoading):
+                raise UserError(f"[teacher] base_url: model family {run.plugin('teacher').name!r} cannot load its "
+                                "tokenizer alone; score the teacher in this process (no base_url)")
+            check_same_tokenizer(self.tokenizer, family.load_tokenizer(alphabet=alphabet).tokenizer)
+            return ServedTeacher(options, temperature=self.sampler.temperature)
+        if has(self.placement, TeacherPlacement):  # its own process (the Ray launcher: an actor)
+            remote = self.placement.place_teacher(run.plugin("teacher"), options, alphabet=alphabet, seed=self.seed,
+                                                  temperature=self.sampler.temperature)
+            check_same_tokenizer(self.tokenizer, remote.vocab())
+            return remote
+        taught = family.load(alphabet=alphabet, seed=self.seed)
+        check_same_tokenizer(self.tokenizer, taught.tokenizer)
+        return Teacher(taught, options, temperature=self.sampler.temperature)
+
     def _teach(self, batch: Any, metrics: dict[str, float]) -> None:
         """The teacher's logprobs of the sampled tokens, into the batch (``teacher_logprobs``),
         and how far the student is from it: ``teacher_kl``, the mean over generated tokens of
@@ -421,6 +461,7 @@ class RLDriver:
         mask = batch.loss_mask != 0
         metrics["teacher_kl"] = float(np.mean(batch.logprobs[mask] - teacher[mask])) if mask.any() else 0.0
         metrics["teacher_time_s"] = time.perf_counter() - t0
+        metrics.update(self.teacher.counters)
 
     def _kl_penalty(self, batch: Any, metrics: dict[str, float]) -> Any:
         """KL against the reference policy as a reward penalty (instead of a loss term)."""

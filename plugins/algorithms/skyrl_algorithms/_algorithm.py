@@ -151,4 +151,14 @@ class PolicyGradient:
             icepop_beta=c.icepop_beta,
             icepop_alpha=c.icepop_alpha,
             decoupled=c.decoupled,
+            teacher_kl_coef=c.teacher_kl_coef,
+            teacher_kl_estimator=c.teacher_kl_estimator,
         )
+
+
+def declared_traits(config: Any) -> Any:
+    """The traits every algorithm declares (``register(..., traits=declared_traits)``):
+    it needs a ``[teacher]`` when its config adds the teacher KL to the loss."""
+    from skyrl_host.interfaces import AlgorithmTraits
+
+    return AlgorithmTraits(teacher=config.teacher_kl_coef > 0)

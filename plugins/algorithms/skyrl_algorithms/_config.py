@@ -19,6 +19,8 @@ from skyrl_host.options import OptionError, ge, gt, in_interval, option
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlEstimator = Literal["k1", "k2", "k3"]
+# k1 as a loss has zero expected gradient on the policy's own samples: not offered for the teacher.
+TeacherKlEstimator = Literal["k2", "k3"]
 Baseline = Literal["mean", "leave_one_out"]
 StdKind = Literal["population", "unbiased"]
 RatioLevel = Literal["token", "sequence"]
@@ -130,6 +132,16 @@ OPTIONS: Mapping[str, Spec] = MappingProxyType({  # read-only: the table every a
     ),
     "kl_in_reward": Spec(
         bool, False, "subtract kl_coef * the sequence's summed KL from its reward instead of adding it to the loss"
+    ),
+    # -- KL against a [teacher] (on-policy distillation as a loss term) -----
+    "teacher_kl_coef": Spec(
+        float, 0.0, "weight of a KL term against the [teacher]'s logprobs of the sampled tokens, added to the loss "
+        "(0: none; above 0 the job needs a [teacher] table)", ge(0)
+    ),
+    "teacher_kl_estimator": Spec(
+        TeacherKlEstimator, "k2", "the teacher KL's per-token estimator: 'k2' ((logp - teacher)^2 / 2: on the "
+        "student's own samples its gradient is reverse KL(student || teacher)'s) or 'k3' (its gradient is forward "
+        "KL(teacher || student)'s)"
     ),
     # -- reward shaping and filtering ----------------------------------------
     "overlong_shaping": Spec(

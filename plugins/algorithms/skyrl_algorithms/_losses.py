@@ -152,6 +152,8 @@ def policy_loss(
     icepop_beta: float | None = None,
     icepop_alpha: float | None = None,
     decoupled: bool = False,
+    teacher_kl_coef: float = 0.0,
+    teacher_kl_estimator: str = "k2",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the step loss and its metrics (detached).
 
@@ -162,6 +164,7 @@ def policy_loss(
         pg_t = min(pg_t, c |A|)                 if A < 0 and dual_clip_c = c > 0
         pg_t = pg_t * c_t                       (detached; the off-policy correction, if any)
         loss = sum_t w_t pg_t + kl_coef * sum_t w_t kl_t      (w_t: token_weights of loss_agg)
+                              + teacher_kl_coef * sum_t w_t tkl_t
 
     ``c_t`` comes from :func:`off_policy_weights`: ``off_policy`` with
     ``off_policy_level`` and ``off_policy_cap`` ("tis", "mis"), or ``icepop_beta`` and
@@ -174,6 +177,12 @@ def policy_loss(
     (GSPO-token) ``r = sg[s_i] * exp(logp - sg[logp])`` with ``s_i = exp(mean over
     the loss tokens of sequence i of (logp - logp_old))``: its value is the
     sequence ratio and its gradient is ``s_i * grad logp`` on every token.
+
+    ``tkl_t`` is ``teacher_kl_estimator`` of the policy's logprob against
+    ``inputs.teacher_logprobs`` (the [teacher]'s logprob of the same token): "k2"
+    ``(logp - teacher)^2 / 2``, whose gradient on the policy's own samples is that of
+    KL(policy || teacher); "k3" ``exp(teacher - logp) - (teacher - logp) - 1``, whose
+    gradient is that of KL(teacher || policy). Reported as ``teacher_kl_loss``.
     """
     logp = inputs.logprobs
     mask = inputs.mask.to(logp.dtype)
@@ -266,4 +275,15 @@ def policy_loss(
             kl_loss = (weights * kl).sum()
             metrics["kl_loss"] = kl_loss.detach() * to_local
             loss = loss + kl_coef * kl_loss
+    if teacher_kl_coef > 0:
+        teacher = inputs.teacher_logprobs
+        if teacher is None:
+            raise ValueError("teacher_kl_coef > 0 needs LossInputs.teacher_logprobs (the job's [teacher])")
+        teacher = teacher.to(logp.dtype).detach()
+        tkl = torch.where(
+            on, kl_estimate(torch.where(on, logp, zero), torch.where(on, teacher, zero), teacher_kl_estimator), zero
+        )
+        teacher_loss = (weights * tkl).sum()
+        metrics["teacher_kl_loss"] = teacher_loss.detach() * to_local
+        loss = loss + teacher_kl_coef * teacher_loss
     return loss, metrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host import hookimpl
-from skyrl_algorithms._algorithm import PolicyGradient
+from skyrl_algorithms._algorithm import PolicyGradient, declared_traits
 from skyrl_algorithms._config import make_config
 
 DapoConfig = make_config(
@@ -42,4 +42,5 @@ def skyrl_register_algorithms(register: Any) -> None:
         Dapo,
         config=DapoConfig,
         description="DAPO: clip-higher, dynamic sampling, token-mean loss, overlong reward shaping",
+        traits=declared_traits,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host import hookimpl
-from skyrl_algorithms._algorithm import PolicyGradient
+from skyrl_algorithms._algorithm import PolicyGradient, declared_traits
 from skyrl_algorithms._config import make_config
 
 GrpoConfig = make_config(
@@ -39,4 +39,5 @@ def skyrl_register_algorithms(register: Any) -> None:
         Grpo,
         config=GrpoConfig,
         description="GRPO: group-normalised advantages, PPO-clip, per-sequence token mean",
+        traits=declared_traits,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host import hookimpl
-from skyrl_algorithms._algorithm import PolicyGradient
+from skyrl_algorithms._algorithm import PolicyGradient, declared_traits
 from skyrl_algorithms._config import make_config
 
 GspoConfig = make_config(
@@ -42,4 +42,5 @@ def skyrl_register_algorithms(register: Any) -> None:
         Gspo,
         config=GspoConfig,
         description="GSPO: sequence-level importance ratio, clipped per sequence (3e-4 / 4e-4)",
+        traits=declared_traits,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_host import hookimpl
-from skyrl_algorithms._algorithm import PolicyGradient
+from skyrl_algorithms._algorithm import PolicyGradient, declared_traits
 from skyrl_algorithms._config import make_config
 
 RlooConfig = make_config(
@@ -39,4 +39,5 @@ def skyrl_register_algorithms(register: Any) -> None:
         Rloo,
         config=RlooConfig,
         description="RLOO: leave-one-out baseline (no std), PPO-clip, token-mean loss",
+        traits=declared_traits,
     )

@@ -254,6 +254,38 @@ def test_kl_in_the_loss_needs_reference_logprobs() -> None:
     assert "kl" not in Grpo().loss(inputs)[1]
 
 
+def test_teacher_kl_term_in_the_loss() -> None:
+    # A = 0, token-mean over 2 tokens, logp - teacher = 0.5 and -0.5, teacher_kl_coef 0.2.
+    # k2: loss 0.2 * (0.125 + 0.125) / 2 = 0.025; d/d logp = 0.2 * d / 2 -> 0.05, -0.05 (the
+    # reverse KL's gradient on the student's own samples: pushed toward the teacher's logprob).
+    inputs = make_inputs([-1.0, -2.0], [-1.0, -2.0], [0.0, 0.0], [1, 1], [0, 0])
+    inputs.teacher_logprobs = t([-1.5, -1.5])
+    algo = Dapo(DapoConfig(teacher_kl_coef=0.2))
+    got_loss, got_grad, metrics = loss_and_grad(algo, inputs)
+    assert got_loss == pytest.approx(0.025) and got_grad == pytest.approx([0.05, -0.05])
+    assert metrics["teacher_kl_loss"] == pytest.approx(0.125)
+    assert not algo.needs_reference  # the teacher is not a frozen copy of the policy
+    # k3: 0.2 * (0.1065307 + 0.1487213) / 2 = 0.0255252; d/d logp = 0.2 (1 - exp(-d)) / 2.
+    got_loss, got_grad, _ = loss_and_grad(Dapo(DapoConfig(teacher_kl_coef=0.2, teacher_kl_estimator="k3")), inputs)
+    assert got_loss == pytest.approx(0.0255252) and got_grad == pytest.approx([0.03934693, -0.06487213])
+    # Beside the policy gradient: the two add up.
+    adv = make_inputs([-1.0, -2.0], [-1.0, -2.0], [1.0, 1.0], [1, 1], [0, 0])
+    pg_only, pg_grad, _ = loss_and_grad(Dapo(DapoConfig()), adv)
+    adv.teacher_logprobs = t([-1.5, -1.5])
+    both, both_grad, _ = loss_and_grad(Dapo(DapoConfig(teacher_kl_coef=0.2)), adv)
+    assert both == pytest.approx(pg_only + 0.025)
+    assert both_grad == pytest.approx([pg_grad[0] + 0.05, pg_grad[1] - 0.05])
+
+
+def test_teacher_kl_needs_the_teachers_logprobs_and_declares_it() -> None:
+    from skyrl_algorithms._algorithm import declared_traits
+    inputs = make_inputs([-1.0], [-1.0], [1.0], [1], [0])
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        Grpo(GrpoConfig(teacher_kl_coef=0.1)).loss(inputs)
+    assert "teacher_kl_loss" not in Grpo().loss(inputs)[1]
+    assert declared_traits(GrpoConfig(teacher_kl_coef=0.1)).teacher and not declared_traits(GrpoConfig()).teacher
+
+
 # -- truncated importance sampling --------------------------------------------
 #
 # old = 0, ratio 1, A = 1, engine logprobs -1, -0.1, 0.5, cap 2:

@@ -171,6 +171,7 @@ class MicroBatch:
         self.model_kwargs: dict = {}  # extra keywords of the model's forward (a flat row: masks and Segments)
         self.old: Any = None  # pre-update logprobs [K], from the no-grad pass
         self.ref: Any = None  # reference logprobs [K]
+        self.teacher: Any = None  # the [teacher]'s logprobs [K] (its side channel's share)
         self.batch_idx: Any = None  # numpy int64 [K]: each loss token's index in the RolloutBatch
         self.slot_tokens: Any = None  # numpy int64 [n_rows * R]: the batch token at each slot (-1: padding)
         self.batch: Any = None  # the RolloutBatch it comes from

@@ -137,6 +137,15 @@ class TrainStep:
         return lp, ent, logits
 
 
+    def _teacher_share(self, mb: Any) -> torch.Tensor | None:
+        """The micro-batch's share of the batch's ``teacher_logprobs`` side channel (the
+        [teacher]'s logprob of each loss token), or None when the batch has none."""
+        if mb.teacher is None and mb.batch is not None:
+            teacher = mb.batch.side_channels.get("teacher_logprobs")
+            if teacher is not None:
+                mb.teacher = torch.as_tensor(np.asarray(teacher, dtype=np.float32)[mb.batch_idx], device=self.device)
+        return mb.teacher
+
     def _loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward: the world size
         under data parallel (DDP and FSDP2 average gradients over ranks; the algorithm's loss
@@ -221,6 +230,7 @@ class TrainStep:
                                 logprobs=lp, old_logprobs=old, engine_logprobs=mb.engine_lp, advantages=mb.adv,
                                 mask=torch.ones_like(mb.adv), seq_ids=mb.seq_ids, n_seqs=mb.n_seqs,
                                 global_tokens=global_tokens, global_seqs=global_seqs, ref_logprobs=mb.ref,
+                                teacher_logprobs=self._teacher_share(mb),
                                 max_response_len=max_new_tokens,
                             )
                             loss, metrics = algorithm.loss(inputs)

@@ -570,6 +570,54 @@ class RaySync:
         ray_get([a.close.remote() for a in self.backends + self.engines])
 
 
+class TeacherWorker:
+    """A distilling job's [teacher] in its own actor: the model of its family choice, loaded
+    here, scoring the token ids and offsets the driver sends
+    (:class:`skyrl_host.jobs.teacher.Teacher`)."""
+
+    def __init__(self, family: Any, options: Any, alphabet: str | None, seed: int, temperature: float,
+                 threads: int | None):
+        import torch
+
+        from skyrl_host.jobs.teacher import Teacher
+
+        if threads:
+            torch.set_num_threads(threads)
+        loaded = family.create().load(alphabet=alphabet, seed=seed)
+        self.vocabulary = dict(loaded.tokenizer.get_vocab())
+        self.name = str(loaded.tokenizer.name_or_path or "")
+        self.teacher = Teacher(loaded, options, temperature=temperature)
+
+    def ready(self) -> str:
+        return socket.gethostname()
+
+    def vocab(self) -> tuple[str, dict[str, int]]:
+        return self.name, self.vocabulary
+
+    def logprobs(self, tokens: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
+        import types
+
+        return self.teacher.logprobs(types.SimpleNamespace(tokens=tokens, cu_seqlens=cu_seqlens,
+                                                           n_tokens=int(cu_seqlens[-1])))
+
+
+class RemoteTeacher:
+    """The driver's handle on a :class:`TeacherWorker`."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+        self.counters: dict[str, float] = {}
+
+    def vocab(self) -> Any:
+        import types
+
+        name, vocabulary = ray_get(self.actor.vocab.remote())
+        return types.SimpleNamespace(name_or_path=name, get_vocab=lambda: vocabulary)
+
+    def logprobs(self, batch: Any) -> np.ndarray:
+        return ray_get(self.actor.logprobs.remote(np.asarray(batch.tokens), np.asarray(batch.cu_seqlens)))
+
+
 class Actors:
     """The actors and placement groups one placement started, released together."""
 
@@ -577,19 +625,30 @@ class Actors:
         self.started: list[tuple[list[Any], Any]] = []  # (actors, placement group)
 
     def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0, concurrency: int = 1,
-              groups: Mapping[str, int] | None = None) -> list[Any]:
+              groups: Mapping[str, int] | None = None, gpus: bool = True,
+              resources: Mapping[str, float] | None = None, role: str = "") -> list[Any]:
         """One ``worker`` actor per entry of ``args`` (its constructor's arguments), in one
         placement group with a bundle each (``cpus`` CPUs, plus one GPU when the cluster has
         enough free ones to give each one: :func:`gpu_bundles`); waits until all are built.
         ``concurrency`` > 1: a threaded actor serving that many calls at once. ``groups``:
-        Ray concurrency groups (name: threads) whose calls run beside the others."""
+        Ray concurrency groups (name: threads) whose calls run beside the others. ``gpus``
+        False: no GPU whatever the cluster has (an actor that computes on its CPUs).
+        ``resources``: custom Ray resources each bundle asks for too (``[cluster]
+        <role>_resources``): only nodes that hold them take the actors."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         n = len(args)
-        gpus = gpu_bundles(n, ray.available_resources())  # the free GPUs: earlier actors may hold some
-        bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {})}
+        gpus = gpu_bundles(n, ray.available_resources()) if gpus else 0  # the free GPUs: earlier actors may hold some
+        bundle = {"CPU": cpus, **({"GPU": 1} if gpus else {}), **dict(resources or {})}
+        missing = sorted(set(resources or {}) - set(ray.cluster_resources()))
+        if missing:
+            raise UserError(
+                f"[cluster] {role}_resources: no node of the Ray cluster holds {', '.join(map(repr, missing))} (its "
+                f"resources: {sorted(k for k in ray.cluster_resources() if not k.startswith('node:'))}); start the "
+                f"nodes for it with ray start --resources='{{\"{missing[0]}\": 1}}'"
+            )
         group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ready, _ = ray.wait([group.ready()], timeout=120)
         if not ready:
@@ -695,6 +754,8 @@ class RayPlacement:
         self._vocab_size: int | None = None
         self._staged: tuple[int, Any] | None = None  # (version, what RaySync.send returned), until commit
         self.closed = False
+        self.config: Any = None  # the launcher's [cluster] keys (set by place())
+        self.threads: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -742,6 +803,16 @@ class RayPlacement:
     def save_final(self, path: str) -> None:
         self.backend.save_final(path)  # gathered from the ranks, saved by rank 0
 
+    def place_teacher(self, family: Any, options: Any, *, alphabet: str | None, seed: int,
+                      temperature: float) -> RemoteTeacher:
+        """TeacherPlacement: the [teacher] in an actor of its own (a bundle of
+        ``cpus_per_actor`` CPUs and the ``teacher_resources``, and with ``device =
+        "cuda..."`` a GPU when one is free), released with the others."""
+        (actor,) = self.actors.start(TeacherWorker, [(family, options, alphabet, seed, temperature, self.threads)],
+                                     cpus=self.config.cpus_per_actor, gpus=options.device.startswith("cuda"),
+                                     resources=self.config.teacher_resources, role="teacher")
+        return RemoteTeacher(actor)
+
     def close(self) -> None:
         """Stop the transport's groups, the actors and their placement groups, and Ray
         itself when this placement started it."""
@@ -778,10 +849,12 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
         request.check_tokenizer(loaded.tokenizer)  # before any process starts
     sampler = request.sampler.create() if request.sampler is not None else None
     placement = RayPlacement(start_ray(cluster, config), loaded, sampler)
+    placement.config, placement.threads = config, request.threads
     try:
         ranks = cluster.trainer_ranks
         backends = placement.actors.start(
             BackendWorker, [(request, rank, ranks) for rank in range(ranks)], cpus=config.cpus_per_actor,
+            resources=config.trainer_resources, role="trainer",
             groups={"staged": 1},  # staged_result waits for a background write beside the train step
         )
         data_parallel = request.backend.traits.data_parallel
@@ -794,6 +867,7 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
             # call in progress; the engine applies it between two forwards.
             engines = placement.actors.start(
                 EngineWorker, [(request,)] * cluster.engine_replicas, cpus=config.cpus_per_actor,
+                resources=config.engine_resources, role="engine",
                 concurrency=2 if request.in_flight_updates else 1,
             )
             placement.engine = RemoteEngine(engines)

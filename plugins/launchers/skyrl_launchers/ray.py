@@ -21,12 +21,28 @@ from skyrl_host import hookimpl
 from skyrl_host.options import gt, option
 
 
+def _resources(_inst: Any, _attr: Any, value: dict[str, float]) -> None:
+    for name, amount in value.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(f"{name!r} is Ray's own resource; custom resources only (CPUs: cpus_per_actor)")
+        if not amount > 0:
+            raise ValueError(f"{name} = {amount!r}: expected an amount > 0")
+
+
 @attrs.frozen
 class RayConfig:
     """The ray launcher's keys of ``[cluster]``."""
 
-    address: str | None = option(None, help="address of a running Ray cluster (default: start one)")
+    address: str | None = option(None, help="address of a running Ray cluster: 'auto' (the one `ray start` made "
+                                 "on this machine) or host:port (default: start one of the job's own)")
     cpus_per_actor: float = option(1.0, help="CPUs each actor's placement-group bundle asks Ray for", validator=gt(0))
+    trainer_resources: dict[str, float] = option(
+        factory=dict, help="custom Ray resources each backend rank's bundle also asks for, e.g. {trainer_node = 1}: "
+        "only nodes started with them (ray start --resources) take the ranks", validator=_resources)
+    engine_resources: dict[str, float] = option(
+        factory=dict, help="custom Ray resources each engine replica's bundle also asks for", validator=_resources)
+    teacher_resources: dict[str, float] = option(
+        factory=dict, help="custom Ray resources the [teacher]'s actor's bundle also asks for", validator=_resources)
 
 
 class RayLauncher:

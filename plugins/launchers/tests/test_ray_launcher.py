@@ -63,6 +63,24 @@ def test_ray_launcher_learns_exactly_like_one_process(skyrl_ray, skyrl_cli, skyr
     assert ray.available_resources().get("CPU") == 2  # every actor and placement group released
 
 
+@pytest.mark.slow
+def test_a_teacher_in_its_own_actor_scores_as_in_one_process(skyrl_ray, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    import ray
+
+    made = skyrl_tiny_rl_job(tmp_path, "teacher_src", job={"seed": 9, "steps": 1, "save_final": True})
+    assert skyrl_cli("run", str(made.path)).exit_code == 0
+    distil = {"algorithm": {"name": "opd"}, "teacher": {"family": "qwen", "path": str(made.out / "final")}}
+    local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
+                weight_sync={"transport": "inproc"}, **distil)
+    # Three actors (backend, engine, teacher) on the fixture's 2 CPUs.
+    actors = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "actors", launcher="ray", engine_dtype="float32",
+                 cluster={"cpus_per_actor": 0.5},
+                 weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/weights", "dtype": "float32"}, **distil)
+    assert local[0]["teacher_kl"] > 0.005  # a teacher that differs from the student
+    assert learning(actors) == learning(local)
+    assert ray.available_resources().get("CPU") == 2  # the teacher's actor released with the others
+
+
 def test_one_process_transports_are_refused_with_ray(skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     path = write(skyrl_tiny_rl_job, tmp_path, "o", launcher="ray", engine_dtype="float32",
                  weight_sync={"transport": "inproc"}).path

@@ -69,12 +69,13 @@ def make_cli(host: PluginHost) -> click.Group:
     def run(ctx: click.Context, job_file: str, overrides: Sequence[str], overwrite: bool, resume: bool) -> None:
         """Validate JOB_FILE, resolve its plugins and run its job kind."""
         from skyrl_host.config import load_job
-        from skyrl_host.runner import run_job
+        from skyrl_host.runner import run_restarting
 
         spec = load_job(job_file, _host(ctx), overrides)
         _notices(spec)
         start = time.monotonic()
-        result = run_job(_host(ctx), spec, overwrite=overwrite, resume=resume)
+        result = run_restarting(_host(ctx), spec, overwrite=overwrite, resume=resume,
+                                notice=lambda line: click.echo(line, err=True))
         resumed = f" (resumed after step {result.resume_step})" if result.resuming else ""
         click.echo(
             f"{spec.kind.name} job {spec.name!r} completed {result.last_step} step(s){resumed} in "

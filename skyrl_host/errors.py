@@ -68,3 +68,9 @@ class JobFailed(Exception):
     because something it depends on is gone (an inference server that died).
 
     The CLI prints its message without a traceback and exits with code 1."""
+
+
+class ProcessLost(JobFailed):
+    """A process the job placed (a Ray actor and its node, an inference server) is gone.
+    The run's checkpoints are intact: ``skyrl run JOB --resume`` continues from the last
+    one, and ``[cluster] max_restarts = N`` makes the job do so by itself up to N times."""

@@ -330,6 +330,8 @@ class LossInputs:
     global_seqs: float  # sequences in the whole step
     ref_logprobs: Any = None  # frozen reference policy, when the algorithm asks for it
     teacher_logprobs: Any = None  # the [teacher]'s logprobs of the same tokens, when the job has one
+    teacher_topk_logprobs: Any = None  # [N, k]: the [teacher]'s k most likely tokens' logprobs, when asked
+    topk_logprobs: Any = None  # [N, k]: the current policy's logprobs of those tokens, with grad
     max_response_len: int = 0  # the job's max_new_tokens (Dr. GRPO's constant normaliser)
 
 
@@ -569,6 +571,11 @@ class AlgorithmTraits:
     #: batch's ``teacher_logprobs`` side channel (float32 [T]) before ``advantages``; the
     #: backend gives each micro-batch's share to the loss as ``LossInputs.teacher_logprobs``
     teacher: bool = False
+    #: k > 0: the loss also needs the teacher's k most likely tokens at each position: the
+    #: driver adds ``teacher_topk_ids`` (int32 [T, k]) and ``teacher_topk_logprobs`` ([T, k])
+    #: side channels, the backend gives the loss ``LossInputs.teacher_topk_logprobs`` and the
+    #: policy's logprobs of the same ids, ``LossInputs.topk_logprobs`` (with their gradient)
+    teacher_topk: int = 0
 
 
 @attrs.frozen
@@ -1058,8 +1065,8 @@ class TeacherPlacement(Protocol):
     def place_teacher(self, family: Any, options: Any, *, alphabet: str | None, seed: int,
                       temperature: float) -> Any:
         """Start the teacher (``family``: the [teacher]'s model-family choice; ``options``:
-        its host keys); returns what scores batches: ``logprobs(batch)`` (float32 [T], as
-        :class:`skyrl_host.jobs.teacher.Teacher`), ``vocab()`` (its tokenizer's) and
+        its host keys); returns what scores batches: ``score(batch, k)`` (as
+        :meth:`skyrl_host.jobs.teacher.Teacher.score`), ``vocab()`` (its tokenizer's) and
         ``counters`` (a dict the step's metrics gain)."""
         ...
 

@@ -7,14 +7,14 @@ import numbers
 import pathlib
 import shutil
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import cattrs
 
 from skyrl_host.checkpoints import JOB_RECORD, latest_checkpoint, read_job_record, resume_mismatches
 from skyrl_host.config import JobSpec, PluginChoice
-from skyrl_host.errors import Problem, UserError
+from skyrl_host.errors import ProcessLost, Problem, UserError
 from skyrl_host.plugins import PluginHost
 
 RUN_RECORD = JOB_RECORD
@@ -225,6 +225,23 @@ def run_job(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume:
         finally:
             _finish_observers(run, status, error)
     return run
+
+
+def run_restarting(host: PluginHost, spec: JobSpec, *, overwrite: bool = False, resume: bool = False,
+                   notice: Callable[[str], None] = print) -> Run:
+    """:func:`run_job`, and again with ``resume`` each time it stops on a
+    :class:`~skyrl_host.errors.ProcessLost`, up to ``[cluster] max_restarts`` times
+    (``notice`` is told of each restart)."""
+    restarts = 0
+    while True:
+        try:
+            return run_job(host, spec, overwrite=overwrite and restarts == 0, resume=resume or restarts > 0)
+        except ProcessLost as exc:
+            if restarts >= spec.cluster.max_restarts:
+                raise
+            restarts += 1
+            notice(f"notice: {exc}; resuming from the last checkpoint (restart {restarts} of "
+                   f"{spec.cluster.max_restarts}, [cluster] max_restarts)")
 
 
 def _finish_observers(run: Run, status: str, error: BaseException | None) -> None:

@@ -38,6 +38,10 @@ class ClusterSection:
         1, help="engine replicas; a step's prompts are split between them (a launcher that places processes)",
         validator=gt(0),
     )
+    max_restarts: int = option(
+        0, help="when a process the job placed is lost (a Ray node, an inference server), resume from the last "
+        "checkpoint by itself up to this many times (0: stop with the message)", validator=ge(0),
+    )
 
 
 def _ks(inst: "EvalSection", _attr: Any, value: list[int]) -> None:

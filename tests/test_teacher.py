@@ -32,6 +32,32 @@ def test_opd_advantages_are_the_teachers_per_token_signal() -> None:
         Opd(OpdConfig()).advantages(batch, batch.rewards)
 
 
+def test_the_teachers_top_k_is_its_most_likely_tokens_at_each_position() -> None:
+    import torch
+
+    from skyrl_host.jobs.teacher import NO_LOGPROB, Teacher
+    from skyrl_host.sections import TeacherSection
+    from skyrl_models.qwen import QwenConfig, make_family
+
+    loaded = make_family(QwenConfig(preset="tiny")).load(alphabet="0123456789 ", seed=3)
+    batch = RolloutBatch.from_sequences([[3, 4, 5], [6]], [[7, 8], [9, 10, 11]], [[0.0] * 2, [0.0] * 3], group_ids=[0, 1])
+    # batch_tokens 4: one sequence per forward (padding would change nothing either).
+    lps, ids, top = Teacher(loaded, TeacherSection(batch_tokens=4), temperature=0.5).score(batch, 3)
+    assert ids.shape == top.shape == (batch.n_tokens, 3) and ids.dtype == np.int32
+    cu = batch.cu_seqlens
+    for s in range(2):
+        tokens = torch.as_tensor(batch.tokens[cu[s]:cu[s + 1]], dtype=torch.long)[None]
+        with torch.no_grad():
+            full = torch.log_softmax(loaded.model(input_ids=tokens).logits[0, :-1].float() / 0.5, -1)
+        expect = full.topk(3, -1)
+        assert ids[cu[s] + 1:cu[s + 1]].tolist() == expect.indices.tolist()
+        np.testing.assert_allclose(top[cu[s] + 1:cu[s + 1]], expect.values.numpy(), atol=1e-5)
+        np.testing.assert_allclose(lps[cu[s] + 1:cu[s + 1]], full.gather(-1, tokens[0, 1:, None])[:, 0].numpy(),
+                                   atol=1e-5)
+        assert ids[cu[s]].tolist() == [0, 0, 0] and top[cu[s]].tolist() == [NO_LOGPROB] * 3 and lps[cu[s]] == 0
+    assert np.all(np.diff(top[1:3], axis=1) <= 0)  # most likely first
+
+
 def _job(skyrl_tiny_rl_job, tmp_path, name, **sections):
     return skyrl_tiny_rl_job(tmp_path, name, **sections)
 
@@ -78,10 +104,12 @@ def test_a_teacher_kl_term_keeps_any_algorithm_near_its_teacher(skyrl_cli, skyrl
     control = drift("control", reward_only)
     same_plus_term = drift("term", {**reward_only, "teacher_kl_coef": 1.0})
     grpo_plus_term = drift("grpo", {"name": "grpo", "teacher_kl_coef": 1.0})
+    grpo_top_k = drift("grpo_topk", {"name": "grpo", "teacher_kl_coef": 1.0, "teacher_kl_topk": 8})
     print(f"teacher_kl of the last 5 steps: reward alone {control:.3f}, with the term {same_plus_term:.3f}, "
-          f"grpo with it {grpo_plus_term:.3f}")
-    # measured: 0.46, 0.03, 0.04
+          f"grpo with it {grpo_plus_term:.3f}, grpo with its top-8 form {grpo_top_k:.3f}")
+    # measured: 0.46, 0.03, 0.04, 0.13 (the top-k form bounds the forward KL, not this reverse estimate)
     assert control > 0.1 and same_plus_term < 0.3 * control and grpo_plus_term < 0.3 * control
+    assert grpo_top_k < 0.5 * control
 
 
 def test_what_cannot_work_is_refused(skyrl_cli, skyrl_tiny_rl_job, skyrl_real_checkpoint, tmp_path) -> None:
@@ -176,6 +204,14 @@ def test_a_served_teacher_that_fails_or_is_not_vllm_is_one_clear_error(monkeypat
         entries = [None] + [{str(t): {"logprob": -0.5 * t}} for t in (6, 7, 8)]
         answers.completions = (200, json.dumps({"choices": [{"index": 0, "prompt_logprobs": entries}]}).encode())
         assert teacher.logprobs(batch).tolist() == [0.0, -3.0, -3.5, -4.0]
+        # Top-k: the k best of what came back, most likely first; fewer than k is refused.
+        entries = [None] + [{str(t): {"logprob": -0.5 * t}, "3": {"logprob": -0.1}, "4": {"logprob": -9.0}}
+                            for t in (6, 7, 8)]
+        answers.completions = (200, json.dumps({"choices": [{"index": 0, "prompt_logprobs": entries}]}).encode())
+        lps, ids, top = teacher.score(batch, 2)
+        assert ids.tolist() == [[0, 0], [3, 6], [3, 7], [3, 8]] and top[1].tolist() == pytest.approx([-0.1, -3.0])
+        with pytest.raises(UserError, match="3 top-k entries, expected 4"):
+            teacher.score(batch, 4)
         # Not JSON; an answer larger than the request allows.
         answers.completions = (200, b"<html>")
         with pytest.raises(UserError, match="not JSON"):

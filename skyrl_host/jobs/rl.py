@@ -231,7 +231,8 @@ class RLDriver:
         self.handover: WeightHandover | None = None
         self._saved_rollouts: Mapping[str, Any] | None = None  # async resume: what the source had generated
         self.evaluation: Any = None  # [eval]: a jobs.evaluation.Evaluation
-        self.teacher: Any = None  # [teacher]: a jobs.teacher.Teacher
+        self.teacher: Any = None  # [teacher]: a jobs.teacher.Teacher, ServedTeacher or a placement's
+        self.teacher_topk = 0  # the algorithm's teacher_kl_topk: top-k of the teacher's distribution per token
         self._alone = False  # evaluate_alone(): no evaluation before training, nothing reported
 
     # -- set-up ----------------------------------------------------------------
@@ -266,6 +267,7 @@ class RLDriver:
         self.prompts = Prompts(self.tokenizer, checked=first_chat is not None)
         if run.spec.teacher is not None:
             self.teacher = self._make_teacher(run, alphabet)
+            self.teacher_topk = int(run.spec.plugins["algorithm"].traits.teacher_topk)
         self.kl_in_reward = has(self.algorithm, RewardKL) and bool(self.algorithm.kl_in_reward)
         self.start_step = 1
         if run.resume_path is not None:
@@ -450,14 +452,22 @@ class RLDriver:
         return Teacher(taught, options, temperature=self.sampler.temperature)
 
     def _teach(self, batch: Any, metrics: dict[str, float]) -> None:
-        """The teacher's logprobs of the sampled tokens, into the batch (``teacher_logprobs``),
-        and how far the student is from it: ``teacher_kl``, the mean over generated tokens of
+        """The teacher's logprobs of the sampled tokens, into the batch (``teacher_logprobs``;
+        with an algorithm's ``teacher_kl_topk`` = k, also its k most likely tokens at each
+        position: ``teacher_topk_ids`` int32 [T, k], ``teacher_topk_logprobs`` [T, k]), and
+        how far the student is from it: ``teacher_kl``, the mean over generated tokens of
         log p_student - log p_teacher (the reverse KL's sample estimate)."""
         import numpy as np
 
         t0 = time.perf_counter()
-        teacher = self.teacher.logprobs(batch)
+        teacher, top_ids, top_lps = self.teacher.score(batch, self.teacher_topk)
         batch.side_channels["teacher_logprobs"] = teacher
+        if self.teacher_topk:
+            if top_ids.size and int(top_ids.max()) >= self.placement.vocab_size:
+                raise UserError(f"[teacher]: its top-k holds token id {int(top_ids.max())}; the student has "
+                                f"{self.placement.vocab_size} ids")
+            batch.side_channels["teacher_topk_ids"] = top_ids
+            batch.side_channels["teacher_topk_logprobs"] = top_lps
         mask = batch.loss_mask != 0
         metrics["teacher_kl"] = float(np.mean(batch.logprobs[mask] - teacher[mask])) if mask.any() else 0.0
         metrics["teacher_time_s"] = time.perf_counter() - t0

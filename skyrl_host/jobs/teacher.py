@@ -38,6 +38,17 @@ def check_same_tokenizer(student: Any, teacher: Any) -> None:
         raise UserError(f"[teacher]: {problem}")
 
 
+#: The top-k logprob of a position the teacher does not score (each sequence's first token).
+NO_LOGPROB = -1.0e4
+
+
+def empty_topk(n_tokens: int, k: int) -> tuple[Any, Any]:
+    """Top-k arrays for ``n_tokens`` tokens before any is scored: ids 0, logprobs NO_LOGPROB."""
+    import numpy as np
+
+    return np.zeros((n_tokens, k), dtype=np.int32), np.full((n_tokens, k), NO_LOGPROB, dtype=np.float32)
+
+
 class Teacher:
     def __init__(self, loaded: Any, options: Any, *, temperature: float) -> None:
         import torch
@@ -53,10 +64,19 @@ class Teacher:
         self.counters: dict[str, float] = {}  # what the step's metrics gain
 
     def logprobs(self, batch: Any) -> Any:
+        return self.score(batch, 0)[0]
+
+    def score(self, batch: Any, k: int) -> tuple[Any, Any, Any]:
+        """(logprobs [T], top-k ids [T, k] int32, top-k logprobs [T, k]): the teacher's
+        logprob of each token after the ones before it, and (``k`` > 0) its ``k`` most
+        likely tokens at that position with their logprobs, most likely first (None, None
+        when ``k`` is 0). Each sequence's first token has none: 0, and ids 0 with logprob
+        :data:`NO_LOGPROB`."""
         import numpy as np
         import torch
 
         out = np.zeros(batch.n_tokens, dtype=np.float32)
+        top_ids, top_lps = empty_topk(batch.n_tokens, k)
         cu = batch.cu_seqlens
         lens = np.diff(cu)
         order = np.argsort(-lens, kind="stable")
@@ -75,18 +95,25 @@ class Teacher:
                     mask[row, :n] = 1
                 ids, mask = ids.to(self.device), mask.to(self.device)
                 logits = self.model(input_ids=ids, attention_mask=mask).logits.float() / self.temperature
-                picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].cpu().numpy()
+                lsm = torch.log_softmax(logits[:, :-1], dim=-1)
+                picked = lsm.gather(-1, ids[:, 1:, None])[..., 0].cpu().numpy()
+                if k:
+                    values, indices = lsm.topk(k, dim=-1)
+                    values, indices = values.cpu().numpy(), indices.cpu().numpy()
                 for row, s in enumerate(chunk):
                     n = int(lens[s])
                     out[cu[s] + 1 : cu[s + 1]] = picked[row, : n - 1]
-        return out
+                    if k:
+                        top_ids[cu[s] + 1 : cu[s + 1]] = indices[row, : n - 1]
+                        top_lps[cu[s] + 1 : cu[s + 1]] = values[row, : n - 1]
+        return out, (top_ids if k else None), (top_lps if k else None)
 
 
 class ServedTeacher:
     """A teacher behind an OpenAI-compatible vLLM server (``[teacher] base_url``): each
-    sequence is sent as token ids to ``/completions`` with ``prompt_logprobs = 0`` (the
-    logprob of each prompt token after the ones before it; one token generated and
-    dropped), in requests of at most ``batch_tokens`` tokens, ``concurrency`` at a time.
+    sequence is sent as token ids to ``/completions`` with ``prompt_logprobs = k`` (the
+    logprob of each prompt token after the ones before it, and its k most likely there;
+    one token generated and dropped), in requests of at most ``batch_tokens`` tokens, ``concurrency`` at a time.
 
     The answer is untrusted: read up to a size fixed by the request, and every sequence
     must come back with one entry per token holding the token it was sent. vLLM's prompt
@@ -165,12 +192,12 @@ class ServedTeacher:
 
     # -- scoring ------------------------------------------------------------------------
 
-    def _score(self, seqs: list[Any]) -> list[Any]:
+    def _score(self, seqs: list[Any], k: int) -> list[tuple[Any, Any, Any]]:
         import numpy as np
 
         prompts = [[int(t) for t in s] for s in seqs]
-        body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-        limit = (1 << 20) + 400 * sum(len(p) for p in prompts)
+        body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k}
+        limit = (1 << 20) + 400 * (k + 1) * sum(len(p) for p in prompts)
         answer = self._call("POST", "/completions", body, limit)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != len(prompts):
@@ -186,22 +213,31 @@ class ServedTeacher:
                 raise UserError(f"[teacher] base_url: sequence {index} of {len(ids)} tokens came back with "
                                 f"{len(entries) if isinstance(entries, list) else 'no'} prompt logprobs (is it vLLM?)")
             values = np.zeros(len(ids), dtype=np.float32)
+            top_ids, top_lps = empty_topk(len(ids), k)
             for t in range(1, len(ids)):
                 entry = entries[t].get(str(ids[t])) if isinstance(entries[t], dict) else None
                 value = entry.get("logprob") if isinstance(entry, dict) else None
-                if not isinstance(value, (int, float)) or value != value or value > 0:
+                if not _is_logprob(value):
                     raise UserError(f"[teacher] base_url: sequence {index}, token {t} (id {ids[t]}): no logprob of "
                                     f"that token in the answer ({str(entries[t])[:200]})")
                 values[t] = value
-            out[index] = values
+                if k:
+                    top_ids[t], top_lps[t] = _top(entries[t], k, index, t)
+            out[index] = (values, top_ids, top_lps)
         return out
 
     def logprobs(self, batch: Any) -> Any:
+        return self.score(batch, 0)[0]
+
+    def score(self, batch: Any, k: int) -> tuple[Any, Any, Any]:
+        """As :meth:`Teacher.score`, from the server's prompt logprobs (``prompt_logprobs =
+        k``: its k most likely tokens at each position, and the token sent)."""
         import concurrent.futures
 
         import numpy as np
 
         out = np.zeros(batch.n_tokens, dtype=np.float32)
+        top_ids, top_lps = empty_topk(batch.n_tokens, k)
         cu = batch.cu_seqlens
         requests, current, used = [], [], 0
         for s in range(batch.n_sequences):
@@ -214,9 +250,30 @@ class ServedTeacher:
         if current:
             requests.append(current)
         with concurrent.futures.ThreadPoolExecutor(self.options.concurrency) as pool:
-            scored = pool.map(lambda group: self._score([batch.tokens[cu[s]:cu[s + 1]] for s in group]), requests)
+            scored = pool.map(lambda group: self._score([batch.tokens[cu[s]:cu[s + 1]] for s in group], k), requests)
             for group, values in zip(requests, scored):
-                for s, v in zip(group, values):
+                for s, (v, ids, lps) in zip(group, values):
                     out[cu[s]:cu[s + 1]] = v
+                    top_ids[cu[s]:cu[s + 1]], top_lps[cu[s]:cu[s + 1]] = ids, lps
         out[cu[:-1]] = 0.0  # each sequence's first token has no context
-        return out
+        return out, (top_ids if k else None), (top_lps if k else None)
+
+
+def _is_logprob(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value <= 0
+
+
+def _top(entry: Any, k: int, index: int, t: int) -> tuple[list[int], list[float]]:
+    """The k most likely tokens of one position of a vLLM answer (``{"id": {"logprob":
+    ...}}``: its top k and the token sent), most likely first; checked."""
+    found = []
+    for key, item in entry.items():
+        value = item.get("logprob") if isinstance(item, dict) else None
+        if not (key.isdigit() and _is_logprob(value)):
+            raise UserError(f"[teacher] base_url: sequence {index}, token {t}: a top-k entry {key!r}: {str(item)[:100]}")
+        found.append((float(value), int(key)))
+    if len(found) < k:
+        raise UserError(f"[teacher] base_url: sequence {index}, token {t}: {len(found)} top-k entries, expected "
+                        f"{k} (does the server allow --max-logprobs {k}?)")
+    found.sort(key=lambda pair: -pair[0])
+    return [i for _, i in found[:k]], [v for v, _ in found[:k]]

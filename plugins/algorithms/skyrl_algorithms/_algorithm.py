@@ -153,6 +153,7 @@ class PolicyGradient:
             decoupled=c.decoupled,
             teacher_kl_coef=c.teacher_kl_coef,
             teacher_kl_estimator=c.teacher_kl_estimator,
+            teacher_kl_topk=c.teacher_kl_topk,
         )
 
 
@@ -161,4 +162,5 @@ def declared_traits(config: Any) -> Any:
     it needs a ``[teacher]`` when its config adds the teacher KL to the loss."""
     from skyrl_host.interfaces import AlgorithmTraits
 
-    return AlgorithmTraits(teacher=config.teacher_kl_coef > 0)
+    uses = config.teacher_kl_coef > 0
+    return AlgorithmTraits(teacher=uses, teacher_topk=config.teacher_kl_topk if uses else 0)

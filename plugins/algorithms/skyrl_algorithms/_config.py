@@ -143,6 +143,11 @@ OPTIONS: Mapping[str, Spec] = MappingProxyType({  # read-only: the table every a
         "student's own samples its gradient is reverse KL(student || teacher)'s) or 'k3' (its gradient is forward "
         "KL(teacher || student)'s)"
     ),
+    "teacher_kl_topk": Spec(
+        int, 0, "k > 0: the teacher KL is over the teacher's k most likely tokens at each position, "
+        "sum_j p_teacher(j) (log p_teacher(j) - log p(j)) (forward KL on its top k; teacher_kl_estimator unused); "
+        "0: on the sampled token alone", in_interval(0, 1024)
+    ),
     # -- reward shaping and filtering ----------------------------------------
     "overlong_shaping": Spec(
         bool, False, "DAPO overlong shaping: penalise responses linearly over the last overlong_buffer tokens"

@@ -154,6 +154,7 @@ def policy_loss(
     decoupled: bool = False,
     teacher_kl_coef: float = 0.0,
     teacher_kl_estimator: str = "k2",
+    teacher_kl_topk: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the step loss and its metrics (detached).
 
@@ -182,7 +183,12 @@ def policy_loss(
     ``inputs.teacher_logprobs`` (the [teacher]'s logprob of the same token): "k2"
     ``(logp - teacher)^2 / 2``, whose gradient on the policy's own samples is that of
     KL(policy || teacher); "k3" ``exp(teacher - logp) - (teacher - logp) - 1``, whose
-    gradient is that of KL(teacher || policy). Reported as ``teacher_kl_loss``.
+    gradient is that of KL(teacher || policy). With ``teacher_kl_topk`` = k,
+    ``tkl_t = sum_j exp(T_j) (T_j - S_j)`` over the teacher's k most likely tokens at the
+    position (``inputs.teacher_topk_logprobs`` T, the policy's logprobs of the same ids
+    ``inputs.topk_logprobs`` S): the forward KL restricted to the teacher's top k, a
+    gradient ``-sum_j p_teacher(j) grad S_j`` with no sampling in it. Reported as
+    ``teacher_kl_loss``.
     """
     logp = inputs.logprobs
     mask = inputs.mask.to(logp.dtype)
@@ -276,13 +282,22 @@ def policy_loss(
             metrics["kl_loss"] = kl_loss.detach() * to_local
             loss = loss + kl_coef * kl_loss
     if teacher_kl_coef > 0:
-        teacher = inputs.teacher_logprobs
-        if teacher is None:
-            raise ValueError("teacher_kl_coef > 0 needs LossInputs.teacher_logprobs (the job's [teacher])")
-        teacher = teacher.to(logp.dtype).detach()
-        tkl = torch.where(
-            on, kl_estimate(torch.where(on, logp, zero), torch.where(on, teacher, zero), teacher_kl_estimator), zero
-        )
+        if teacher_kl_topk > 0:
+            top_t, top_s = inputs.teacher_topk_logprobs, inputs.topk_logprobs
+            if top_t is None or top_s is None:
+                raise ValueError("teacher_kl_topk > 0 needs LossInputs.teacher_topk_logprobs and topk_logprobs")
+            keep = on[:, None]
+            top_t = torch.where(keep, top_t.to(logp.dtype).detach(), 0.0)
+            top_s = torch.where(keep, top_s.to(logp.dtype), 0.0)
+            tkl = torch.where(on, (torch.exp(top_t) * (top_t - top_s)).sum(-1), zero)
+        else:
+            teacher = inputs.teacher_logprobs
+            if teacher is None:
+                raise ValueError("teacher_kl_coef > 0 needs LossInputs.teacher_logprobs (the job's [teacher])")
+            teacher = teacher.to(logp.dtype).detach()
+            tkl = torch.where(
+                on, kl_estimate(torch.where(on, logp, zero), torch.where(on, teacher, zero), teacher_kl_estimator), zero
+            )
         teacher_loss = (weights * tkl).sum()
         metrics["teacher_kl_loss"] = teacher_loss.detach() * to_local
         loss = loss + teacher_kl_coef * teacher_loss

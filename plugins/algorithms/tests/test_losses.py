@@ -277,6 +277,31 @@ def test_teacher_kl_term_in_the_loss() -> None:
     assert both_grad == pytest.approx([pg_grad[0] + 0.05, pg_grad[1] - 0.05])
 
 
+def test_teacher_kl_over_the_teachers_top_k() -> None:
+    # One token, the teacher's top 2 with p = 0.5, 0.3; the policy gives them 0.4, 0.4.
+    # tkl = 0.5 ln(0.5 / 0.4) + 0.3 ln(0.3 / 0.4) = 0.1115718 - 0.0863046 = 0.0252672;
+    # d/dS_j = -coef p_j: -0.5, -0.3 (coef 1, token-mean over one token).
+    inputs = make_inputs([-1.0], [-1.0], [0.0], [1], [0])
+    inputs.teacher_topk_logprobs = t([[math.log(0.5), math.log(0.3)]])
+    inputs.topk_logprobs = t([[math.log(0.4), math.log(0.4)]]).requires_grad_(True)
+    algo = Dapo(DapoConfig(teacher_kl_coef=1.0, teacher_kl_topk=2))
+    loss, metrics = algo.loss(inputs)
+    (grad,) = torch.autograd.grad(loss, inputs.topk_logprobs)
+    assert loss.item() == pytest.approx(0.0252672, abs=1e-6) and metrics["teacher_kl_loss"].item() == pytest.approx(0.0252672, abs=1e-6)
+    assert grad[0].tolist() == pytest.approx([-0.5, -0.3])
+    # A token outside the mask contributes nothing, whatever its (finite) numbers.
+    masked = make_inputs([-1.0, -1.0], [-1.0, -1.0], [0.0, 0.0], [1, 0], [0, 0])
+    masked.teacher_topk_logprobs = t([[math.log(0.5), math.log(0.3)], [-1.0e4, -1.0e4]])
+    masked.topk_logprobs = t([[math.log(0.4), math.log(0.4)], [-50.0, 3.0]])
+    assert algo.loss(masked)[0].item() == pytest.approx(0.0252672, abs=1e-6)
+    with pytest.raises(ValueError, match="teacher_topk_logprobs"):
+        algo.loss(make_inputs([-1.0], [-1.0], [0.0], [1], [0]))
+    from skyrl_algorithms._algorithm import declared_traits
+
+    assert declared_traits(DapoConfig(teacher_kl_coef=1.0, teacher_kl_topk=2)).teacher_topk == 2
+    assert declared_traits(DapoConfig(teacher_kl_topk=2)).teacher_topk == 0  # no coefficient: no teacher asked
+
+
 def test_teacher_kl_needs_the_teachers_logprobs_and_declares_it() -> None:
     from skyrl_algorithms._algorithm import declared_traits
     inputs = make_inputs([-1.0], [-1.0], [1.0], [1], [0])

@@ -569,6 +569,20 @@ class MegatronBackend(TorchBackend):
         lp, ent = _from_context_ranks(owned, lp, ent)
         return lp, ent, lp
 
+    def _teacher_topk(self, mb: Any, logits: Any) -> dict[str, Any]:
+        """The teacher's top-k term needs each loss token's logits over the whole vocabulary
+        on one rank: refused when tensor, pipeline or context parallelism splits them."""
+        c = self.config
+        split = [f"{name} = {getattr(c, name)}" for name in ("tensor_parallel", "pipeline_parallel", "context_parallel")
+                 if getattr(c, name) > 1]
+        if split and mb.batch is not None and "teacher_topk_ids" in mb.batch.side_channels:
+            from skyrl_host.errors import UserError
+
+            raise UserError(f"[algorithm] teacher_kl_topk needs each token's logits over the whole vocabulary on one "
+                            f"rank; [backend] {', '.join(split)} splits them (use the sampled-token teacher KL: "
+                            "teacher_kl_topk = 0)")
+        return super()._teacher_topk(mb, logits)
+
     def _replaying(self, mb: Any) -> Any:
         self._same_shape(mb)
         if self._r3 is not None and mb.ids is not None:

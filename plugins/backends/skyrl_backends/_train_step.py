@@ -146,6 +146,26 @@ class TrainStep:
                 mb.teacher = torch.as_tensor(np.asarray(teacher, dtype=np.float32)[mb.batch_idx], device=self.device)
         return mb.teacher
 
+    def _teacher_topk(self, mb: Any, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """With the batch's ``teacher_topk_ids`` side channel (an algorithm's
+        ``teacher_kl_topk``): the teacher's top-k logprobs of each loss token's position
+        (``teacher_topk_logprobs`` [K, k]) and the policy's logprobs of the same ids under the
+        same temperature (``topk_logprobs``, with their gradient), for LossInputs."""
+        side = mb.batch.side_channels if mb.batch is not None else {}
+        ids = side.get("teacher_topk_ids")
+        if ids is None:
+            return {}
+        if self._scorer_strategy is not None:
+            from skyrl_host.errors import UserError
+
+            raise UserError("[algorithm] teacher_kl_topk needs the policy's logits over the whole vocabulary; the "
+                            "replay strategy 'support' scores without them (drop one of the two)")
+        top_ids = torch.as_tensor(np.asarray(ids)[mb.batch_idx].astype(np.int64), device=self.device)
+        top_t = torch.as_tensor(np.asarray(side["teacher_topk_logprobs"], dtype=np.float32)[mb.batch_idx],
+                                device=self.device)
+        top_s = logits.gather(-1, top_ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return {"teacher_topk_logprobs": top_t, "topk_logprobs": top_s}
+
     def _loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward: the world size
         under data parallel (DDP and FSDP2 average gradients over ranks; the algorithm's loss
@@ -230,7 +250,7 @@ class TrainStep:
                                 logprobs=lp, old_logprobs=old, engine_logprobs=mb.engine_lp, advantages=mb.adv,
                                 mask=torch.ones_like(mb.adv), seq_ids=mb.seq_ids, n_seqs=mb.n_seqs,
                                 global_tokens=global_tokens, global_seqs=global_seqs, ref_logprobs=mb.ref,
-                                teacher_logprobs=self._teacher_share(mb),
+                                teacher_logprobs=self._teacher_share(mb), **self._teacher_topk(mb, logits),
                                 max_response_len=max_new_tokens,
                             )
                             loss, metrics = algorithm.loss(inputs)

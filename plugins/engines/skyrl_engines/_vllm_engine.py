@@ -56,7 +56,7 @@ from skyrl_engines._batch_assembly import assemble_batch, wants_support
 from skyrl_engines._vllm_server import VllmServer, health, is_cpu_build, post_json, vllm_build
 from skyrl_engines._vllm_sampling import missing_vllm_message, sampling_request
 from skyrl_engines.vllm_worker import TOKEN_ENV
-from skyrl_host.errors import JobFailed, UserError
+from skyrl_host.errors import JobFailed, ProcessLost, UserError
 from skyrl_host.contracts import has
 from skyrl_host.interfaces import LoadedModel, Sampler, SamplerTraits, SamplingTraits
 from skyrl_host.rollout import CSR, RolloutBatch
@@ -112,10 +112,10 @@ def _tensor_parallel(args: Sequence[str]) -> int:
     return 1
 
 
-class ServerLost(JobFailed):
+class ServerLost(ProcessLost):
     """A vLLM server the engine depends on died or stopped answering: the job stops with
     this one message (no traceback, exit code 1); ``skyrl run JOB --resume`` continues
-    from the last checkpoint."""
+    from the last checkpoint (``[cluster] max_restarts``: by itself)."""
 
 
 def _stop(servers: list[VllmServer], folder: str | None) -> None:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from skyrl_host.contracts import describe, has, receives_in_workers, require
-from skyrl_host.errors import UserError
+from skyrl_host.errors import ProcessLost, UserError
 from skyrl_host.interfaces import (
     AbortingUpdates,
     AdapterTraining,
@@ -58,7 +58,8 @@ from skyrl_toolkit.launch import save_trained_model, start_backend, start_engine
 
 def ray_get(refs: Any) -> Any:
     """``ray.get``, re-raising a user error from an actor as itself (one clear message,
-    not a remote traceback)."""
+    not a remote traceback), and an actor that died (its process, or its node) as
+    :class:`~skyrl_host.errors.ProcessLost` naming it and its node."""
     import ray
 
     try:
@@ -67,6 +68,28 @@ def ray_get(refs: Any) -> Any:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
+    except ray.exceptions.RayActorError as exc:
+        raise ProcessLost(_lost(exc)) from None
+
+
+def _lost(exc: Any) -> str:
+    """One line for an actor that died: which one, on which node, and Ray's reason."""
+    import ray
+
+    actor_id = getattr(exc, "actor_id", None)
+    where = ""
+    if actor_id:
+        try:
+            info = ray._private.state.actors(actor_id) or {}
+            name = info.get("ActorClassName", "an actor")
+            node = (info.get("Address") or {}).get("NodeID", "?")
+            ip = (info.get("Address") or {}).get("IPAddress", "?")
+            where = f"{name} (node {str(node)[:12]} at {ip})"
+        except Exception:  # noqa: BLE001 - the state table is a courtesy; the loss is the message
+            where = ""
+    reason = " ".join(str(getattr(exc, "error_msg", None) or exc).split())[:300]
+    return (f"the Ray actor {where or actor_id or ''} of this job died: {reason}; `skyrl run JOB --resume` continues "
+            "from the last checkpoint")
 
 
 def _address() -> str:
@@ -594,11 +617,11 @@ class TeacherWorker:
     def vocab(self) -> tuple[str, dict[str, int]]:
         return self.name, self.vocabulary
 
-    def logprobs(self, tokens: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
+    def score(self, tokens: np.ndarray, cu_seqlens: np.ndarray, k: int) -> tuple[Any, Any, Any]:
         import types
 
-        return self.teacher.logprobs(types.SimpleNamespace(tokens=tokens, cu_seqlens=cu_seqlens,
-                                                           n_tokens=int(cu_seqlens[-1])))
+        return self.teacher.score(types.SimpleNamespace(tokens=tokens, cu_seqlens=cu_seqlens,
+                                                        n_tokens=int(cu_seqlens[-1])), k)
 
 
 class RemoteTeacher:
@@ -614,8 +637,8 @@ class RemoteTeacher:
         name, vocabulary = ray_get(self.actor.vocab.remote())
         return types.SimpleNamespace(name_or_path=name, get_vocab=lambda: vocabulary)
 
-    def logprobs(self, batch: Any) -> np.ndarray:
-        return ray_get(self.actor.logprobs.remote(np.asarray(batch.tokens), np.asarray(batch.cu_seqlens)))
+    def score(self, batch: Any, k: int) -> tuple[Any, Any, Any]:
+        return ray_get(self.actor.score.remote(np.asarray(batch.tokens), np.asarray(batch.cu_seqlens), int(k)))
 
 
 class Actors:

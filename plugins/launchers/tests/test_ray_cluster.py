@@ -1,10 +1,11 @@
-"""A job on a Ray cluster it did not start, of several nodes (``ray.cluster_utils.Cluster``:
+"""Jobs on a Ray cluster they did not start, of several nodes (``ray.cluster_utils.Cluster``:
 one raylet per node, each with its own resources, all on this machine): ``[cluster]
-address`` attaches to it, ``trainer_resources`` / ``engine_resources`` put the backend's
-rank on the trainer's node and the engine's replica on an engine node, the weights cross
-between the two nodes' processes, and the job learns exactly as in one process. The job
-leaves the cluster running with none of its actors or placement groups behind; two jobs
-at once on the same cluster do not collide."""
+address`` attaches to it, ``trainer_resources`` / ``engine_resources`` put each backend
+rank on the trainer's node and each engine replica on an engine node, the weights cross
+between the two nodes' processes, and each job learns exactly as in one process; two jobs
+at once do not collide, and they leave the cluster running with none of their actors or
+placement groups behind. A lost trainer node stops a job with one message; ``--resume``,
+or ``[cluster] max_restarts``, continues it with no step lost."""
 
 from __future__ import annotations
 
@@ -69,64 +70,56 @@ def _start(job: pathlib.Path, address: str) -> subprocess.Popen:
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
 
 
-def _job(make_job, tmp_path, name: str, *, steps: int = 3):
-    return make_job(tmp_path, name, job={"steps": steps}, engine={"dtype": "float32"},
+def _job(make_job, tmp_path, name: str, *, steps: int = 3, **job):
+    return make_job(tmp_path, name, job={"steps": steps, **job}, engine={"dtype": "float32"},
                     cluster={"launcher": "ray", "cpus_per_actor": 1.0, "trainer_resources": {"trainer_node": 1},
                              "engine_resources": {"engine_node": 1}},
                     weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights", "dtype": "float32"})
 
 
-def test_a_job_attaches_places_by_node_resources_and_leaves_the_cluster_as_it_found_it(
+def test_jobs_attach_place_by_node_resources_and_leave_the_cluster_as_they_found_it(
         cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """Two jobs at once on the cluster: each one's rank on the trainer node, its replica on
+    an engine node, its weights from one node's process to the other's; neither collides
+    with the other, and each learns exactly as in one process."""
     made, trainer, engines = cluster
-    local = skyrl_tiny_rl_job(tmp_path, "local", job={"steps": 3})
-    assert skyrl_cli("run", str(local.path)).exit_code == 0
-    job = _job(skyrl_tiny_rl_job, tmp_path, "attached")
-    proc = _start(job.path, made.address)
-    try:
-        deadline = time.monotonic() + 300
-        while len(placed := _actors(("BackendWorker", "EngineWorker"))) < 2:  # both built, the job running
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        nodes = {a["ActorClassName"]: a["Address"]["NodeID"] for a in placed}
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    assert nodes["BackendWorker"] == trainer.node_id
-    assert nodes["EngineWorker"] in {e.node_id for e in engines}
-    # The weights crossed from one node's process to the other's; the job learned as in one process.
-    rows = job.rows()
-    assert [r["sync_version"] for r in rows] == [1, 2, 3]
-    assert [learning_metrics(r) for r in rows] == [learning_metrics(r) for r in local.rows()]
-    # The cluster is still up, with every node, and nothing of the job's is left.
-    import ray
-
-    assert len([n for n in ray.nodes() if n["Alive"]]) == 4
-    assert _actors(("BackendWorker", "EngineWorker")) == [] and _live_groups() == []
-    assert ray.available_resources().get("trainer_node") == 2
-
-
-def test_two_jobs_at_once_on_one_cluster_do_not_collide(cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
-    made, _, _ = cluster
     local = skyrl_tiny_rl_job(tmp_path, "local", job={"steps": 3})
     assert skyrl_cli("run", str(local.path)).exit_code == 0
     jobs = [_job(skyrl_tiny_rl_job, tmp_path, f"job{i}") for i in range(2)]
     procs = [_start(j.path, made.address) for j in jobs]
+    seen: dict[str, tuple[str, str]] = {}  # actor id -> (class, node), as each is seen alive
+    most = 0  # the most actors alive at once
     try:
-        errs = [p.communicate(timeout=600)[1] for p in procs]
+        deadline = time.monotonic() + 600
+        while any(p.poll() is None for p in procs):
+            alive = _actors(("BackendWorker", "EngineWorker"))
+            most = max(most, len(alive))
+            for a in alive:
+                seen[a["ActorID"]] = (a["ActorClassName"], a["Address"]["NodeID"])
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        errs = [p.communicate(timeout=60)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     for p, err in zip(procs, errs):
         assert p.returncode == 0, err[-3000:]
+    assert sorted(n for c, n in seen.values() if c == "BackendWorker") == [trainer.node_id] * 2
+    engine_nodes = [n for c, n in seen.values() if c == "EngineWorker"]
+    assert len(engine_nodes) == 2 and set(engine_nodes) <= {e.node_id for e in engines}
+    assert most >= 3, most  # the two jobs' actors (and placement groups) were alive at the same time
     expected = [learning_metrics(r) for r in local.rows()]
     for j in jobs:
-        assert [learning_metrics(r) for r in j.rows()] == expected
+        rows = j.rows()
+        assert [r["sync_version"] for r in rows] == [1, 2, 3]
+        assert [learning_metrics(r) for r in rows] == expected
+    # The cluster is still up, with every node, and nothing of either job is left.
+    import ray
+
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 4
     assert _actors(("BackendWorker", "EngineWorker")) == [] and _live_groups() == []
+    assert ray.available_resources().get("trainer_node") == 2 and ray.available_resources().get("engine_node") == 2
 
 
 def test_resources_no_node_holds_are_refused_at_once(cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
@@ -143,3 +136,53 @@ def test_resources_no_node_holds_are_refused_at_once(cluster, skyrl_cli, skyrl_t
     bad = skyrl_tiny_rl_job(tmp_path, "cpu_key", cluster={"launcher": "ray", "engine_resources": {"CPU": 1}})
     result = skyrl_cli("validate", str(bad.path))
     assert result.exit_code == 2 and "engine_resources" in result.stderr and "Ray's own resource" in result.stderr
+
+
+def _rows(job) -> list[dict]:
+    return job.rows() if (job.out / "metrics.jsonl").exists() else []
+
+
+def _wait_rows(job, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.monotonic() + 300
+    while len(_rows(job)) < n:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
+        cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """Runs last in the module: it replaces the trainer node (twice)."""
+    made, trainer, _ = cluster
+    local = skyrl_tiny_rl_job(tmp_path, "local", job={"steps": 12, "checkpoint_every": 4})
+    assert skyrl_cli("run", str(local.path)).exit_code == 0
+    job = _job(skyrl_tiny_rl_job, tmp_path, "lost", steps=12, checkpoint_every=4)
+    # 1. The trainer's node dies mid-run: one message, exit 1, the cluster's other nodes untouched.
+    proc = _start(job.path, made.address)
+    _wait_rows(job, proc, 6)
+    made.remove_node(trainer, allow_graceful=False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "BackendWorker" in lines[0] and "of this job died" in lines[0], err[-3000:]
+    assert "`skyrl run JOB --resume` continues from the last checkpoint" in lines[0]
+    # 2. A new trainer node; --resume with max_restarts = 1; that node dies too, and the job
+    #    resumes by itself on a third one.
+    second = made.add_node(num_cpus=2, resources={"trainer_node": 2})
+    made.wait_for_nodes()
+    proc = subprocess.Popen([SKYRL, "run", str(job.path), "--resume", "--set", f"cluster.address={json.dumps(made.address)}",
+                             "--set", "cluster.max_restarts=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    done_before = len(_rows(job))
+    _wait_rows(job, proc, done_before + 2)
+    made.remove_node(second, allow_graceful=False)
+    made.add_node(num_cpus=2, resources={"trainer_node": 2})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resuming from the last checkpoint (restart 1 of 1, [cluster] max_restarts)" in err
+    # Every step once, and the run is the uninterrupted one: no acknowledged step lost.
+    rows = job.rows()
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [learning_metrics(r) for r in rows] == [learning_metrics(r) for r in local.rows()]
+    assert _actors(("BackendWorker", "EngineWorker")) == [] and _live_groups() == []

@@ -69,7 +69,9 @@ def test_a_teacher_in_its_own_actor_scores_as_in_one_process(skyrl_ray, skyrl_cl
 
     made = skyrl_tiny_rl_job(tmp_path, "teacher_src", job={"seed": 9, "steps": 1, "save_final": True})
     assert skyrl_cli("run", str(made.path)).exit_code == 0
-    distil = {"algorithm": {"name": "opd"}, "teacher": {"family": "qwen", "path": str(made.out / "final")}}
+    # GRPO with the teacher's top-4 KL in its loss: the actor sends back logprobs and top-k both.
+    distil = {"algorithm": {"name": "grpo", "teacher_kl_coef": 1.0, "teacher_kl_topk": 4},
+              "teacher": {"family": "qwen", "path": str(made.out / "final")}}
     local = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "local", launcher="local", engine_dtype="auto",
                 weight_sync={"transport": "inproc"}, **distil)
     # Three actors (backend, engine, teacher) on the fixture's 2 CPUs.
@@ -77,7 +79,7 @@ def test_a_teacher_in_its_own_actor_scores_as_in_one_process(skyrl_ray, skyrl_cl
                  cluster={"cpus_per_actor": 0.5},
                  weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/weights", "dtype": "float32"}, **distil)
     assert local[0]["teacher_kl"] > 0.005  # a teacher that differs from the student
-    assert learning(actors) == learning(local)
+    assert learning(actors) == learning(local) and all(r["teacher_kl_loss"] > 0 for r in local)
     assert ray.available_resources().get("CPU") == 2  # the teacher's actor released with the others
 
 

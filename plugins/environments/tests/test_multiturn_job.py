@@ -98,9 +98,10 @@ def test_a_multi_turn_job_resumed_after_kill_9_repeats_nothing(tmp_path) -> None
 
 @pytest.mark.slow
 def test_the_example_learns_the_game(skyrl_cli, tmp_path) -> None:
-    """A short version of examples/multiturn.toml (150 of its 400 steps, ~70 s): success
-    (accuracy) climbs from its start (0.08 on this machine) past 0.35 (0.49 here)."""
-    text = EXAMPLE.read_text().replace("steps = 400", "steps = 150").replace("checkpoint_every = 100", "checkpoint_every = 0")
+    """A short version of examples/multiturn.toml (100 of its 400 steps, ~45 s): success
+    (accuracy, 10-step means) climbs from its start (0.08 on this machine) past 0.3 (0.37
+    here at step 100; 0.43 at 120, 0.49 at 150)."""
+    text = EXAMPLE.read_text().replace("steps = 400", "steps = 100").replace("checkpoint_every = 100", "checkpoint_every = 0")
     path = tmp_path / "job.toml"
     path.write_text(text)
     result = skyrl_cli("run", str(path), "--set", f'job.output_dir="{tmp_path / "out"}"', "--set", "job.save_final=false")
@@ -108,4 +109,4 @@ def test_the_example_learns_the_game(skyrl_cli, tmp_path) -> None:
     rows = step_rows(tmp_path / "out")
     first = sum(r["accuracy"] for r in rows[:10]) / 10
     last = sum(r["accuracy"] for r in rows[-10:]) / 10
-    assert first <= 0.3 and last >= 0.35 and last >= first + 0.25, (first, last)
+    assert first <= 0.2 and last >= 0.3 and last >= first + 0.2, (first, last)

@@ -159,9 +159,13 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
     job = _job(skyrl_tiny_rl_job, tmp_path, "lost", steps=12, checkpoint_every=4)
     # 1. The trainer's node dies mid-run: one message, exit 1, the cluster's other nodes untouched.
     proc = _start(job.path, made.address)
-    _wait_rows(job, proc, 6)
-    made.remove_node(trainer, allow_graceful=False)
-    _, err = proc.communicate(timeout=300)
+    try:
+        _wait_rows(job, proc, 6)
+        made.remove_node(trainer, allow_graceful=False)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -174,11 +178,15 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
     proc = subprocess.Popen([SKYRL, "run", str(job.path), "--resume", "--set", f"cluster.address={json.dumps(made.address)}",
                              "--set", "cluster.max_restarts=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
-    done_before = len(_rows(job))
-    _wait_rows(job, proc, done_before + 2)
-    made.remove_node(second, allow_graceful=False)
-    made.add_node(num_cpus=2, resources={"trainer_node": 2})
-    _, err = proc.communicate(timeout=600)
+    try:
+        done_before = len(_rows(job))
+        _wait_rows(job, proc, done_before + 2)
+        made.remove_node(second, allow_graceful=False)
+        made.add_node(num_cpus=2, resources={"trainer_node": 2})
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "resuming from the last checkpoint (restart 1 of 1, [cluster] max_restarts)" in err
     # Every step once, and the run is the uninterrupted one: no acknowledged step lost.

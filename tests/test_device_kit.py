@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -155,6 +156,8 @@ def test_run_sh_cpu_runs_every_check_and_summarises_each(tmp_path) -> None:
     # Which kernels each ran, as the precision said: on a CPU "auto" emulates (torchao's there only on request).
     assert [(prec[r]["kernels"], prec[r]["format"]) for r in ("fp8", "fp8_rowwise", "mxfp8")] == \
         [("emulated", "fp8"), ("emulated", "fp8_rowwise"), ("emulated", "mxfp8")]
+    rm = checks["reward_model"]  # a sequence classifier scored every step's responses
+    assert rm["steps"] == 3 and all(math.isfinite(rm[k]) for k in ("reward_model_mean_first", "reward_model_mean_last"))
     tinker = checks["tinker_load"]
     assert tinker["completed"] == tinker["requests"] == 192 and tinker["failed"] == 0
     assert tinker["ratio_http_vs_engine_median"] > 0

@@ -6,6 +6,9 @@ signal; what cannot work is refused with one message."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -80,6 +83,10 @@ def test_the_student_moves_toward_its_teacher(skyrl_cli, skyrl_tiny_rl_job, tmp_
     first, last = np.mean(kl[:3]), np.mean(kl[-3:])
     print(f"teacher_kl {first:.3f} -> {last:.3f}")
     assert first > 0.01 and last < 0.5 * first, (first, last)  # measured: 0.027 -> 0.003
+    # The README's example names the quickstart's folder as its teacher: valid with one there.
+    example = pathlib.Path(__file__).resolve().parents[1] / "examples" / "distillation.toml"
+    checked = skyrl_cli("validate", str(example), "--set", f"teacher.path={json.dumps(str(folder))}")
+    assert checked.exit_code == 0, checked.stderr
 
 
 @pytest.mark.slow

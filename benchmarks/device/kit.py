@@ -474,6 +474,43 @@ def opd_teacher(ctx: Context) -> list[list[str]]:
     return [ctx.job("examples/quickstart.toml", *on(ctx), *threads(ctx), *sets, steps=3 if ctx.cpu else 20)]
 
 
+# A tiny Qwen3 sequence classifier (random weights) with the real-shaped BPE tokenizer and
+# its chat template, built where the check runs: the reward model the job's part loads.
+_REWARD_MODEL = """
+import sys, torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+from skyrl_models import checkpoints
+folder = sys.argv[1]
+checkpoints.build_tokenizer(folder + "/tok")
+tok = AutoTokenizer.from_pretrained(folder + "/tok")
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1,
+                     pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+Qwen3ForSequenceClassification(config).save_pretrained(folder + "/rm")
+tok.save_pretrained(folder + "/rm")
+"""
+
+
+def reward_model(ctx: Context) -> list[list[str]]:
+    """A [reward] part scoring with a sequence-classification model on the device, beside the
+    dataset's rule reward (weight 0.1), in the quickstart."""
+    sets = ['reward.parts=["dataset", "reward_model"]', f'reward.reward_model.path="{ctx.work / "rm"}"',
+            f'reward.reward_model.device="{ctx.device}"', "reward.reward_model.weight=0.1"]
+    return [[ctx.python, "-c", _REWARD_MODEL, str(ctx.work)],
+            ctx.job("examples/quickstart.toml", *on(ctx), *threads(ctx), *sets, steps=3 if ctx.cpu else 20)]
+
+
+def reward_model_summary(ctx: Context, outputs: list[str]) -> dict:
+    out = job_summary(ctx.work / "run")
+    rows = metrics_rows(ctx.work / "run")
+    means = [r.get("reward/reward_model_mean") for r in rows]
+    if not means or any(m is None or m != m for m in means):
+        raise ValueError(f"reward/reward_model_mean missing or NaN: {means[:5]}")
+    out["reward_model_mean_first"], out["reward_model_mean_last"] = means[0], means[-1]
+    return out
+
+
 def megatron_quickstart(ctx: Context) -> list[list[str]]:
     return [ctx.job("examples/quickstart.toml", 'backend.name="megatron"', *on(ctx), *threads(ctx),
                     steps=3 if ctx.cpu else 30)]
@@ -582,6 +619,8 @@ CHECKS = [
           run_summary),
     Check("opd_teacher", "on-policy distillation with the [teacher] scoring on the device", (60, 60), opd_teacher,
           run_summary),
+    Check("reward_model", "a [reward] part scoring with a sequence-classification model on the device", (75, 60),
+          reward_model, reward_model_summary),
     Check("megatron_step", "megatron vs torch backend: the same first step (parity), then step times", (120, 90),
           megatron_step, benchmark_json),
     Check("megatron_quickstart", "the quickstart on the megatron backend on the device", (75, 90),

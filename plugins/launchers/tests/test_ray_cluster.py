@@ -28,8 +28,8 @@ SKYRL = str(pathlib.Path(sys.executable).parent / "skyrl")
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head without CPUs (the drivers only) and three nodes: one for trainers (2 CPUs,
-    resource trainer_node) and two for engines (1 CPU each, resource engine_node)."""
+    """A head without CPUs (the drivers only) and three nodes: one for trainers (3 CPUs,
+    resource trainer_node) and two for engines (2 CPUs each, resource engine_node)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -37,8 +37,8 @@ def cluster():
     folder = tempfile.mkdtemp(prefix="rayc")
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                          "temp_dir": folder})
-    trainer = made.add_node(num_cpus=2, resources={"trainer_node": 2})
-    engines = [made.add_node(num_cpus=1, resources={"engine_node": 1}) for _ in range(2)]
+    trainer = made.add_node(num_cpus=3, resources={"trainer_node": 3})
+    engines = [made.add_node(num_cpus=2, resources={"engine_node": 2}) for _ in range(2)]
     made.wait_for_nodes()
     ray.init(address=made.address, configure_logging=False)
     try:
@@ -70,22 +70,35 @@ def _start(job: pathlib.Path, address: str) -> subprocess.Popen:
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
 
 
-def _job(make_job, tmp_path, name: str, *, steps: int = 3, **job):
+def _job(make_job, tmp_path, name: str, *, steps: int = 3, weight_sync: dict | None = None, **job):
     return make_job(tmp_path, name, job={"steps": steps, **job}, engine={"dtype": "float32"},
                     cluster={"launcher": "ray", "cpus_per_actor": 1.0, "trainer_resources": {"trainer_node": 1},
                              "engine_resources": {"engine_node": 1}},
-                    weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights", "dtype": "float32"})
+                    weight_sync=weight_sync or {"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights",
+                                                "dtype": "float32"})
 
 
 def test_jobs_attach_place_by_node_resources_and_leave_the_cluster_as_they_found_it(
-        cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
-    """Two jobs at once on the cluster: each one's rank on the trainer node, its replica on
-    an engine node, its weights from one node's process to the other's; neither collides
-    with the other, and each learns exactly as in one process."""
+        cluster, skyrl_cli, skyrl_tiny_rl_job, skyrl_s3_server, tmp_path) -> None:
+    """Three jobs at once on the cluster, one per cross-process transport (``delta`` through
+    the local S3 server, ``broadcast``, ``nixl``): each one's rank on the trainer node, its
+    replica on an engine node, its weights from one node's process to the other's; none
+    collides with another, and each learns exactly as in one process."""
+    import s3fs
+
     made, trainer, engines = cluster
     local = skyrl_tiny_rl_job(tmp_path, "local", job={"steps": 3})
     assert skyrl_cli("run", str(local.path)).exit_code == 0
-    jobs = [_job(skyrl_tiny_rl_job, tmp_path, f"job{i}") for i in range(2)]
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": skyrl_s3_server}}
+    bucket = f"cluster-{os.getpid()}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    transports = {
+        "delta_s3": {"transport": "delta", "uri": f"s3://{bucket}/weights", "storage_options": options,
+                     "dtype": "float32"},
+        "broadcast": {"transport": "broadcast", "dtype": "float32"},
+        "nixl": {"transport": "nixl", "dtype": "float32"},
+    }
+    jobs = [_job(skyrl_tiny_rl_job, tmp_path, name, weight_sync=ws) for name, ws in transports.items()]
     procs = [_start(j.path, made.address) for j in jobs]
     seen: dict[str, tuple[str, str]] = {}  # actor id -> (class, node), as each is seen alive
     most = 0  # the most actors alive at once
@@ -105,21 +118,21 @@ def test_jobs_attach_place_by_node_resources_and_leave_the_cluster_as_they_found
                 p.kill()
     for p, err in zip(procs, errs):
         assert p.returncode == 0, err[-3000:]
-    assert sorted(n for c, n in seen.values() if c == "BackendWorker") == [trainer.node_id] * 2
+    assert sorted(n for c, n in seen.values() if c == "BackendWorker") == [trainer.node_id] * 3
     engine_nodes = [n for c, n in seen.values() if c == "EngineWorker"]
-    assert len(engine_nodes) == 2 and set(engine_nodes) <= {e.node_id for e in engines}
-    assert most >= 3, most  # the two jobs' actors (and placement groups) were alive at the same time
+    assert len(engine_nodes) == 3 and set(engine_nodes) <= {e.node_id for e in engines}
+    assert most >= 4, most  # the jobs' actors (and placement groups) were alive at the same time
     expected = [learning_metrics(r) for r in local.rows()]
     for j in jobs:
         rows = j.rows()
-        assert [r["sync_version"] for r in rows] == [1, 2, 3]
-        assert [learning_metrics(r) for r in rows] == expected
+        assert [r["sync_version"] for r in rows] == [1, 2, 3], j.path.stem
+        assert [learning_metrics(r) for r in rows] == expected, j.path.stem
     # The cluster is still up, with every node, and nothing of either job is left.
     import ray
 
     assert len([n for n in ray.nodes() if n["Alive"]]) == 4
     assert _actors(("BackendWorker", "EngineWorker")) == [] and _live_groups() == []
-    assert ray.available_resources().get("trainer_node") == 2 and ray.available_resources().get("engine_node") == 2
+    assert ray.available_resources().get("trainer_node") == 3 and ray.available_resources().get("engine_node") == 4
 
 
 def test_resources_no_node_holds_are_refused_at_once(cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
@@ -173,7 +186,7 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
     assert "`skyrl run JOB --resume` continues from the last checkpoint" in lines[0]
     # 2. A new trainer node; --resume with max_restarts = 1; that node dies too, and the job
     #    resumes by itself on a third one.
-    second = made.add_node(num_cpus=2, resources={"trainer_node": 2})
+    second = made.add_node(num_cpus=3, resources={"trainer_node": 3})
     made.wait_for_nodes()
     proc = subprocess.Popen([SKYRL, "run", str(job.path), "--resume", "--set", f"cluster.address={json.dumps(made.address)}",
                              "--set", "cluster.max_restarts=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -182,7 +195,7 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
         done_before = len(_rows(job))
         _wait_rows(job, proc, done_before + 2)
         made.remove_node(second, allow_graceful=False)
-        made.add_node(num_cpus=2, resources={"trainer_node": 2})
+        made.add_node(num_cpus=3, resources={"trainer_node": 3})
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

@@ -155,9 +155,10 @@ def _rows(job) -> list[dict]:
     return job.rows() if (job.out / "metrics.jsonl").exists() else []
 
 
-def _wait_rows(job, proc: subprocess.Popen, n: int) -> None:
+def _wait_step(job, proc: subprocess.Popen, n: int) -> None:
+    """Until the job has written step ``n``'s row (it has steps left to run after it)."""
     deadline = time.monotonic() + 300
-    while len(_rows(job)) < n:
+    while not any(r["step"] >= n for r in _rows(job)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -167,13 +168,14 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
         cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
     """Runs last in the module: it replaces the trainer node (twice)."""
     made, trainer, _ = cluster
-    local = skyrl_tiny_rl_job(tmp_path, "local", job={"steps": 12, "checkpoint_every": 4})
+    # 80 steps: a node removed at step 6 (or 12) dies with tens of steps still to run.
+    local = skyrl_tiny_rl_job(tmp_path, "local", job={"steps": 80, "checkpoint_every": 4})
     assert skyrl_cli("run", str(local.path)).exit_code == 0
-    job = _job(skyrl_tiny_rl_job, tmp_path, "lost", steps=12, checkpoint_every=4)
+    job = _job(skyrl_tiny_rl_job, tmp_path, "lost", steps=80, checkpoint_every=4)
     # 1. The trainer's node dies mid-run: one message, exit 1, the cluster's other nodes untouched.
     proc = _start(job.path, made.address)
     try:
-        _wait_rows(job, proc, 6)
+        _wait_step(job, proc, 6)
         made.remove_node(trainer, allow_graceful=False)
         _, err = proc.communicate(timeout=300)
     finally:
@@ -192,8 +194,7 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
                              "--set", "cluster.max_restarts=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     try:
-        done_before = len(_rows(job))
-        _wait_rows(job, proc, done_before + 2)
+        _wait_step(job, proc, 12)  # past anything the first run wrote: the resumed run is going
         made.remove_node(second, allow_graceful=False)
         made.add_node(num_cpus=3, resources={"trainer_node": 3})
         _, err = proc.communicate(timeout=600)
@@ -204,6 +205,6 @@ def test_a_lost_trainer_node_stops_the_job_and_resume_or_max_restarts_continue(
     assert "resuming from the last checkpoint (restart 1 of 1, [cluster] max_restarts)" in err
     # Every step once, and the run is the uninterrupted one: no acknowledged step lost.
     rows = job.rows()
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 81))
     assert [learning_metrics(r) for r in rows] == [learning_metrics(r) for r in local.rows()]
     assert _actors(("BackendWorker", "EngineWorker")) == [] and _live_groups() == []

@@ -124,7 +124,7 @@ def test_run_sh_cpu_runs_every_check_and_summarises_each(tmp_path) -> None:
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), SKYRL_KIT_RECORD_IMPORTS=str(imports),
                SKYRL_DEVICE_SITE=str(tmp_path / "site"))
     proc = subprocess.run(["bash", str(KIT_DIR / "run.sh"), "--cpu"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env=env)
+                          timeout=1600, env=env)
     summary = json.loads((out / "summary.json").read_text())
     failed = {k: v.get("error") for k, v in summary["checks"].items() if not v.get("ok")}
     assert proc.returncode == 0 and not failed, failed or proc.stderr[-3000:]
@@ -156,6 +156,8 @@ def test_run_sh_cpu_runs_every_check_and_summarises_each(tmp_path) -> None:
     # Which kernels each ran, as the precision said: on a CPU "auto" emulates (torchao's there only on request).
     assert [(prec[r]["kernels"], prec[r]["format"]) for r in ("fp8", "fp8_rowwise", "mxfp8")] == \
         [("emulated", "fp8"), ("emulated", "fp8_rowwise"), ("emulated", "mxfp8")]
+    opd = checks["opd_teacher"]  # the teacher's top-4 KL term beside opd's own
+    assert opd["steps"] == 3 and math.isfinite(opd["teacher_kl_loss_last"]) and math.isfinite(opd["teacher_kl_last"])
     rm = checks["reward_model"]  # a sequence classifier scored every step's responses
     assert rm["steps"] == 3 and all(math.isfinite(rm[k]) for k in ("reward_model_mean_first", "reward_model_mean_last"))
     tinker = checks["tinker_load"]

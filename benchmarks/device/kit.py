@@ -469,9 +469,23 @@ def async_delta(ctx: Context) -> list[list[str]]:
 
 def opd_teacher(ctx: Context) -> list[list[str]]:
     """On-policy distillation with the teacher scoring on the device (the tiny preset as
-    its own teacher: teacher_kl starts at ~0, and each step runs the teacher's forward)."""
-    sets = ['algorithm.name="opd"', 'teacher.family="qwen"', 'teacher.preset="tiny"', f'teacher.device="{ctx.device}"']
+    its own teacher: teacher_kl starts at ~0, and each step runs the teacher's forward),
+    and the top-4 teacher KL term beside it (the teacher's top-k from its logits on the
+    device, the student's logprobs of those ids gathered from the trainer's)."""
+    sets = ['algorithm.name="opd"', "algorithm.teacher_kl_coef=0.1", "algorithm.teacher_kl_topk=4",
+            'teacher.family="qwen"', 'teacher.preset="tiny"', f'teacher.device="{ctx.device}"']
     return [ctx.job("examples/quickstart.toml", *on(ctx), *threads(ctx), *sets, steps=3 if ctx.cpu else 20)]
+
+
+def opd_teacher_summary(ctx: Context, outputs: list[str]) -> dict:
+    out = job_summary(ctx.work / "run")
+    rows = metrics_rows(ctx.work / "run")
+    for key in ("teacher_kl", "teacher_kl_loss"):
+        values = [r.get(key) for r in rows]
+        if not values or any(v is None or v != v for v in values):
+            raise ValueError(f"{key} missing or NaN: {values[:5]}")
+        out[f"{key}_last"] = values[-1]
+    return out
 
 
 # A tiny Qwen3 sequence classifier (random weights) with the real-shaped BPE tokenizer and
@@ -605,32 +619,32 @@ def run_summary(ctx: Context, outputs: list[str]) -> dict:
 
 
 CHECKS = [
-    Check("preflight", "Python, torch, CUDA, every requirement and plugin the kit needs", (60, 60),
+    Check("preflight", "Python, torch, CUDA, every requirement and plugin the kit needs", (60, 120),
           lambda ctx: [[ctx.python, str(KIT / "kit.py"), "preflight"]], benchmark_json),
-    Check("quickstart", "the quickstart with the engine and the backend on the device", (90, 60), quickstart,
+    Check("quickstart", "the quickstart with the engine and the backend on the device", (90, 120), quickstart,
           run_summary),
     Check("moe_r3_support", "a Qwen3-30B-A3B-shaped MoE (2 layers) with r3 + support replay, bf16 engine",
-          (120, 90), moe_r3_support, run_summary),
+          (120, 180), moe_r3_support, run_summary),
     Check("fsdp2", "FSDP2 over a one-rank group (NCCL on CUDA) against no data parallelism, the same steps",
-          (75, 60), fsdp2, benchmark_json),
-    Check("delta_sync", "the quickstart with delta weight sync (file:// store, float32 on the wire)", (60, 60),
+          (75, 120), fsdp2, benchmark_json),
+    Check("delta_sync", "the quickstart with delta weight sync (file:// store, float32 on the wire)", (60, 120),
           delta_sync, run_summary),
-    Check("async_delta", "async RL (k = 1) with the delta written in the background", (60, 60), async_delta,
+    Check("async_delta", "async RL (k = 1) with the delta written in the background", (60, 120), async_delta,
           run_summary),
-    Check("opd_teacher", "on-policy distillation with the [teacher] scoring on the device", (60, 60), opd_teacher,
-          run_summary),
-    Check("reward_model", "a [reward] part scoring with a sequence-classification model on the device", (75, 60),
+    Check("opd_teacher", "on-policy distillation and a top-4 teacher KL term, the [teacher] scoring on the device",
+          (60, 120), opd_teacher, opd_teacher_summary),
+    Check("reward_model", "a [reward] part scoring with a sequence-classification model on the device", (75, 120),
           reward_model, reward_model_summary),
-    Check("megatron_step", "megatron vs torch backend: the same first step (parity), then step times", (120, 90),
+    Check("megatron_step", "megatron vs torch backend: the same first step (parity), then step times", (120, 180),
           megatron_step, benchmark_json),
-    Check("megatron_quickstart", "the quickstart on the megatron backend on the device", (75, 90),
+    Check("megatron_quickstart", "the quickstart on the megatron backend on the device", (75, 180),
           megatron_quickstart, run_summary),
     Check("precisions", "bf16 / fp8 blockwise / fp8 rowwise / mxfp8 step times and engine/trainer gaps, bf16 autocast",
-          (180, 240), precisions, precisions_summary),
+          (180, 480), precisions, precisions_summary),
     Check("tinker_rl_loop", "the official tinker SDK trains a LoRA adapter through skyrl serve (RL loop)",
-          (90, 90), tinker_rl_loop, tinker_rl_summary),
+          (90, 180), tinker_rl_loop, tinker_rl_summary),
     Check("tinker_load", "skyrl serve under the Tinker load benchmark: served tokens/s vs offline generation",
-          (200, 150), tinker_load, tinker_summary),
+          (200, 300), tinker_load, tinker_summary),
 ]
 
 
@@ -713,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     chosen = [c for c in CHECKS if not only or c.name in only]
     if args.budget is None:
-        args.budget = 840.0 if args.cpu else 510.0
+        args.budget = 1500.0 if args.cpu else 510.0
     out_dir = pathlib.Path(args.out) if args.out else None
     work = pathlib.Path(tempfile.mkdtemp(prefix="skyrl_device_kit_"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled")

@@ -20,7 +20,7 @@ from skyrl_host import hookimpl
 from skyrl_host.errors import UserError
 from skyrl_host.interfaces import AlgorithmTraits
 from skyrl_host.options import ge, option
-from skyrl_algorithms._algorithm import PolicyGradient
+from skyrl_algorithms._algorithm import PolicyGradient, declared_traits
 from skyrl_algorithms._config import make_config
 
 _OpdBase = make_config(
@@ -68,5 +68,6 @@ def skyrl_register_algorithms(register: Any) -> None:
         Opd,
         config=OpdConfig,
         description="On-policy distillation: the per-token reverse KL to a [teacher] is the advantage; PPO-clip",
-        traits=lambda config: AlgorithmTraits(teacher=True),
+        # Always a [teacher]; its top-k too when the teacher KL term asks for it (declared_traits).
+        traits=lambda config: AlgorithmTraits(teacher=True, teacher_topk=declared_traits(config).teacher_topk),
     )

@@ -9,10 +9,13 @@ tests with the install log's tail (never a skip).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import secrets
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 
@@ -57,3 +60,29 @@ def vllm_python() -> pathlib.Path:
         return ensure_vllm_venv(path)
     except VllmInstallError as exc:
         pytest.fail(f"making the vLLM environment at {path} failed: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_served(vllm_python):
+    """:func:`served` with the vLLM environment's interpreter: ``with vllm_served(folder,
+    args, log) as (url, key): ...``."""
+    return lambda folder, args, log: served(vllm_python, folder, args, log)
+
+
+@contextlib.contextmanager
+def served(python: pathlib.Path, folder: pathlib.Path, args: list[str], log: pathlib.Path) -> Iterator[tuple[str, str]]:
+    """``vllm serve`` of ``folder`` on the CPU (one thread, 1 GiB of KV cache, eager, behind
+    a fresh API key) with the model's ``args``: yields (its URL, the key) once healthy, and
+    stops it after."""
+    from skyrl_engines._vllm_server import VllmServer
+
+    token = secrets.token_urlsafe(16)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY")}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    server = VllmServer(str(python), str(folder), [*args, "--enforce-eager", "--api-key", token], env, str(log))
+    try:
+        server.wait_healthy(600)
+        yield server.url, token
+    finally:
+        server.stop()

@@ -6,8 +6,6 @@ asked once."""
 
 from __future__ import annotations
 
-import os
-import secrets
 
 import pytest
 
@@ -17,22 +15,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def judge_server(vllm_python, skyrl_smollm2, tmp_path):
-    from skyrl_engines._vllm_server import VllmServer
-
-    token = secrets.token_urlsafe(16)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY")}
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    server = VllmServer(str(vllm_python), str(skyrl_smollm2),
-                        ["--served-model-name", "smollm2-judge", "--dtype", "bfloat16", "--max-model-len", "1024",
-                         "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048",
-                         "--api-key", token], env, str(tmp_path / "vllm.log"))
-    try:
-        server.wait_healthy(600)
-        yield server.url, token
-    finally:
-        server.stop()
+def judge_server(vllm_served, skyrl_smollm2, tmp_path):
+    with vllm_served(skyrl_smollm2, ["--served-model-name", "smollm2-judge", "--dtype", "bfloat16",
+                                             "--max-model-len", "1024", "--no-enable-chunked-prefill",
+                                             "--max-num-batched-tokens", "2048"], tmp_path / "vllm.log") as server:
+        yield server
 
 
 def test_smollm2_served_by_vllm_grades_responses(judge_server, monkeypatch) -> None:

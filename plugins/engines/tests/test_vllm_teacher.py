@@ -6,8 +6,6 @@ distilling job with it runs the same steps as one with the teacher in process.""
 
 from __future__ import annotations
 
-import os
-import secrets
 
 import numpy as np
 import pytest
@@ -29,22 +27,11 @@ def teacher_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def teacher_server(vllm_python, teacher_folder, tmp_path_factory):
-    from skyrl_engines._vllm_server import VllmServer
-
-    token = secrets.token_urlsafe(16)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY")}
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    server = VllmServer(str(vllm_python), str(teacher_folder),
-                        ["--served-model-name", "teacher", "--dtype", "float32", "--max-model-len", "512",
-                         "--enforce-eager", "--max-num-batched-tokens", "4096", "--api-key", token], env,
-                        str(tmp_path_factory.mktemp("vllm") / "vllm.log"))
-    try:
-        server.wait_healthy(600)
-        yield server.url, token
-    finally:
-        server.stop()
+def teacher_server(vllm_served, teacher_folder, tmp_path_factory):
+    with vllm_served(teacher_folder, ["--served-model-name", "teacher", "--dtype", "float32",
+                                              "--max-model-len", "512", "--max-num-batched-tokens", "4096"],
+                tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
+        yield server
 
 
 def test_the_served_teacher_gives_the_in_process_teachers_logprobs(teacher_server, teacher_folder, monkeypatch):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
@@ -90,6 +91,11 @@ def _lost(exc: Any) -> str:
     reason = " ".join(str(getattr(exc, "error_msg", None) or exc).split())[:300]
     return (f"the Ray actor {where or actor_id or ''} of this job died: {reason}; `skyrl run JOB --resume` continues "
             "from the last checkpoint")
+
+
+def _first_part(exc: BaseException) -> str:
+    """A :class:`ProcessLost` message without its advice to resume (the job goes on)."""
+    return str(exc).split("; `skyrl run", 1)[0]
 
 
 def _address() -> str:
@@ -153,6 +159,7 @@ class EngineWorker:
         transports; ``backend``: the group's (decided by the driver from every member's
         device). An engine whose workers receive weights themselves gets them its
         receiver instead (they join the group, as ranks from the first on)."""
+        self.leave()  # a group formed again (a replica lost or restarted): the old one first
         context: dict[str, Any] = {}
         workers = receives_in_workers(self.engine)
         if group is not None:
@@ -202,12 +209,17 @@ class EngineWorker:
     def resubmitted(self) -> int:
         return int(getattr(self.engine, "resubmitted", 0))
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """Drop the receiver and leave its group."""
         if self.group is not None:
             destroy_group(self.group)
             self.group = None
         if self.receiver is not None and hasattr(self.receiver, "close"):
             self.receiver.close()
+        self.receiver = None
+
+    def close(self) -> None:
+        self.leave()
         if hasattr(self.engine, "close"):  # an engine's own processes (vLLM servers) go with it
             self.engine.close()
 
@@ -275,6 +287,9 @@ class BackendWorker:
         if self.transport.rendezvous:  # every rank serves its own shards
             self.sender = self.transport.sender(rank=self.rank, world=self.world)
         elif self.rank == 0:
+            if self.group is not None:  # formed again (an engine replica lost or restarted)
+                destroy_group(self.group)
+                self.group = None
             if group is not None:
                 backend = backend or _dist_backend()
                 self.group = weight_group(*group, backend=backend)
@@ -484,65 +499,198 @@ def replica_seed(seed: int, replica: int) -> int:
 
 class RemoteEngine:
     """The driver's handle on the engine replicas: the parts of the Engine protocol the
-    driver uses. A step's prompts are split into contiguous runs, one per replica."""
+    driver uses. A step's prompts are split into contiguous runs, one per replica.
 
-    def __init__(self, actors: Sequence[Any]):
-        self.actors = list(actors)
-        self.actor = self.actors[0]
+    A replica that dies (its process, or its node) does not stop the job. Its run of the
+    step's prompts is generated again by a surviving replica with the lost replica's seed
+    and offsets, so the step's batch is the one it would have made; a new actor is started
+    for it at once in its placement-group bundle, which Ray creates when the bundle has a
+    node again (the lost node back, or another with the resources); between two steps
+    (:meth:`tend`) a new actor that is up is handed the current weights, checked, and
+    only then generates. From the first loss on, the step's metrics count it:
+    ``engine_replicas_live``, ``engine_replicas_lost``, ``engine_replicas_restarted``,
+    ``engine_prompts_regenerated`` (the last three since the start). With no replica left
+    the job stops (:class:`~skyrl_host.errors.ProcessLost`)."""
+
+    def __init__(self, actors: list[Any], respawn: Callable[[int], Any] | None = None):
+        """``actors``: the replicas' list (replaced actors are put in it, in place: whoever
+        holds the list stops them too); ``respawn(i)``: a new actor for replica ``i``."""
+        import threading
+
+        self.actors = actors
+        self.replicas = len(actors)
+        self.live = list(range(self.replicas))
+        self.pending: dict[int, Any] = {}  # replica -> its new actor's ready() reference
+        self.respawn = respawn
+        self.lock = threading.RLock()  # async RL: the rollout thread generates, the main thread publishes
+        self.changes = 0  # how often the live set changed (a collective transport re-forms its group)
+        self.counts: dict[str, float] = {}  # the metrics, from the first loss on
+        self.aborting: bool | None = None
+
+    @property
+    def actor(self) -> Any:
+        return self.actors[self.live[0]]
+
+    def live_actors(self) -> list[Any]:
+        with self.lock:
+            return [self.actors[i] for i in self.live]
+
+    def _each(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` of every live replica; the answers of those that answer (a
+        replica found dead is lost)."""
+        with self.lock:
+            live = [(i, getattr(self.actors[i], method).remote(*args)) for i in self.live]
+        answers = []
+        for i, ref in live:
+            try:
+                answers.append(ray_get(ref))
+            except ProcessLost as exc:
+                self.lose(i, _first_part(exc))
+        return answers
 
     @property
     def weight_version(self) -> int:
-        return min(ray_get([a.weight_version.remote() for a in self.actors]))
+        return min(self._each("weight_version"))
 
     def abort_on_update(self, enabled: bool) -> None:
         """AbortingUpdates: every replica aborts and resubmits at an update inside its
         generation (the actors are threaded then: ``PlacementRequest.in_flight_updates``)."""
-        ray_get([a.abort_on_update.remote(enabled) for a in self.actors])
+        self.aborting = enabled
+        self._each("abort_on_update", enabled)
 
     @property
     def resubmitted(self) -> int:
-        return sum(ray_get([a.resubmitted.remote() for a in self.actors]))
+        return sum(self._each("resubmitted"))
+
+    def lose(self, replica: int, why: str) -> None:
+        """Replica ``replica`` died: serve without it, and start its new actor (Ray creates
+        it once its bundle has a node). The last replica lost stops the job."""
+        with self.lock:
+            if replica not in self.live:
+                return
+            self.live.remove(replica)
+            self.changes += 1
+            self.counts = {"engine_replicas_lost": 0.0, "engine_replicas_restarted": 0.0,
+                           "engine_prompts_regenerated": 0.0, **self.counts}
+            self.counts["engine_replicas_lost"] += 1
+            if not self.live:
+                raise ProcessLost(f"every engine replica of this job is lost (the last: {why})")
+            print(f"notice: engine replica {replica} lost ({why}); going on with {len(self.live)} of "
+                  f"{self.replicas}, and restarting it once Ray can place it again", file=sys.stderr, flush=True)
+            if self.respawn is not None:
+                self.actors[replica] = self.respawn(replica)
+                self.pending[replica] = self.actors[replica].ready.remote()
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, sampler: Any, max_new_tokens: int, seed: int,
                  group_offset: int = 0) -> Any:
         from skyrl_host.rollout import RolloutBatch
 
         prompts = [list(p) for p in prompts]
-        bounds = np.linspace(0, len(prompts), len(self.actors) + 1).round().astype(int)
-        calls = [
-            actor.generate.remote(prompts[a:b], n, sampler, max_new_tokens, replica_seed(seed, i), group_offset + a)
-            for i, (actor, a, b) in enumerate(zip(self.actors, bounds[:-1], bounds[1:]))
-            if b > a
-        ]
-        batches = [RolloutBatch.from_arrays(arrays) for arrays in ray_get(calls)]
+        bounds = np.linspace(0, len(prompts), self.replicas + 1).round().astype(int)
+        runs = [(i, int(a), int(b)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+
+        def call(run: tuple[int, int, int], replica: int) -> Any:
+            i, a, b = run
+            return self.actors[replica].generate.remote(prompts[a:b], n, sampler, max_new_tokens,
+                                                       replica_seed(seed, i), group_offset + a)
+
+        with self.lock:
+            live = list(self.live)
+        # Each run to its own replica; a lost replica's run to the survivors in turn.
+        todo = [(run, run[0] if run[0] in live else live[k % len(live)], None) for k, run in enumerate(runs)]
+        if any(run[0] != replica for run, replica, _ in todo):
+            self._regenerated(sum(b - a for (i, a, b), replica, _ in todo if i != replica))
+        todo = [(run, replica, call(run, replica)) for run, replica, _ in todo]
+        arrays: dict[int, Any] = {}
+        while todo:
+            run, replica, ref = todo.pop(0)
+            try:
+                arrays[run[0]] = ray_get(ref)
+            except ProcessLost as exc:
+                self.lose(replica, _first_part(exc))
+                with self.lock:
+                    instead = self.live[run[0] % len(self.live)]
+                self._regenerated(run[2] - run[1])
+                todo.append((run, instead, call(run, instead)))
+        batches = [RolloutBatch.from_arrays(arrays[i]) for i, _, _ in runs]
         return batches[0] if len(batches) == 1 else RolloutBatch.concat(batches)
+
+    def _regenerated(self, prompts: int) -> None:
+        with self.lock:
+            self.counts["engine_prompts_regenerated"] = self.counts.get("engine_prompts_regenerated", 0.0) + prompts
+
+    def tend(self, version: int, sync: RaySync | None) -> dict[str, float]:
+        """Between two steps (the engines idle, ``version`` the weights they serve): each
+        new actor that is up is handed ``version`` through the transport (a collective one
+        re-forms its group first), checked, and serves from the next step on. Returns the
+        metrics of the replicas (none before the first loss)."""
+        import ray
+
+        with self.lock:
+            for replica, ready in list(self.pending.items()):
+                if not ray.wait([ready], timeout=0)[0]:
+                    continue  # not created yet: no node has room for its bundle
+                del self.pending[replica]
+                actor = self.actors[replica]
+                self.live = sorted([*self.live, replica])  # seen by generate only once this returns (the lock)
+                self.changes += 1
+                try:
+                    ray_get(ready)
+                    if self.aborting is not None:
+                        ray_get(actor.abort_on_update.remote(self.aborting))
+                    if sync is not None:
+                        sync.join(actor, version)
+                    got = int(ray_get(actor.weight_version.remote()))
+                except ProcessLost as exc:  # died again before it served: once more
+                    self.lose(replica, _first_part(exc))
+                    continue
+                if sync is not None and got != version:
+                    raise RuntimeError(f"engine replica {replica} restarted with weight version {got}, not {version}")
+                self.counts["engine_replicas_restarted"] += 1
+                print(f"notice: engine replica {replica} restarted with weight version {version}; "
+                      f"{len(self.live)} of {self.replicas} replicas serve", file=sys.stderr, flush=True)
+            if not self.counts:
+                return {}
+            return {**self.counts, "engine_replicas_live": float(len(self.live))}
 
 
 class RaySync:
     """The weight transport between the backend ranks (senders) and the engine replicas
-    (receivers)."""
+    that serve (receivers: ``engine``'s live ones, :class:`RemoteEngine`)."""
 
-    def __init__(self, transport: Any, backend_actors: Sequence[Any], engine_actors: Sequence[Any]):
-        self.backends, self.engines = list(backend_actors), list(engine_actors)
+    def __init__(self, transport: Any, backend_actors: Sequence[Any], engine: RemoteEngine):
+        self.backends, self.engine = list(backend_actors), engine
         self.collective = bool(transport.collective)
         self.rendezvous = bool(transport.rendezvous)
         self.carries_payload = bool(transport.carries_payload)
-        self.connected = False
-        if self.collective:  # backend rank 0 and every engine in a group of their own
-            address = ray_get(self.backends[0].address.remote())
-            # Each engine replica's members: the actor, or its engine's workers (vLLM's), ranks 1.. in order.
-            members = [int(m) for m in ray_get([e.group_members.remote() for e in self.engines])]
-            firsts = (1 + np.cumsum([0] + members[:-1])).tolist()
-            world = 1 + sum(members)
-            # One backend for the whole group, from every member's device (a per-process choice could mismatch).
-            devices = ray_get([self.backends[0].device.remote()] + [e.device.remote() for e in self.engines])
-            self.group_backend = group_backend(devices)
-            ray_get([e.init_receiver.remote((address, int(first), world), self.group_backend)
-                     for first, e in zip(firsts, self.engines)]
-                    + [self.backends[0].init_sender.remote((address, 0, world), self.group_backend)]
-                    + [b.init_sender.remote() for b in self.backends[1:]])
+        self.endpoints: list[Any] | None = None  # rendezvous: the backend ranks', once asked
+        self.payload: Any = None  # carried payloads: the last one sent (a restarted replica's weights)
+        self.grouped = -1  # collective: the engine's live set the group was formed for (its `changes`)
+        if self.collective:
+            self._form_group(self.engine.live_actors())
+            ray_get([b.init_sender.remote() for b in self.backends[1:]])
         else:
-            ray_get([e.init_receiver.remote() for e in self.engines] + [b.init_sender.remote() for b in self.backends])
+            ray_get([e.init_receiver.remote() for e in self.engine.live_actors()]
+                    + [b.init_sender.remote() for b in self.backends])
+
+    def _form_group(self, engines: Sequence[Any]) -> None:
+        """Backend rank 0 and ``engines`` in a group of their own (again: a replica lost or
+        restarted; every member leaves its old group first)."""
+        address = ray_get(self.backends[0].address.remote())
+        # Each engine replica's members: the actor, or its engine's workers (vLLM's), ranks 1.. in order.
+        members = [int(m) for m in ray_get([e.group_members.remote() for e in engines])]
+        if self.grouped >= 0 and any(m != 1 for m in members):
+            raise ProcessLost("an engine replica was lost or restarted, and the broadcast group of engines whose "
+                              "workers receive the weights (vLLM's) cannot be formed again while the job runs")
+        firsts = (1 + np.cumsum([0] + members[:-1])).tolist()
+        world = 1 + sum(members)
+        # One backend for the whole group, from every member's device (a per-process choice could mismatch).
+        devices = ray_get([self.backends[0].device.remote()] + [e.device.remote() for e in engines])
+        self.group_backend = group_backend(devices)
+        ray_get([e.init_receiver.remote((address, int(first), world), self.group_backend)
+                 for first, e in zip(firsts, engines)]
+                + [self.backends[0].init_sender.remote((address, 0, world), self.group_backend)])
+        self.grouped = self.engine.changes
 
     def publish(self, version: int) -> dict[str, float]:
         return self.receive(version, self.send(version))
@@ -566,10 +714,15 @@ class RaySync:
         return ray_get([b.publish.remote(version) for b in self.backends])[0], None  # written, read in receive
 
     def receive(self, version: int, sent: Any) -> dict[str, float]:
-        """The engines' half (they must be idle): ``sent`` is what :meth:`send` returned."""
+        """The engines' half (they must be idle): ``sent`` is what :meth:`send` returned. A
+        replica found dead here is lost (:meth:`RemoteEngine.lose`) and the others go on;
+        in a collective, the collective fails for every member and the job stops."""
         if self.collective:  # every side in the same collectives
+            if self.grouped != self.engine.changes:
+                self._form_group(self.engine.live_actors())
+            engines = self.engine.live_actors()
             results = ray_get([b.publish.remote(version) for b in self.backends]
-                              + [e.sync.remote(version) for e in self.engines])
+                              + [e.sync.remote(version) for e in engines])
             stats, received = dict(results[0]), results[len(self.backends):]
         else:
             stats, payload = dict(sent[0]), sent[1]
@@ -579,18 +732,48 @@ class RaySync:
                 written = ray_get([b.staged_result.options(concurrency_group="staged").remote(version)
                                    for b in self.backends])[0]
                 stats = {**written, **stats}
-            if self.rendezvous and not self.connected:
-                endpoints = ray_get([b.endpoint.remote() for b in self.backends])
-                ray_get([e.connect.remote(endpoints) for e in self.engines])
-                self.connected = True
-            calls = ([e.sync.remote(version, payload) for e in self.engines] if self.carries_payload
-                     else [e.sync.remote(version) for e in self.engines])
-            received = ray_get(calls)
+            self.payload = payload
+            with self.engine.lock:
+                live = list(zip(self.engine.live, self.engine.live_actors()))
+            if self.rendezvous and self.endpoints is None:
+                self.endpoints = ray_get([b.endpoint.remote() for b in self.backends])
+                ray_get([e.connect.remote(self.endpoints) for _, e in live])
+            calls = [(i, e.sync.remote(version, payload) if self.carries_payload else e.sync.remote(version))
+                     for i, e in live]
+            received = []
+            for i, ref in calls:
+                try:
+                    received.append(ray_get(ref))
+                except ProcessLost as exc:
+                    self.engine.lose(i, _first_part(exc))
         stats.update(received[0])
         return stats
 
+    def join(self, actor: Any, version: int) -> None:
+        """A restarted replica's receiver, and ``version`` (the one the others serve)
+        through the transport before it generates: delta from the store (its keyframe and
+        the deltas since), nixl read from the backend ranks, lora the last adapters sent;
+        broadcast re-forms the group with it and broadcasts ``version`` again to all."""
+        if self.collective:
+            self._form_group(self.engine.live_actors())
+            ray_get([b.publish.remote(version) for b in self.backends]
+                    + [e.sync.remote(version) for e in self.engine.live_actors()])
+            return
+        ray_get(actor.init_receiver.remote())
+        if self.rendezvous:
+            if self.endpoints is None:
+                self.endpoints = ray_get([b.endpoint.remote() for b in self.backends])
+            ray_get(actor.connect.remote(self.endpoints))
+        ray_get(actor.sync.remote(version, self.payload) if self.carries_payload else actor.sync.remote(version))
+
     def close(self) -> None:
-        ray_get([a.close.remote() for a in self.backends + self.engines])
+        engines = [e.close.remote() for e in self.engine.live_actors()]
+        ray_get([a.close.remote() for a in self.backends])
+        for ref in engines:
+            try:
+                ray_get(ref)
+            except ProcessLost:  # lost at the end: its actor goes with the placement group
+                pass
 
 
 class TeacherWorker:
@@ -645,7 +828,7 @@ class Actors:
     """The actors and placement groups one placement started, released together."""
 
     def __init__(self) -> None:
-        self.started: list[tuple[list[Any], Any]] = []  # (actors, placement group)
+        self.started: list[tuple[list[Any], Any, Any]] = []  # (actors, placement group, actor class)
 
     def start(self, worker: type, args: Sequence[Sequence[Any]], *, cpus: float = 1.0, concurrency: int = 1,
               groups: Mapping[str, int] | None = None, gpus: bool = True,
@@ -688,9 +871,25 @@ class Actors:
             ).remote(*a)
             for i, a in enumerate(args)
         ]
-        self.started.append((actors, group))
+        self.started.append((actors, group, actor_cls))
         ray_get([a.ready.remote() for a in actors])
         return actors
+
+    def respawn(self, actors: list[Any], index: int, *args: Any) -> Any:
+        """A new actor for ``actors[index]`` (one :meth:`start` returned; the old one dead
+        or killed) in the same bundle of its placement group, with constructor arguments
+        ``args``: Ray creates it when that bundle has a node (at once, or when a node with
+        the resources joins). Returned without waiting; it is stopped with the others."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        for started, group, actor_cls in self.started:
+            if started is actors:
+                ray.kill(actors[index])
+                actors[index] = actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=index)).remote(*args)
+                return actors[index]
+        raise ValueError("not a list of actors this placement started")
 
     def stop(self) -> None:
         """Kill the actors and free their placement groups."""
@@ -698,7 +897,7 @@ class Actors:
         from ray.util.placement_group import remove_placement_group
 
         while self.started:
-            actors, group = self.started.pop()
+            actors, group, _ = self.started.pop()
             for actor in actors:
                 ray.kill(actor)
             remove_placement_group(group)
@@ -787,7 +986,15 @@ class RayPlacement:
         return self._vocab_size
 
     def publish(self, version: int) -> Mapping[str, float]:
-        return self.sync.publish(version) if self.sync is not None else {}
+        stats = self.sync.publish(version) if self.sync is not None else {}
+        return self._tend(version, stats)
+
+    def _tend(self, version: int, stats: Mapping[str, float]) -> dict[str, float]:
+        """After a version reached the engines: restarted replicas join (RemoteEngine.tend)."""
+        stats = dict(stats)
+        if self.engine is not None:
+            stats.update(self.engine.tend(version, self.sync))
+        return stats
 
     def stage(self, version: int) -> Mapping[str, float]:
         """StagedPlacement (async RL): the backend ranks' half of publishing ``version``
@@ -820,6 +1027,7 @@ class RayPlacement:
             stats = self.sync.receive(version, staged[1])
         else:
             stats = self.sync.publish(version)
+        stats = self._tend(version, stats)
         stats["sync_pause_s"] = time.perf_counter() - t0
         return stats
 
@@ -893,9 +1101,10 @@ def place(request: PlacementRequest, cluster: Any, config: Any) -> RayPlacement:
                 resources=config.engine_resources, role="engine",
                 concurrency=2 if request.in_flight_updates else 1,
             )
-            placement.engine = RemoteEngine(engines)
+            placement.engine = RemoteEngine(
+                engines, respawn=lambda i: placement.actors.respawn(engines, i, request))
             if transport is not None:
-                placement.sync = RaySync(transport, backends, engines)
+                placement.sync = RaySync(transport, backends, placement.engine)
     except BaseException:
         placement.close()
         raise

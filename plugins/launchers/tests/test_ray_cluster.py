@@ -35,8 +35,10 @@ def cluster():
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     folder = tempfile.mkdtemp(prefix="rayc")
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                         "temp_dir": folder})
+    made = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": folder,
+        # A removed node is found dead within ~3 s (Ray's default: ~15 s).
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     trainer = made.add_node(num_cpus=3, resources={"trainer_node": 3})
     engines = [made.add_node(num_cpus=2, resources={"engine_node": 2}) for _ in range(2)]
     made.wait_for_nodes()
@@ -70,10 +72,11 @@ def _start(job: pathlib.Path, address: str) -> subprocess.Popen:
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
 
 
-def _job(make_job, tmp_path, name: str, *, steps: int = 3, weight_sync: dict | None = None, **job):
+def _job(make_job, tmp_path, name: str, *, steps: int = 3, weight_sync: dict | None = None,
+         cluster: dict | None = None, **job):
     return make_job(tmp_path, name, job={"steps": steps, **job}, engine={"dtype": "float32"},
                     cluster={"launcher": "ray", "cpus_per_actor": 1.0, "trainer_resources": {"trainer_node": 1},
-                             "engine_resources": {"engine_node": 1}},
+                             "engine_resources": {"engine_node": 1}, **(cluster or {})},
                     weight_sync=weight_sync or {"transport": "delta", "uri": f"file://{tmp_path}/{name}-weights",
                                                 "dtype": "float32"})
 
@@ -161,6 +164,66 @@ def _wait_step(job, proc: subprocess.Popen, n: int) -> None:
     while not any(r["step"] >= n for r in _rows(job)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_lost_engine_node_the_job_goes_on_and_restarts_its_replica_with_the_current_weights(
+        cluster, skyrl_cli, skyrl_tiny_rl_job, tmp_path) -> None:
+    """A job with two engine replicas, a whole engine node each; one of the nodes is
+    removed mid-run and another joins. The job goes on with the surviving replica (which
+    generates the lost one's prompts, with its seed), restarts the lost one on the new
+    node, hands it the current weights (``delta``: from the store's keyframe) and learns
+    exactly as the same job with no loss; the restarted replica generates (nothing is
+    regenerated once it is back)."""
+    import ray
+
+    made, _, _ = cluster
+    steps = 100
+    two = {"engine_replicas": 2, "engine_resources": {"engine_node": 2}}  # a replica per engine node
+    ref = _job(skyrl_tiny_rl_job, tmp_path, "whole", steps=steps, cluster=two)
+    assert skyrl_cli("run", str(ref.path), "--set", f"cluster.address={json.dumps(made.address)}").exit_code == 0
+    job = _job(skyrl_tiny_rl_job, tmp_path, "lost", steps=steps, cluster=two)
+    proc = _start(job.path, made.address)
+    nodes = {n.node_id: n for n in made.worker_nodes}
+    try:
+        _wait_step(job, proc, 5)
+        (doomed, *_) = sorted(a["Address"]["NodeID"] for a in _actors(("EngineWorker",)))
+        made.remove_node(nodes[doomed], allow_graceful=False)
+        made.add_node(num_cpus=2, resources={"engine_node": 2})  # room for the lost replica again
+        restarted_on: set[str] = set()
+        while proc.poll() is None:
+            restarted_on |= {a["Address"]["NodeID"] for a in _actors(("EngineWorker",))} - set(nodes)
+            time.sleep(0.5)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    assert len(restarted_on) == 1  # the lost replica, on the node that joined
+    lines = err.splitlines()
+    assert sum("notice: engine replica" in x and "lost (the Ray actor EngineWorker" in x for x in lines) == 1, err[-3000:]
+    assert sum("notice: engine replica" in x and "restarted with weight version" in x for x in lines) == 1, err[-3000:]
+    rows = job.rows()
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    counted = [r for r in rows if "engine_replicas_lost" in r]
+    assert counted[0]["step"] > 5 and counted[0]["engine_replicas_live"] == 1
+    last = rows[-1]
+    assert (last["engine_replicas_lost"], last["engine_replicas_restarted"], last["engine_replicas_live"]) == (1, 1, 2)
+    # The survivor generated the lost replica's prompts (8 a step: 4 a replica) until the
+    # restart; from then on the restarted one generated its own.
+    back = next(r["step"] for r in rows if r.get("engine_replicas_restarted") == 1)
+    assert back < steps - 5, back
+    regenerated = [r["engine_prompts_regenerated"] for r in counted]
+    assert regenerated[-1] >= 4 and len({x for r, x in zip(counted, regenerated) if r["step"] >= back}) == 1
+    same = [{k: v for k, v in learning_metrics(r).items() if not k.startswith(("engine_replicas", "engine_prompts"))}
+            for r in rows]
+    assert same == [learning_metrics(r) for r in ref.rows()]
+    assert _actors(("BackendWorker", "EngineWorker")) == [] and _live_groups() == []
+    # Two engine nodes, as the module's cluster began, every resource free.
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("engine_node") != 4:
+        assert time.monotonic() < deadline, ray.available_resources()
         time.sleep(0.2)
 
 

@@ -311,3 +311,62 @@ def test_a_transport_without_halves_is_refused_before_any_actor_starts(skyrl_cli
         "rendezvous, carries_payload, sender, receiver), which [cluster] launcher = \"ray\" (the engines run in "
         "processes of their own) needs\n"
     )
+
+
+
+@pytest.mark.slow
+def test_a_killed_engine_replica_is_regenerated_then_restarted_into_the_broadcast_group(
+        skyrl_ray, skyrl_host, skyrl_tiny_rl_job, tmp_path) -> None:
+    """One of two engine replicas is killed: the same generate call gives the same batch
+    (the survivor makes the lost replica's run with its seed); publishing goes on in a
+    broadcast group formed again without it, and once its new actor is up (in its bundle,
+    at once) it joins the group again with the current weights: it samples exactly what
+    the survivor samples from the same prompts and seed."""
+    import time
+
+    import numpy as np
+    import ray
+
+    from skyrl_host.config import load_job
+    from skyrl_host.interfaces import PlacementRequest
+    from skyrl_host.rollout import RolloutBatch
+
+    job = write(skyrl_tiny_rl_job, tmp_path, "killed", launcher="ray", engine_dtype="float32",
+                cluster={"engine_replicas": 2, "cpus_per_actor": 0.5},
+                weight_sync={"transport": "broadcast", "dtype": "float32"})
+    spec = load_job(job.path, skyrl_host)
+    p = spec.plugins
+    request = PlacementRequest(model=p["model"], backend=p["backend"], precision=p["precision"], alphabet="0123456789:",
+                               seed=3, total_steps=3, algorithm=p["algorithm"].create(), engine=p["engine"],
+                               sampler=p["sampler"], weight_sync=p["weight_sync"], threads=1)
+    placement = spec.launcher.create(spec.cluster).place(request)
+    engine = placement.engine
+    try:
+        prompts = [placement.loaded.tokenizer.encode(f"{n}:") for n in (123, 4071, 56, 9382, 704, 21)]
+        sampler = p["sampler"].create()
+
+        def generate(seed: int) -> RolloutBatch:
+            return engine.generate(prompts, n=2, sampler=sampler, max_new_tokens=6, seed=seed)
+
+        assert placement.publish(1)["sync_version"] == 1
+        before = generate(11)
+        ray.kill(engine.actors[1])  # its process ends; its placement-group bundle stays the job's
+        after = generate(11)
+        assert np.array_equal(after.tokens, before.tokens) and np.array_equal(after.logprobs, before.logprobs)
+        stats = placement.publish(2)  # the group formed again without it
+        assert stats["sync_version"] == 2 and stats["engine_replicas_lost"] == 1
+        assert stats["engine_prompts_regenerated"] == 3 and stats["engine_replicas_live"] == 1
+        version, deadline = 2, time.monotonic() + 180
+        while stats["engine_replicas_restarted"] < 1:  # its new actor: up once it has loaded the model
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.5)
+            version += 1
+            stats = placement.publish(version)
+        assert stats["engine_replicas_live"] == 2 and engine.weight_version == version
+        # Both replicas hold the same weights: the same prompts and seed, the same samples.
+        a, b = ray.get([actor.generate.remote(prompts, 2, sampler, 6, 5, 0) for actor in engine.actors])
+        assert np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["logprobs"], b["logprobs"])
+        stats = placement.publish(version + 1)  # a version more, to both, in the group formed with it
+        assert stats["sync_version"] == version + 1 and engine.weight_version == version + 1
+    finally:
+        placement.close()

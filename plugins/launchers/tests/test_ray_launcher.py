@@ -26,6 +26,20 @@ def run(skyrl_cli, make_job, tmp_path, name: str, **options) -> list[dict]:
     return job.rows()
 
 
+def place_job(job, host):
+    """The job's placement, made directly as the driver makes it (not through ``skyrl run``),
+    and the job's plugin choices."""
+    from skyrl_host.config import load_job
+    from skyrl_host.interfaces import PlacementRequest
+
+    spec = load_job(job.path, host)
+    p = spec.plugins
+    request = PlacementRequest(model=p["model"], backend=p["backend"], precision=p["precision"], alphabet="0123456789:",
+                               seed=3, total_steps=3, algorithm=p["algorithm"].create(), engine=p["engine"],
+                               sampler=p["sampler"], weight_sync=p["weight_sync"], threads=1)
+    return spec.launcher.create(spec.cluster).place(request), p
+
+
 def learning(rows: list[dict]) -> list[dict]:
     return [learning_metrics(r) for r in rows]
 
@@ -255,18 +269,12 @@ def test_the_ray_placement_hands_the_driver_the_same_protocols(skyrl_ray, skyrl_
     local one, and close() releases every actor and placement group."""
     import ray
 
-    from skyrl_host.config import load_job
     from skyrl_host.contracts import missing
-    from skyrl_host.interfaces import BackendHandle, EngineHandle, Placement, PlacementRequest, ReferenceScoring
+    from skyrl_host.interfaces import BackendHandle, EngineHandle, Placement, ReferenceScoring
 
     job = write(skyrl_tiny_rl_job, tmp_path, "handles", launcher="ray", engine_dtype="float32",
                 weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/weights", "dtype": "float32"})
-    spec = load_job(job.path, skyrl_host)
-    p = spec.plugins
-    request = PlacementRequest(model=p["model"], backend=p["backend"], precision=p["precision"], alphabet="0123456789:",
-                               seed=3, total_steps=3, algorithm=p["algorithm"].create(), engine=p["engine"],
-                               sampler=p["sampler"], weight_sync=p["weight_sync"], threads=1)
-    placement = spec.launcher.create(spec.cluster).place(request)
+    placement, p = place_job(job, skyrl_host)
     try:
         assert placement.loaded.model is None  # the driver holds only the tokenizer
         for handle, protocol in ((placement, Placement), (placement.backend, BackendHandle),
@@ -327,19 +335,12 @@ def test_a_killed_engine_replica_is_regenerated_then_restarted_into_the_broadcas
     import numpy as np
     import ray
 
-    from skyrl_host.config import load_job
-    from skyrl_host.interfaces import PlacementRequest
     from skyrl_host.rollout import RolloutBatch
 
     job = write(skyrl_tiny_rl_job, tmp_path, "killed", launcher="ray", engine_dtype="float32",
                 cluster={"engine_replicas": 2, "cpus_per_actor": 0.5},
                 weight_sync={"transport": "broadcast", "dtype": "float32"})
-    spec = load_job(job.path, skyrl_host)
-    p = spec.plugins
-    request = PlacementRequest(model=p["model"], backend=p["backend"], precision=p["precision"], alphabet="0123456789:",
-                               seed=3, total_steps=3, algorithm=p["algorithm"].create(), engine=p["engine"],
-                               sampler=p["sampler"], weight_sync=p["weight_sync"], threads=1)
-    placement = spec.launcher.create(spec.cluster).place(request)
+    placement, p = place_job(job, skyrl_host)
     engine = placement.engine
     try:
         prompts = [placement.loaded.tokenizer.encode(f"{n}:") for n in (123, 4071, 56, 9382, 704, 21)]

@@ -581,6 +581,18 @@ class RemoteEngine:
                 self.actors[replica] = self.respawn(replica)
                 self.pending[replica] = self.actors[replica].ready.remote()
 
+    def _restart_again(self, replica: int, why: str) -> None:
+        """Replica ``replica``'s new actor died before it served (Ray placed it on a node
+        that was dying, say): not a second loss; another new actor is asked for."""
+        with self.lock:
+            if replica in self.live:
+                self.live.remove(replica)
+                self.changes += 1
+            print(f"notice: engine replica {replica}'s new actor died before it served ({why}); "
+                  "starting another", file=sys.stderr, flush=True)
+            self.actors[replica] = self.respawn(replica)
+            self.pending[replica] = self.actors[replica].ready.remote()
+
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, sampler: Any, max_new_tokens: int, seed: int,
                  group_offset: int = 0) -> Any:
         from skyrl_host.rollout import RolloutBatch
@@ -641,8 +653,8 @@ class RemoteEngine:
                     if sync is not None:
                         sync.join(actor, version)
                     got = int(ray_get(actor.weight_version.remote()))
-                except ProcessLost as exc:  # died again before it served: once more
-                    self.lose(replica, _first_part(exc))
+                except ProcessLost as exc:  # its new actor died before it served: once more
+                    self._restart_again(replica, _first_part(exc))
                     continue
                 if sync is not None and got != version:
                     raise RuntimeError(f"engine replica {replica} restarted with weight version {got}, not {version}")
@@ -953,7 +965,9 @@ def start_ray(cluster: Any, config: Any) -> _PrivateAuth | bool:
         return False
     auth = _PrivateAuth() if config.address is None else None
     try:
-        ray.init(address=config.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
+        # No address: a new instance ("local"). Ray's own default (None) would join the
+        # cluster last started on this machine, or RAY_ADDRESS's.
+        ray.init(address="local" if config.address is None else config.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
                  include_dashboard=False, log_to_driver=True, configure_logging=False)
     except BaseException:
         if auth is not None:

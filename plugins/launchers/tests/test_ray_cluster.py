@@ -35,6 +35,8 @@ def cluster():
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     folder = tempfile.mkdtemp(prefix="rayc")
+    # Cluster writes its address in Ray's default folder (/tmp/ray), which a new machine lacks.
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     made = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "temp_dir": folder,
         # A removed node is found dead within ~3 s (Ray's default: ~15 s).
@@ -152,6 +154,23 @@ def test_resources_no_node_holds_are_refused_at_once(cluster, skyrl_cli, skyrl_t
     bad = skyrl_tiny_rl_job(tmp_path, "cpu_key", cluster={"launcher": "ray", "engine_resources": {"CPU": 1}})
     result = skyrl_cli("validate", str(bad.path))
     assert result.exit_code == 2 and "engine_resources" in result.stderr and "Ray's own resource" in result.stderr
+
+
+def test_a_job_without_address_starts_its_own_ray_beside_a_running_cluster(
+        cluster, skyrl_tiny_rl_job, tmp_path) -> None:
+    """Ray's own default would join the cluster last started on this machine (the module's:
+    ``ray_current_cluster``); a job without ``address`` starts an instance of its own."""
+    import ray
+
+    before = len(ray._private.state.jobs())
+    job = skyrl_tiny_rl_job(tmp_path, "own", job={"steps": 2}, engine={"dtype": "float32"},
+                            cluster={"launcher": "ray", "cpus_per_actor": 0.5},
+                            weight_sync={"transport": "delta", "uri": f"file://{tmp_path}/w", "dtype": "float32"})
+    done = subprocess.run([SKYRL, "run", str(job.path)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in job.rows()] == [1, 2]
+    assert len(ray._private.state.jobs()) == before  # no driver of it joined the module's cluster
 
 
 def _rows(job) -> list[dict]:

@@ -205,8 +205,10 @@ def test_multi_latent_attention_equals_the_torch_backend(skyrl_host, interleave:
             assert metrics["megatron"][key] == pytest.approx(metrics["torch"][key], rel=1e-5, abs=1e-6), (step, key)
     weights = {name: dict(be.named_weights()) for name, be in bes.items()}
     assert sorted(weights["megatron"]) == sorted(weights["torch"])
+    # Held to 3% of lr as in the parity test above (Adam turns a near-zero gradient's
+    # round-off into a step): 2.14e-5 seen on an AVX-512 EPYC after 5 steps.
     for k, v in weights["torch"].items():
-        assert float((weights["megatron"][k] - v).abs().max()) <= 2e-5, k
+        assert float((weights["megatron"][k] - v).abs().max()) <= 3e-5, k
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
@@ -618,14 +620,17 @@ PIPELINE_MODES = ("pp+old", "pp-moe", "pp-moe+r3+gc", "pp+support", "pp-mla+r3",
 
 def assert_trains_like(ranks: list[dict], one: dict, mode: str, logprobs: bool = True) -> None:
     """Every rank's 3 steps are the one process's: loss, entropy (and kl) within 1e-5, grad norm
-    within 1e-4, logprobs within 1e-5; rank 0's gathered weights, nearly every element within 1e-6."""
+    within 1e-4, logprobs within 1e-5 + 1e-5 of their size (float32 round-off: 1.9e-5 on a
+    logprob of -2.01 seen with AVX-512 kernels); rank 0's gathered weights, nearly every element
+    within 1e-6."""
     for step, want in enumerate(one["metrics"]):
         for r in ranks:
             for key, rel in (("loss", 1e-5), ("entropy", 1e-5), ("kl", 1e-5), ("grad_norm", 1e-4), ("loss_tokens", 0)):
                 if key in want:
                     assert r["metrics"][step][key] == pytest.approx(want[key], rel=rel, abs=1e-6), (mode, step, key)
             if logprobs:
-                np.testing.assert_allclose(r["logprobs"][step], one["logprobs"][step], atol=1e-5, rtol=0, err_msg=mode)
+                np.testing.assert_allclose(r["logprobs"][step], one["logprobs"][step], atol=1e-5, rtol=1e-5,
+                                           err_msg=mode)
     got, want = ranks[0]["weights"], one["weights"]
     assert sorted(got) == sorted(want), mode
     gaps = torch.cat([(got[k] - v).abs().reshape(-1) for k, v in want.items()])

@@ -31,6 +31,7 @@ the engine actors are threaded (two calls at once), so a ``sync`` runs beside th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -53,7 +54,7 @@ from skyrl_host.interfaces import (
     SplitTransport,
     TokenizerLoading,
 )
-from skyrl_toolkit.groups import comm_device, destroy_group, group_backend, weight_group
+from skyrl_toolkit.groups import comm_device, destroy_group, gloo_towards, group_backend, weight_group
 from skyrl_toolkit.launch import save_trained_model, start_backend, start_engine, trains_adapters, vocab_size
 
 
@@ -263,7 +264,10 @@ class BackendWorker:
 
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
             device = self.request.backend.traits.device
-            dist.init_process_group(_dist_backend(device), init_method=dp_address, rank=self.rank, world_size=self.world)
+            backend = _dist_backend(device)
+            host = dp_address.removeprefix("tcp://").rsplit(":", 1)[0]
+            with gloo_towards(host) if backend == "gloo" else contextlib.nullcontext():
+                dist.init_process_group(backend, init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
         request = self.request
         self.backend = start_backend(request, self.loaded, request.algorithm, self.precision,

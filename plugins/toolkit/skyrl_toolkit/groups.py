@@ -11,7 +11,9 @@ world, backend)``, so the group is the same whoever builds it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import socket
 from typing import Any, Sequence
 
@@ -35,6 +37,41 @@ def free_address(host: str = "127.0.0.1") -> str:
     return f"tcp://{host}:{port}"
 
 
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface that traffic to ``host`` leaves by
+    (the one holding the source address the kernel picks), or None when none is found."""
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks a route
+            source = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == source for a in addresses):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_towards(host: str):
+    """While a gloo group is made whose members meet at ``host``: gloo binds each member to
+    the address its host name resolves to, which is 127.0.0.1 on many machines and
+    containers (``/etc/hosts``), so members on other machines could not reach it. Unless
+    the user set ``GLOO_SOCKET_IFNAME``, it is set meanwhile to the interface that reaches
+    ``host`` (gloo reads it when the group is made)."""
+    name = None if os.environ.get("GLOO_SOCKET_IFNAME") else interface_towards(host)
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0, backend: str = "gloo") -> Any:
     """Join the weight group at ``address`` (``tcp://host:port``; rank 0 hosts its store)
     as ``rank`` of ``world``; returns a ``torch.distributed`` process group of its own,
@@ -48,9 +85,10 @@ def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0, 
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore("skyrl-weights/", dist.TCPStore(host, int(port), world, rank == 0, timeout=timeout))
-    group, _ = c10d._new_process_group_helper(
-        world, rank, [], c10d.Backend(backend), store, group_name=f"skyrl-weights-{port}", timeout=timeout,
-    )
+    with gloo_towards(host) if backend == "gloo" else contextlib.nullcontext():
+        group, _ = c10d._new_process_group_helper(
+            world, rank, [], c10d.Backend(backend), store, group_name=f"skyrl-weights-{port}", timeout=timeout,
+        )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
     return group
 

@@ -39,18 +39,18 @@ def moto_server_path() -> str | None:
 
 
 @contextlib.contextmanager
-def local_s3_server(timeout_s: float = 30.0) -> Iterator[tuple[str, int]]:
-    """Start moto's S3 server; yields (endpoint URL, pid); stops it on exit. Credentials
-    are any (e.g. key = secret = "testing")."""
+def local_s3_server(timeout_s: float = 30.0, host: str = "127.0.0.1") -> Iterator[tuple[str, int]]:
+    """Start moto's S3 server on ``host`` (an address of this machine); yields (endpoint
+    URL, pid); stops it on exit. Credentials are any (e.g. key = secret = "testing")."""
     exe = moto_server_path()
     if exe is None:
         raise RuntimeError("moto_server is not installed (pip install 'moto[server]')")
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([exe, "-H", host, "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout_s
     try:
         while True:

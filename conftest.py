@@ -23,6 +23,7 @@ LONGEST_FIRST = (
     "plugins/engines/tests/test_vllm.py",
     "plugins/backends/tests/test_megatron_job.py",
     "plugins/launchers/tests/test_ray_cluster.py",
+    "plugins/launchers/tests/test_ray_netns.py",
     "plugins/launchers/tests/test_async_ray.py",
     "plugins/precisions/tests/test_precision_job.py",
     "plugins/backends/tests/test_real_model.py",

@@ -31,7 +31,6 @@ the engine actors are threaded (two calls at once), so a ``sync`` runs beside th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import sys
@@ -265,8 +264,7 @@ class BackendWorker:
             os.environ.setdefault("LOCAL_RANK", "0")  # Ray gives each actor its own GPU (device 0)
             device = self.request.backend.traits.device
             backend = _dist_backend(device)
-            host = dp_address.removeprefix("tcp://").rsplit(":", 1)[0]
-            with gloo_towards(host) if backend == "gloo" else contextlib.nullcontext():
+            with gloo_towards(dp_address, backend):
                 dist.init_process_group(backend, init_method=dp_address, rank=self.rank, world_size=self.world)
         torch.manual_seed(self.request.seed)  # as the one-process launcher's driver does before starting the backend
         request = self.request
@@ -582,8 +580,12 @@ class RemoteEngine:
             print(f"notice: engine replica {replica} lost ({why}); going on with {len(self.live)} of "
                   f"{self.replicas}, and restarting it once Ray can place it again", file=sys.stderr, flush=True)
             if self.respawn is not None:
-                self.actors[replica] = self.respawn(replica)
-                self.pending[replica] = self.actors[replica].ready.remote()
+                self._respawn(replica)
+
+    def _respawn(self, replica: int) -> None:
+        """Ask Ray for replica ``replica``'s new actor (created when its bundle has a node)."""
+        self.actors[replica] = self.respawn(replica)
+        self.pending[replica] = self.actors[replica].ready.remote()
 
     def _restart_again(self, replica: int, why: str) -> None:
         """Replica ``replica``'s new actor died before it served (Ray placed it on a node
@@ -594,8 +596,7 @@ class RemoteEngine:
                 self.changes += 1
             print(f"notice: engine replica {replica}'s new actor died before it served ({why}); "
                   "starting another", file=sys.stderr, flush=True)
-            self.actors[replica] = self.respawn(replica)
-            self.pending[replica] = self.actors[replica].ready.remote()
+            self._respawn(replica)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, sampler: Any, max_new_tokens: int, seed: int,
                  group_offset: int = 0) -> Any:
@@ -971,8 +972,8 @@ def start_ray(cluster: Any, config: Any) -> _PrivateAuth | bool:
     try:
         # No address: a new instance ("local"). Ray's own default (None) would join the
         # cluster last started on this machine, or RAY_ADDRESS's.
-        ray.init(address="local" if config.address is None else config.address, num_cpus=cluster.num_cpus, num_gpus=cluster.num_gpus,
-                 include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(address="local" if config.address is None else config.address, num_cpus=cluster.num_cpus,
+                 num_gpus=cluster.num_gpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
     except BaseException:
         if auth is not None:
             auth.restore()

@@ -106,6 +106,7 @@ def test_jobs_join_a_ray_start_cluster_by_auto_and_every_transport_crosses_addre
     for name, p in procs.items():
         assert p.returncode == 0, f"{name}: {errs[name][-3000:]}\n{made.logs()}"
         assert "Traceback" not in errs[name]
+
     def same(rows: list[dict], but: tuple[str, ...] = ()) -> list[dict]:
         return [{k: v for k, v in learning_metrics(r).items() if k not in but} for r in rows]
 
@@ -140,6 +141,8 @@ def test_the_gloo_interface_is_the_one_towards_the_peer() -> None:
 
     assert interface_towards("127.0.0.1") == "lo"
     assert os.environ.get("GLOO_SOCKET_IFNAME") is None
-    with gloo_towards("127.0.0.1"):
+    with gloo_towards("tcp://127.0.0.1:29500"):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
     assert os.environ.get("GLOO_SOCKET_IFNAME") is None
+    with gloo_towards("tcp://127.0.0.1:29500", "nccl"):
+        assert os.environ.get("GLOO_SOCKET_IFNAME") is None

@@ -55,13 +55,15 @@ def interface_towards(host: str) -> str | None:
 
 
 @contextlib.contextmanager
-def gloo_towards(host: str):
-    """While a gloo group is made whose members meet at ``host``: gloo binds each member to
-    the address its host name resolves to, which is 127.0.0.1 on many machines and
-    containers (``/etc/hosts``), so members on other machines could not reach it. Unless
-    the user set ``GLOO_SOCKET_IFNAME``, it is set meanwhile to the interface that reaches
-    ``host`` (gloo reads it when the group is made)."""
-    name = None if os.environ.get("GLOO_SOCKET_IFNAME") else interface_towards(host)
+def gloo_towards(address: str, backend: str = "gloo"):
+    """While a group of ``backend`` is made whose members meet at ``address``
+    (``tcp://host:port`` or a host): gloo binds each member to the address its host name
+    resolves to, which is 127.0.0.1 on many machines and containers (``/etc/hosts``), so
+    members on other machines could not reach it. Unless the user set
+    ``GLOO_SOCKET_IFNAME``, it is set meanwhile to the interface that reaches the host
+    (gloo reads it when the group is made). Other backends: nothing changes."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0] if "://" in address else address
+    name = None if backend != "gloo" or os.environ.get("GLOO_SOCKET_IFNAME") else interface_towards(host)
     if name is None:
         yield
         return
@@ -85,7 +87,7 @@ def weight_group(address: str, rank: int, world: int, timeout_s: float = 300.0, 
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore("skyrl-weights/", dist.TCPStore(host, int(port), world, rank == 0, timeout=timeout))
-    with gloo_towards(host) if backend == "gloo" else contextlib.nullcontext():
+    with gloo_towards(address, backend):
         group, _ = c10d._new_process_group_helper(
             world, rank, [], c10d.Backend(backend), store, group_name=f"skyrl-weights-{port}", timeout=timeout,
         )

@@ -71,29 +71,20 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     return torch.cat(outs).unsqueeze(0).to(dtype), None
 
 
-_SDPA_WRAPPED = "_skyrl_segments_wrapped"
-
-
 def install_segment_attention() -> None:
     """Route transformers' ``"sdpa"`` attention through :func:`segment_sdpa` for calls
     that carry :class:`Segments` (the ``SEGMENTS_KEY`` keyword); every other call goes
-    to transformers' own function unchanged. Idempotent; uses transformers'
-    ``AttentionInterface`` mapping (its documented way to swap an attention function)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    on unchanged (:func:`skyrl_toolkit.attention.route_sdpa`). Idempotent."""
+    from skyrl_toolkit.attention import route_sdpa
 
-    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(original, _SDPA_WRAPPED, False):
-        return
+    def takes(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> bool:
+        return kwargs.get(SEGMENTS_KEY) is not None
 
-    def sdpa(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
-        if kwargs.get(SEGMENTS_KEY) is None:
-            kwargs.pop(SEGMENTS_KEY, None)
-            return original(module, query, key, value, attention_mask, **kwargs)
+    def handler(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
         return segment_sdpa(module, query, key, value, attention_mask, dropout=kwargs.get("dropout", 0.0),
                             scaling=kwargs.get("scaling"), **{SEGMENTS_KEY: kwargs[SEGMENTS_KEY]})
 
-    setattr(sdpa, _SDPA_WRAPPED, True)
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    route_sdpa("segments", takes, handler)
 
 
 SEGMENT_MODES = ("prepared", "built")

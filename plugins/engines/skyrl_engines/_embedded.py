@@ -16,7 +16,8 @@ taken in output order, so prompt i's ``n`` samples stay together):
    buffers preallocated for the chunk's longest prompt + ``max_new_tokens`` (no
    concatenation per step) and hand attention a view of the filled prefix; other
    layer kinds (linear attention / Mamba states) keep transformers' own layers
-   (``skyrl_engines._kv_cache``).
+   (``skyrl_engines._kv_cache``). On a CPU a decode step's attention is two float32
+   matmuls per layer instead of the flash kernel (``skyrl_engines._decode_attention``).
    Finished sequences are not recorded any more and are dropped from the batch
    (cache, mask, positions) once a quarter of its rows are finished, so they stop
    costing compute.
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 
 from skyrl_engines._adapters import EngineAdapters
+from skyrl_engines._decode_attention import install_decode_attention
 from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment, wants_support
 from skyrl_engines._indexer_capture import IndexerCapture
 from skyrl_engines._kv_cache import TurnCache, cache_with_prefix, make_cache, reusable_layers, row_kv, select_rows
@@ -162,6 +164,8 @@ class EmbeddedEngine:
             self.model.eval()
         self.dtype = dtype
         self.device = device
+        if device.type == "cpu":  # decode steps' attention as two float32 matmuls (see _decode_attention)
+            install_decode_attention()
         self.precision = precision
         if precision is not None:  # (an engine serving the trainer's own tensors shares its fake-quantized forward)
             precision.prepare_model(self.model, keep=tuple(loaded.precision_keep), train=False,

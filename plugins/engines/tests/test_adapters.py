@@ -113,8 +113,16 @@ def test_numpy_adapters_and_a_bf16_engine() -> None:
     engine.update_adapter([(k, v.numpy()) for k, v in adapter.items()], CONFIG, 1)
     got = generate(engine)
     want = generate(engine_for(merged_model(model, adapter), dtype="bfloat16"))
-    # bf16 rounds the merged weights and the adapter path differently: close, not equal.
-    assert np.abs(got.logprobs - want.logprobs).mean() < 0.05
+    # bf16 rounds the merged weights and the adapter path differently: close, not equal. A
+    # token drawn differently changes the rest of its sequence, so the logprobs are compared
+    # on each sequence's common prefix (the same context on both sides).
+    same = []
+    for i in range(got.n_sequences):
+        a, b = (x.tokens[x.cu_seqlens[i] : x.cu_seqlens[i + 1]] for x in (got, want))
+        split = next((t for t in range(min(len(a), len(b))) if a[t] != b[t]), min(len(a), len(b)))
+        same.extend(t for t in range(int(got.cu_seqlens[i]), int(got.cu_seqlens[i]) + split) if got.loss_mask[t])
+    assert len(same) >= int(got.loss_mask.sum()) // 2
+    assert np.abs(got.logprobs[same] - want.logprobs[same]).mean() < 0.03  # seen: 0.016
 
 
 def test_swap_during_a_generate_call_is_not_seen_by_that_call() -> None:

@@ -10,7 +10,8 @@ each on what the previous one kept:
    ranking whose probability reaches ``top_p`` (always at least the top token);
 4. min-p: renormalise over the kept tokens, keep those with probability
    ``>= min_p * max probability`` (always at least the top token);
-5. sample from the kept tokens, renormalised, with the caller's generator.
+5. sample from the kept tokens, renormalised, with the caller's generator (one
+   uniform number per row, inverted through the cumulative sum: :func:`draw`).
 
 The ranking orders tokens by scaled logit, highest first, and equal logits by
 token id, lowest first, so ties are cut deterministically. Tokens whose logit is
@@ -132,21 +133,56 @@ class TruncatedSampler:
         """Bool [B, V]: the candidate set each row would be sampled from."""
         return self.keep_mask(self.scale(logits))
 
+    @property
+    def truncates(self) -> bool:
+        """Whether any of top-k, top-p and min-p can drop a token."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
     def sample_with_support(
         self, logits: torch.Tensor, generator: torch.Generator
     ) -> tuple[SampleOutput, torch.Tensor]:
         """``sample`` and ``support`` in one pass (the truncation runs once)."""
-        scaled = self.scale(logits)
-        keep = self.keep_mask(scaled)
-        kept = scaled.masked_fill(~keep, NEG_INF)
-        probs = torch.softmax(kept, dim=-1)
-        token_ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        source = kept if self.logprobs == "processed" else scaled
-        return SampleOutput(token_ids=token_ids, logprobs=full_logprobs_at(source, token_ids)), keep
+        return self._sample(logits, generator, with_support=True)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> SampleOutput:
         """Draw one token per row, with its logprob (see ``logprobs``)."""
-        return self.sample_with_support(logits, generator)[0]
+        return self._sample(logits, generator, with_support=False)[0]
+
+    def _sample(self, logits: torch.Tensor, generator: torch.Generator, with_support: bool) -> tuple[SampleOutput, Any]:
+        scaled = self.scale(logits)
+        if self.truncates:
+            keep = self.keep_mask(scaled)
+            kept = scaled.masked_fill(~keep, NEG_INF)
+        else:  # nothing to drop: no mask pass over the vocabulary unless the support is asked for
+            keep = scaled != NEG_INF if with_support else None
+            kept = scaled
+        logprobs = torch.log_softmax(kept, dim=-1)
+        token_ids = draw(logprobs.exp(), generator)
+        if self.logprobs == "full" and self.truncates:
+            chosen = full_logprobs_at(scaled, token_ids)
+        else:
+            chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+        return SampleOutput(token_ids=token_ids, logprobs=chosen), keep
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs`` ``[B, V]`` (non-negative, each row with a positive
+    sum; need not be normalised), drawn with probability proportional to its entry, by
+    inverting the row's cumulative sum at one uniform number per row; long [B].
+
+    Exact up to the cumulative sum's rounding, done in float64 (float32 where the
+    device has none) so that tokens of probability ~1e-9 keep their share; a zero entry
+    is never drawn. ``torch.multinomial`` draws one exponential number per vocabulary
+    entry instead: 3.1M of them per decode step of 64 rows x 49,152 tokens, 36-65 ms
+    on 2 CPU cores against ~2.5 ms here."""
+    wide = torch.float32 if probs.device.type == "mps" else torch.float64
+    cdf = probs.to(wide).cumsum_(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=wide, device=probs.device)
+    # The first index whose cumulative sum exceeds u * total: its own entry is positive. The
+    # point stays below the total (u * total can round up to it) so an index is always found.
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1)
 
 
 class GreedySampler:

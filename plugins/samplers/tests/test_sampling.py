@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from skyrl_host.interfaces import SampleOutput, Sampler
-from skyrl_samplers._processing import GreedySampler, TruncatedSampler
+from skyrl_samplers._processing import GreedySampler, TruncatedSampler, draw
 
 Q = torch.tensor([0.3, 0.25, 0.2, 0.12, 0.08, 0.05], dtype=torch.float64)  # token probabilities at T = 1
 LOGITS = Q.log().float()[None, :]
@@ -48,6 +48,22 @@ def test_empirical_distribution_is_the_truncated_renormalised_one(kwargs: dict, 
     assert torch.all((freq - expected).abs() <= tolerance), (freq, expected, tolerance)
     dropped = [i for i in range(Q.numel()) if i not in kept]
     assert freq[dropped].sum() == 0.0  # a truncated token is never drawn
+
+
+def test_draw_follows_unnormalised_weights_and_never_draws_a_zero() -> None:
+    # Zeros at both ends and in the middle (where a cumulative sum is flat), weights summing to 7.
+    weights = torch.tensor([0.0, 3.0, 0.0, 0.0, 1.0, 3.0, 0.0, 0.0])
+    ids = draw(weights.expand(N, -1), gen(4))
+    freq = torch.bincount(ids, minlength=weights.numel()).double() / N
+    expected = weights.double() / 7
+    assert freq[weights == 0].sum() == 0.0
+    assert torch.all((freq - expected).abs() <= 5 * torch.sqrt(expected * (1 - expected) / N)), freq
+    # A one-hot row always gives its token, wherever it is; a tiny share is still drawn at its rate.
+    assert draw(torch.eye(6)[[5, 0, 3]], gen(5)).tolist() == [5, 0, 3]
+    tail = torch.full((4, 49_152), 1e-6)
+    tail[:, 0] = 1.0 - 49_151e-6  # token 0 holds 95.1%; 49,151 tokens of 1e-6 hold the rest
+    hits = sum(int((draw(tail, gen(s)) != 0).sum()) for s in range(1000))
+    assert abs(hits / 4000 - 0.049151) <= 5 * math.sqrt(0.049 * 0.951 / 4000), hits
 
 
 def test_temperature_sharpens_and_flattens() -> None:

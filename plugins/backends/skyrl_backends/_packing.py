@@ -34,12 +34,35 @@ SEGMENTS_KEY = "skyrl_segments"  # the keyword that carries a flat row's Segment
 
 
 class Segments:
-    """The sequences of one flat row ``[1, N]``, grouped by length: ``groups`` are
-    ``(offset, count, length)``: ``count`` sequences of ``length`` tokens each, end to
-    end from flat index ``offset``; the groups cover the row in order."""
+    """The sequences of one flat row ``[1, N]``. ``groups`` are ``(offset, count,
+    length)``: ``count`` sequences of ``length`` tokens each, end to end from flat index
+    ``offset``. ``trees`` (after the groups) are ``(offset, prefix, lengths)``: a prefix
+    of ``prefix`` tokens that several sequences share (their prompt, computed once),
+    then each sequence's own tokens after it (``lengths``), end to end; a sequence's
+    tokens attend to the prefix and, causally, to its own. Groups and trees cover the
+    row in order."""
 
-    def __init__(self, groups: list[tuple[int, int, int]]):
+    def __init__(self, groups: list[tuple[int, int, int]], trees: list[tuple[int, int, tuple[int, ...]]] = ()):
         self.groups = groups
+        self.trees = list(trees)
+        self._masks: dict[Any, list[torch.Tensor]] = {}
+
+    def tree_masks(self, device: torch.device) -> list[torch.Tensor]:
+        """Each tree's attention mask, bool ``[n, n]`` (True: attend), made once per device."""
+        if device not in self._masks:
+            masks = []
+            for _, prefix, lengths in self.trees:
+                n = prefix + sum(lengths)
+                m = torch.zeros(n, n, dtype=torch.bool)
+                m[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril_()
+                start = prefix
+                for length in lengths:
+                    m[start : start + length, :prefix] = True
+                    m[start : start + length, start : start + length] = torch.ones(length, length, dtype=torch.bool).tril_()
+                    start += length
+                masks.append(m.to(device))
+            self._masks[device] = masks
+        return self._masks[device]
 
 
 def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -47,7 +70,8 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     """transformers' attention signature over a flat row: ``query [1, Hq, N, D]``,
     ``key``/``value`` ``[1, Hkv, N, D]``, ``kwargs[SEGMENTS_KEY]`` its :class:`Segments`.
     Each group of ``count`` equal-length sequences is one causal SDPA call on
-    ``[count, H, length, D]`` views (no mask); returns ``[1, N, Hq, D]``."""
+    ``[count, H, length, D]`` views (no mask); each tree (a shared prefix and the
+    sequences after it) one SDPA call with its mask. Returns ``[1, N, Hq, D]``."""
     segments: Segments = kwargs[SEGMENTS_KEY]
     gqa = query.shape[1] != key.shape[1]
     dtype = query.dtype
@@ -57,6 +81,7 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
         # also the more exact (benchmarks/attention_dtype.py).
         query, key, value = query.float(), key.float(), value.float()
     sizes = [count * length for _, count, length in segments.groups]
+    sizes += [prefix + sum(lengths) for _, prefix, lengths in segments.trees]
     # One split of each flat row (its backward: one cat), not a slice per group: the backward
     # of ``x[0, :, a:b]`` is a zero tensor of x's whole size with the slice's gradient added
     # in, so a slice per group cost a full-size fill and add per group and tensor.
@@ -68,6 +93,12 @@ def segment_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
             qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=length > 1, enable_gqa=gqa,
         )
         outs.append(o.transpose(1, 2).reshape(count * length, o.shape[1], o.shape[-1]))  # [count, H, L, D] -> [count * L, H, D]
+    first = len(segments.groups)
+    for mask, qt, kt, vt in zip(segments.tree_masks(query.device), q[first:], k[first:], v[first:]):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qt[None], kt[None], vt[None], attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+        )
+        outs.append(o[0].transpose(0, 1))  # [1, H, n, D] -> [n, H, D]
     return torch.cat(outs).unsqueeze(0).to(dtype), None
 
 
@@ -243,40 +274,88 @@ def layout_rows(seq_lens: np.ndarray, pack_length: int) -> tuple[np.ndarray, np.
     return where, positions, n_rows, R
 
 
-def layout_flat(seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, Segments]:
+def layout_flat(seq_lens: np.ndarray, trees: list[tuple[list[int], int]] = ()) -> tuple[np.ndarray, np.ndarray, Segments]:
     """Lay out sequences (lengths ``seq_lens``, in order) end to end in one row, grouped
     by length (shortest first, ties in order), for per-sequence attention.
 
+    ``trees``: ``(members, prefix)``: sequences (indices into ``seq_lens``) whose first
+    ``prefix`` tokens are the same; they go after the groups, the prefix once, then each
+    member's other tokens (:class:`Segments` ``trees``).
+
     Returns ``(where, positions, segments)`` as :func:`layout_rows` does (``where`` [n]:
-    the flat index of each token, the sequences' tokens end to end; ``positions`` [n])
+    the flat index of each token, the sequences' tokens end to end, a shared prefix's
+    tokens at the same indices for every member; ``positions`` [N], N the row's length)
     and the row's :class:`Segments`."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    order = np.argsort(lens, kind="stable")
-    start = np.zeros(len(lens), dtype=np.int64)  # flat index of each sequence's first token
-    start[order] = np.concatenate([[0], np.cumsum(lens[order])[:-1]]) if len(lens) else start
     cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     within = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+    in_tree = np.zeros(len(lens), dtype=bool)
+    for members, _ in trees:
+        in_tree[members] = True
+    alone = np.flatnonzero(~in_tree)
+    order = alone[np.argsort(lens[alone], kind="stable")]
+    start = np.zeros(len(lens), dtype=np.int64)  # flat index of each sequence's first token
+    start[order] = np.concatenate([[0], np.cumsum(lens[order])[:-1]]) if len(order) else start[order]
     where = np.repeat(start, lens) + within
-    positions = np.empty(int(cu[-1]), dtype=np.int64)
-    positions[where] = within
     groups: list[tuple[int, int, int]] = []
     offset = 0
     values, counts = np.unique(lens[order], return_counts=True)
     for length, count in zip(values.tolist(), counts.tolist()):
         groups.append((offset, count, length))
         offset += count * length
-    return where, positions, Segments(groups)
+    tree_segments = []
+    for members, prefix in trees:
+        tail = offset + prefix  # where the first member's own tokens start
+        own = []
+        for m in members:
+            seq = slice(int(cu[m]), int(cu[m + 1]))
+            w = within[seq]
+            where[seq] = np.where(w < prefix, offset + w, tail + w - prefix)
+            own.append(int(lens[m]) - prefix)
+            tail += own[-1]
+        tree_segments.append((offset, prefix, tuple(own)))
+        offset = tail
+    positions = np.empty(offset, dtype=np.int64)
+    positions[where] = within
+    return where, positions, Segments(groups, tree_segments)
+
+
+def shared_prompts(tokens: np.ndarray, cu: np.ndarray, prompt_lens: np.ndarray, trains: np.ndarray,
+                   seqs: list[int]) -> list[tuple[list[int], int]]:
+    """Runs of consecutive sequences of ``seqs`` (batch indices) with the same prompt:
+    equal ``prompt_lens``, the same prompt tokens, no loss token inside it, at least one
+    token after it. Returns ``(members, prompt length)`` with members as indices into
+    ``seqs``, for :func:`layout_flat`'s ``trees``."""
+    trees: list[tuple[list[int], int]] = []
+    run: list[int] = []
+    key: Any = None
+    for i, s in enumerate(seqs):
+        p = int(prompt_lens[s])
+        a, b = int(cu[s]), int(cu[s + 1])
+        ok = 0 < p < b - a and not trains[a : a + p].any()
+        this = (p, tokens[a : a + p].tobytes()) if ok else None
+        if this is not None and this == key:
+            run.append(i)
+            continue
+        if len(run) > 1:
+            trees.append((run, key[0]))
+        run, key = ([i], this) if this is not None else ([], None)
+    if len(run) > 1:
+        trees.append((run, key[0]))
+    return trees
 
 
 def plan_mini_batches(
     batch: Any, advantages: np.ndarray, *, mini_batches: int, micro_batch_tokens: int, pack_length: int,
     device: torch.device, segment_attention: str | bool = False, flat_always: bool = False,
+    share_prompts: bool = False,
 ) -> list[list[MicroBatch]]:
     """The mini-batches of ``batch`` (this rank's share), each a list of packed
     micro-batches on ``device``. ``segment_attention``: a micro-batch with a sequence
     longer than ``pack_length`` (with ``flat_always``: every micro-batch) becomes one
-    flat row with per-sequence attention."""
+    flat row with per-sequence attention; with ``share_prompts`` the consecutive samples
+    of one prompt in such a row share the prompt's tokens (:func:`shared_prompts`)."""
     lens = batch.seq_lens
     positions = batch.positions()
     trains = (np.asarray(batch.loss_mask) != 0) & (positions > 0)  # a sequence's first token has no context
@@ -291,11 +370,12 @@ def plan_mini_batches(
             local = np.flatnonzero(trains[idx])
             owner = np.repeat(np.arange(len(group)), lens[group])[local]
             _, seq_ids = np.unique(owner, return_inverse=True)
+            flat = segment_attention if flat_always or int(lens[group].max()) > pack_length else False
+            trees = shared_prompts(tokens, cu, batch.prompt_lens, trains, group) if flat and share_prompts else ()
             micro = micro_batch(tokens[idx], lens[group], local, advantages[idx[local]],
                                 np.asarray(batch.logprobs)[idx[local]], seq_ids,
                                 int(len(np.unique(owner))), len(group), pack_length=pack_length, device=device,
-                                token_index=idx,
-                                segment_attention=segment_attention if flat_always or int(lens[group].max()) > pack_length else False)
+                                token_index=idx, segment_attention=flat, trees=trees)
             micro.batch_idx = idx[local]
             micro.batch = batch
             micros.append(micro)
@@ -304,15 +384,17 @@ def plan_mini_batches(
 
 
 def micro_batch(ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequences, *, pack_length: int,
-                device: torch.device, token_index=None, segment_attention: str | bool = False) -> MicroBatch:
+                device: torch.device, token_index=None, segment_attention: str | bool = False,
+                trees: list[tuple[list[int], int]] = ()) -> MicroBatch:
     """``ids``: the group's tokens end to end; ``seq_lens``: its sequences'
-    lengths; ``local``: the indices (into ``ids``) of its loss tokens.
-    ``segment_attention``: one flat row (:func:`layout_flat`) instead of padded rows."""
+    lengths; ``local``: the indices (into ``ids``) of its loss tokens (never a
+    sequence's first token). ``segment_attention``: one flat row (:func:`layout_flat`,
+    with ``trees``: shared prompts) instead of padded rows."""
     d = device
     segments = None
     if segment_attention:  # True / "prepared" or "built" (see segment_attention_supported)
-        where, positions, segments = layout_flat(seq_lens)
-        n_rows, R = 1, len(ids)
+        where, positions, segments = layout_flat(seq_lens, trees)
+        n_rows, R = 1, len(positions)
     else:
         where, positions, n_rows, R = layout_rows(seq_lens, pack_length)
     flat = np.full(n_rows * R, PAD_ID, dtype=np.int64)
@@ -325,7 +407,7 @@ def micro_batch(ids, seq_lens, local, adv, engine_lp, seq_ids, n_seqs, n_sequenc
         return torch.as_tensor(np.asarray(x, dtype=np.float32), device=d)
 
     micro = MicroBatch(
-        ids=long(flat).reshape(n_rows, R), pos=long(positions).reshape(n_rows, R), keep=long(where[local] - 1),
+        ids=long(flat).reshape(n_rows, R), pos=long(positions).reshape(n_rows, R), keep=long(where[local - 1]),
         targets=long(ids[local]),
         adv=f32(adv), engine_lp=f32(engine_lp), seq_ids=long(seq_ids).reshape(-1),
         n_seqs=n_seqs, n_tokens=len(ids), n_sequences=n_sequences,

@@ -204,7 +204,13 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         return plan_mini_batches(batch, advantages, mini_batches=cfg.mini_batches,
                                  micro_batch_tokens=cfg.micro_batch_tokens, pack_length=self._pack_length,
                                  device=self.device, segment_attention=self._segment_attention,
-                                 flat_always=self._flat_always)
+                                 flat_always=self._flat_always, share_prompts=self._share_prompts)
+
+    @property
+    def _share_prompts(self) -> bool:
+        """A prompt's samples share its tokens in a flat row (``share_prompts``); not with
+        replay strategies, which read per-token side channels slot by slot."""
+        return bool(getattr(self.config, "share_prompts", False)) and not self.replay
 
     @property
     def _flat_always(self) -> bool:

@@ -81,3 +81,88 @@ def test_flat_rows_chooses_which_micro_batches_go_flat_and_eager_attention_keeps
     be.start(tiny.loaded(0, attn="eager"), seed=0, total_steps=10, reference=False)
     [[mb]] = be._plan(batch, adv)
     assert mb.model_kwargs == {} and mb.ids.shape[0] == batch.n_sequences
+
+
+def test_layout_flat_puts_a_shared_prompt_once_before_its_samples() -> None:
+    # Sequences 1, 2, 3 share a 3-token prompt (lengths 5, 4, 6); 0 and 4 go alone.
+    lens = np.array([2, 5, 4, 6, 3])
+    where, pos, segments = layout_flat(lens, [([1, 2, 3], 3)])
+    assert segments.groups == [(0, 1, 2), (2, 1, 3)]
+    assert segments.trees == [(5, 3, (2, 1, 3))]  # the prompt once, then 2 + 1 + 3 own tokens
+    assert len(pos) == 2 + 3 + 3 + 2 + 1 + 3  # 14 slots for 20 tokens
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    assert where[cu[1] : cu[2]].tolist() == [5, 6, 7, 8, 9]
+    assert where[cu[2] : cu[3]].tolist() == [5, 6, 7, 10]
+    assert where[cu[3] : cu[4]].tolist() == [5, 6, 7, 11, 12, 13]
+    assert pos.tolist() == [0, 1, 0, 1, 2, 0, 1, 2, 3, 4, 3, 3, 4, 5]
+    [mask] = segments.tree_masks(torch.device("cpu"))
+    assert mask.shape == (9, 9)
+    assert mask[5].tolist() == [True] * 3 + [False] * 2 + [True] + [False] * 3  # sample 2's token: the prompt, itself
+    assert mask[8].tolist() == [True] * 3 + [False] * 3 + [True] * 3  # sample 3's last: the prompt and its own 3
+    assert mask[1].tolist() == [True] * 2 + [False] * 7  # the prompt is causal
+
+
+def test_shared_prompts_are_runs_of_equal_prompts_without_loss_tokens() -> None:
+    from skyrl_backends._packing import shared_prompts
+
+    prompts = [[5, 6], [5, 6], [5, 6], [7, 6], [7, 6], [7, 6, 1], [9], [9]]
+    answers = [[1, 2], [3], [4, 4], [2], [2, 3], [8], [], [1]]
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    lens = np.array([len(s) for s in seqs])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    tokens = np.concatenate([np.array(s) for s in seqs])
+    prompt_lens = np.array([len(p) for p in prompts])
+    trains = np.concatenate([[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]).astype(bool)
+    # 0-2 share [5, 6]; 3-4 share [7, 6] (5's prompt is longer); 6 has no answer, so 7 shares with nobody.
+    assert shared_prompts(tokens, cu, prompt_lens, trains, list(range(8))) == [([0, 1, 2], 2), ([3, 4], 2)]
+    trains[cu[1]] = True  # a loss token inside sequence 1's prompt: it shares nothing
+    assert shared_prompts(tokens, cu, prompt_lens, trains, list(range(8))) == [([3, 4], 2)]
+    # Members are positions in the micro-batch's own list of sequences.
+    assert shared_prompts(tokens, cu, prompt_lens, trains, [3, 4, 5]) == [([0, 1], 2)]
+
+
+def _grouped_batch(groups: int, n: int, seed: int = 0, vocab: int = 32):
+    """``groups`` prompts of 6-12 tokens, ``n`` answers of 1-12 tokens to each."""
+    from skyrl_host.rollout import RolloutBatch
+
+    rng = np.random.default_rng(seed)
+    prompts, answers, lps = [], [], []
+    for _ in range(groups):
+        p = rng.integers(2, vocab, rng.integers(6, 13)).tolist()
+        for _ in range(n):
+            a = rng.integers(2, vocab, rng.integers(1, 13)).tolist()
+            prompts.append(p)
+            answers.append(a)
+            lps.append((-3.4 + 0.05 * rng.standard_normal(len(a))).tolist())
+    return RolloutBatch.from_sequences(prompts, answers, lps, group_ids=[i // n for i in range(groups * n)])
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_shared_prompts_give_the_unshared_numbers_on_fewer_tokens(tiny, gradient_checkpointing) -> None:
+    """4 prompts x 4 answers in flat rows: each prompt computed once (its answers attend
+    to it) gives the same logprobs, loss and gradients as every sequence on its own."""
+    batch = _grouped_batch(4, 4)
+    adv = tiny.tiny_advantages(batch)
+    runs = [_train(tiny, batch, adv, segments=True, flat_rows="always", share_prompts=share,
+                   gradient_checkpointing=gradient_checkpointing) for share in (False, True)]
+    (alone_plan, alone_lp, alone_m, alone_g), (shared_plan, shared_lp, shared_m, shared_g) = runs
+    [[alone_mb]], [[shared_mb]] = alone_plan, shared_plan
+    prompt_tokens = int(batch.prompt_lens.sum())
+    assert alone_mb.ids.shape == (1, batch.n_tokens)
+    assert shared_mb.ids.shape == (1, batch.n_tokens - prompt_tokens * 3 // 4)  # each prompt once instead of 4 times
+    assert len(shared_mb.model_kwargs["skyrl_segments"].trees) == 4
+    assert shared_mb.n_loss == alone_mb.n_loss == int(batch.loss_mask.sum())
+    torch.testing.assert_close(shared_lp, alone_lp, atol=1e-5, rtol=0)
+    assert shared_m["loss"] == pytest.approx(alone_m["loss"], abs=1e-6)
+    assert shared_m["grad_norm"] == pytest.approx(alone_m["grad_norm"], rel=1e-5)
+    for name, g in alone_g.items():
+        torch.testing.assert_close(shared_g[name], g, atol=1e-5, rtol=0, msg=name)
+
+
+def test_replay_strategies_keep_prompts_unshared(tiny) -> None:
+    be = tiny.make_backend(flat_rows="always")
+    be.start(tiny.loaded(0), seed=0, total_steps=10, reference=False)
+    assert be._share_prompts
+    be.replay = [object()]  # a replay strategy reads per-token side channels slot by slot
+    [[mb]] = be._plan(_grouped_batch(2, 3), tiny.tiny_advantages(_grouped_batch(2, 3)))
+    assert mb.model_kwargs["skyrl_segments"].trees == [] and mb.ids.shape == (1, _grouped_batch(2, 3).n_tokens)

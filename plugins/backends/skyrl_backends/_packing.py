@@ -207,17 +207,23 @@ class MicroBatch:
         return self.n_sequences == 0
 
 
-def pack_groups(seq_lens: np.ndarray, seqs: Iterable[int], budget: int) -> list[list[int]]:
+def pack_groups(seq_lens: np.ndarray, seqs: Iterable[int], budget: int,
+                saved: dict[int, int] | None = None) -> list[list[int]]:
     """Whole sequences, in order, grouped while their total length fits ``budget``;
-    a sequence longer than the budget goes alone."""
+    a sequence longer than the budget goes alone. ``saved[s]``: the tokens sequence
+    ``s`` does not add when it follows the sequence before it in the same group (a
+    shared prompt)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
     for s in seqs:
         n = int(seq_lens[s])
+        if current and saved:  # (current[-1] is the sequence before s)
+            n -= saved.get(int(s), 0)
         if current and used + n > budget:
             groups.append(current)
             current, used = [], 0
+            n = int(seq_lens[s])
         current.append(int(s))
         used += n
     if current:
@@ -365,7 +371,12 @@ def plan_mini_batches(
     plan = []
     for seqs in minis:
         micros = []
-        for group in pack_groups(lens, seqs, micro_batch_tokens):
+        saved = None
+        if share_prompts and segment_attention and flat_always:  # every micro-batch flat: count a shared prompt once
+            order = [int(s) for s in seqs]
+            saved = {order[i]: prefix for members, prefix in shared_prompts(tokens, cu, batch.prompt_lens, trains, order)
+                     for i in members[1:]}
+        for group in pack_groups(lens, seqs, micro_batch_tokens, saved):
             idx = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in group])
             local = np.flatnonzero(trains[idx])
             owner = np.repeat(np.arange(len(group)), lens[group])[local]

@@ -166,3 +166,16 @@ def test_replay_strategies_keep_prompts_unshared(tiny) -> None:
     be.replay = [object()]  # a replay strategy reads per-token side channels slot by slot
     [[mb]] = be._plan(_grouped_batch(2, 3), tiny.tiny_advantages(_grouped_batch(2, 3)))
     assert mb.model_kwargs["skyrl_segments"].trees == [] and mb.ids.shape == (1, _grouped_batch(2, 3).n_tokens)
+
+
+def test_the_micro_batch_budget_counts_a_shared_prompt_once() -> None:
+    from skyrl_backends._packing import pack_groups
+
+    lens = np.array([10, 10, 10, 10])
+    saved = {1: 8, 2: 8}  # 1 and 2 share 8 prompt tokens with the sequence before them; 3 does not
+    assert pack_groups(lens, range(4), 20) == [[0, 1], [2, 3]]
+    assert pack_groups(lens, range(4), 20, saved) == [[0, 1, 2], [3]]  # 10 + 2 + 2
+    # A sequence that starts a micro-batch pays its whole prompt: 1 does not fit beside 0
+    # at budget 11, so it opens the next one with 10 tokens and 2 adds 2.
+    assert pack_groups(lens, range(4), 11, saved) == [[0], [1], [2], [3]]
+    assert pack_groups(lens, range(4), 12, saved) == [[0, 1], [2], [3]]

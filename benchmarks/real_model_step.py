@@ -56,9 +56,11 @@ FLOPs per second as a fraction of the peak of the part's dtype:
   parameters per token, attention 4 x heads x head_dim x context per token and layer, the
   LM head at each sampled position), plus each group's prompt once (the minimum: a prompt
   shared by N samples needs one prefill);
-- training: forward + backward = 3 x the forward of prompt + completion tokens, the LM
-  head only at completion positions; activation recomputation (gradient checkpointing) is
-  not counted (model FLOPs, not hardware FLOPs).
+- training: forward + backward = 3 x the forward of each group's prompt once (the
+  minimum again: N samples of one prompt need its activations once; ours computes it
+  once, ``share_prompts``, the loop N times) and of every sequence's completion tokens
+  after it, the LM head only at completion positions; activation recomputation
+  (gradient checkpointing) is not counted (model FLOPs, not hardware FLOPs).
 
 Lengths per step are the step's means (prompt and completion), which leaves the attention
 term (~3% of the FLOPs at these lengths) approximate. Prints one JSON object.
@@ -122,7 +124,9 @@ def step_flops(shape: dict[str, int], groups: int, n: int, prompt_mean: float, c
     # new tokens: the forward of the last prompt token is the prefill's; the rest are decode steps
     prefill = groups * forward_flops(shape, prompt_mean, 0, 1)
     decode = sequences * forward_flops(shape, max(completion_mean - 1, 0), prompt_mean, max(completion_mean - 1, 0))
-    train_forward = sequences * forward_flops(shape, prompt_mean + completion_mean, 0, completion_mean)
+    # training: each group's prompt once (no LM head), then each sequence's completion after it
+    train_forward = (groups * forward_flops(shape, prompt_mean, 0, 0)
+                     + sequences * forward_flops(shape, completion_mean, prompt_mean, completion_mean))
     return {"generation": prefill + decode, "training": 3 * train_forward}
 
 

@@ -172,6 +172,36 @@ def segment_attention_supported(model: Any, device: torch.device) -> str | bool:
     return False
 
 
+def shared_prompts_supported(model: Any, device: torch.device, mode: str) -> bool:
+    """Whether ``model``, on flat rows of ``mode``, gives the same logits with a shared
+    prompt (:func:`layout_flat` ``trees``) as with every sequence on its own: a probe of
+    three sequences after one 3-token prompt."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(getattr(embeddings, "num_embeddings", 8))
+    prompt = [3 % vocab, 10 % vocab, 17 % vocab]
+    seqs = [prompt + [(24 + 7 * i + j) % vocab for j in range(n)] for i, n in enumerate((2, 3, 1))]
+    lens = np.array([len(x) for x in seqs])
+    ids = np.concatenate(seqs)
+    local = np.flatnonzero(np.concatenate([np.arange(n) for n in lens]) > 0)
+    z = np.zeros(len(local))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = []
+            for trees in ((), [([0, 1, 2], len(prompt))]):
+                mb = micro_batch(ids, lens, local, z, z, z, 1, 3, pack_length=1, device=device,
+                                 segment_attention=mode, trees=trees)
+                out = model(input_ids=mb.ids, position_ids=mb.pos, use_cache=False, **mb.model_kwargs).logits
+                logits.append(out.reshape(-1, out.shape[-1])[mb.keep].float())
+    except Exception:  # noqa: BLE001 - a forward that fails on the shared layout: keep prompts apart
+        return False
+    finally:
+        model.train(was_training)
+    alone, shared = logits
+    return shared.shape == alone.shape and bool((shared - alone).abs().max() <= 1e-4 * (float(alone.abs().max()) + 1.0))
+
+
 class MicroBatch:
     """One packed micro-batch: rows of whole sequences and its loss tokens.
 

@@ -31,6 +31,7 @@ from skyrl_backends._optimizer import make_optimizer
 from skyrl_backends._packed_lm import PackedLM, WithoutAdapters, head_is_plain
 from skyrl_backends._packing import (
     MicroBatch, empty_micro_batch, has_recurrent_layers, plan_mini_batches, segment_attention_supported,
+    shared_prompts_supported,
 )
 from skyrl_backends._train_step import LOW_PRECISION, TrainStep
 from skyrl_backends._weights import WeightsAndCheckpoints
@@ -52,6 +53,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         self.scheduler: Any = None
         self._one_sequence_per_row = False  # set by start() for models with recurrent layers
         self._segment_attention = False  # set by start(): micro-batches in flat rows, attention per sequence (flat_rows)
+        self._prompts_shareable = False  # set by start(): share_prompts, and the model passed its probe
         self.replay: list[Any] = []  # ReplayStrategy objects (start(replay=...))
         self._scorer_strategy: Any = None  # the one that scores tokens (support), if any
         self._ddp: Any = None
@@ -106,6 +108,13 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
         if getattr(cfg, "flat_rows", "long") == "never":
             segments = False
         self._segment_attention = segments
+        # Shared prompts in flat rows, where a probe gives the unshared logits (every rank the same).
+        sharing = bool(segments) and bool(getattr(cfg, "share_prompts", False)) and shared_prompts_supported(
+            model, self.device, segments)
+        if self._dp and self.world > 1:
+            flag = self._all_reduce(torch.tensor([int(sharing)], dtype=torch.int64), dist.ReduceOp.MIN)
+            sharing = bool(flag[0])
+        self._prompts_shareable = sharing
         if reference and self.lora is None:
             ref = copy.deepcopy(model)
             ref.eval()
@@ -210,7 +219,7 @@ class TorchBackend(TrainStep, WeightsAndCheckpoints):
     def _share_prompts(self) -> bool:
         """A prompt's samples share its tokens in a flat row (``share_prompts``); not with
         replay strategies, which read per-token side channels slot by slot."""
-        return bool(getattr(self.config, "share_prompts", False)) and not self.replay
+        return self._prompts_shareable and not self.replay
 
     @property
     def _flat_always(self) -> bool:

@@ -46,11 +46,17 @@ def test_flat_row_gives_the_padded_rows_numbers(tiny, gradient_checkpointing) ->
     assert rows_mb.ids.shape[0] > 1 and rows_mb.ids.numel() > batch.n_tokens  # rows padded to the longest
     assert flat_mb.ids.shape == (1, batch.n_tokens)  # no padding at all
     assert len(flat_mb.model_kwargs["skyrl_segments"].groups) > 1
-    torch.testing.assert_close(flat_lp, rows_lp, atol=1e-5, rtol=0)
-    assert flat_m["loss"] == pytest.approx(rows_m["loss"], abs=1e-6)
-    assert flat_m["grad_norm"] == pytest.approx(rows_m["grad_norm"], rel=1e-5)
-    for name, g in rows_g.items():
-        torch.testing.assert_close(flat_g[name], g, atol=1e-5, rtol=0, msg=name)
+    _same_training((flat_lp, flat_m, flat_g), (rows_lp, rows_m, rows_g))
+
+
+def _same_training(got, want) -> None:
+    """Logprobs, loss, gradient norm and every gradient equal to float32 rounding."""
+    (got_lp, got_m, got_g), (want_lp, want_m, want_g) = got, want
+    torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=0)
+    assert got_m["loss"] == pytest.approx(want_m["loss"], abs=1e-6)
+    assert got_m["grad_norm"] == pytest.approx(want_m["grad_norm"], rel=1e-5)
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, atol=1e-5, rtol=0, msg=name)
 
 
 def test_flat_rows_chooses_which_micro_batches_go_flat_and_eager_attention_keeps_padding(tiny) -> None:
@@ -152,11 +158,7 @@ def test_shared_prompts_give_the_unshared_numbers_on_fewer_tokens(tiny, gradient
     assert shared_mb.ids.shape == (1, batch.n_tokens - prompt_tokens * 3 // 4)  # each prompt once instead of 4 times
     assert len(shared_mb.model_kwargs["skyrl_segments"].trees) == 4
     assert shared_mb.n_loss == alone_mb.n_loss == int(batch.loss_mask.sum())
-    torch.testing.assert_close(shared_lp, alone_lp, atol=1e-5, rtol=0)
-    assert shared_m["loss"] == pytest.approx(alone_m["loss"], abs=1e-6)
-    assert shared_m["grad_norm"] == pytest.approx(alone_m["grad_norm"], rel=1e-5)
-    for name, g in alone_g.items():
-        torch.testing.assert_close(shared_g[name], g, atol=1e-5, rtol=0, msg=name)
+    _same_training((shared_lp, shared_m, shared_g), (alone_lp, alone_m, alone_g))
 
 
 def test_replay_strategies_keep_prompts_unshared(tiny) -> None:

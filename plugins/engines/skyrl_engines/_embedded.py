@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from skyrl_engines._adapters import EngineAdapters
-from skyrl_engines._decode_attention import install_decode_attention
+from skyrl_engines._decode_attention import install_decode_attention, keep_kernel
 from skyrl_engines._batch_assembly import assemble_batch, routes_channel, support_csr, turn_segment, wants_support
 from skyrl_engines._indexer_capture import IndexerCapture
 from skyrl_engines._kv_cache import TurnCache, cache_with_prefix, make_cache, reusable_layers, row_kv, select_rows
@@ -166,6 +166,8 @@ class EmbeddedEngine:
         self.device = device
         if device.type == "cpu":  # decode steps' attention as two float32 matmuls (see _decode_attention)
             install_decode_attention()
+        if precision is not None:  # quantized activations: attention exactly as the trainer computes it
+            keep_kernel(self.model)
         self.precision = precision
         if precision is not None:  # (an engine serving the trainer's own tensors shares its fake-quantized forward)
             precision.prepare_model(self.model, keep=tuple(loaded.precision_keep), train=False,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from skyrl_engines._decode_attention import decode_attention, install_decode_attention
+from skyrl_engines._decode_attention import decode_attention, install_decode_attention, keep_kernel
 
 
 def reference(query, key, value, mask, scaling=None):
@@ -76,6 +76,9 @@ def test_only_cpu_one_token_calls_are_routed() -> None:
         prefill = torch.randn(2, 9, 11, 8, generator=g)
         sdpa(module, prefill, k, v, None, scaling=None, dropout=0.0)
         assert len(calls) == 1  # a prefill goes to transformers' own function
+        keep_kernel(module)  # an engine whose precision quantizes activations keeps the kernel
+        sdpa(module, one, k, v, None, scaling=None, dropout=0.0)
+        assert len(calls) == 2
     finally:
         torch.nn.functional.scaled_dot_product_attention = real
     assert (out.double() - reference(one, k, v, None)).abs().max().item() <= 1e-6

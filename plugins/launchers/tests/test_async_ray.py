@@ -62,7 +62,9 @@ def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyr
     assert result.exit_code == 0, result.stderr
     # (The engine/trainer gap, logprob_diff_mean and _max, differs between the launchers from
     # the 7th digit on, before any weights move: the engine's float arithmetic in another
-    # process; loss, grad norm, entropy and the ratios are equal: the same weights.)
+    # process; loss, grad norm, entropy and the ratios are equal: the same weights. The gap
+    # is a few float32 units in the last place of a logprob (2.4e-7 for |logprob| in [2, 4));
+    # the two runs' gaps were seen one such unit apart: 4.8e-7 vs 2.4e-7.)
     gap = ("logprob_diff_mean", "logprob_diff_max")
 
     def same_weights(rs: list[dict]) -> list[dict]:
@@ -71,7 +73,7 @@ def test_async_ray_runs_k_versions_behind_and_k0_is_the_sync_run(skyrl_ray, skyr
     assert same_weights(rows) == same_weights(local.rows())
     for ray_row, local_row in zip(rows, local.rows()):
         for k in gap:
-            assert ray_row[k] == pytest.approx(local_row[k], rel=1e-5, abs=1e-7), (ray_row["step"], k)
+            assert ray_row[k] == pytest.approx(local_row[k], rel=1e-5, abs=5e-7), (ray_row["step"], k)
 
     sync = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "sync", delta(tmp_path, "sync"))
     async0 = run(skyrl_cli, skyrl_tiny_rl_job, tmp_path, "async0", delta(tmp_path, "async0"), mode="async",

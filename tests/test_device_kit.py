@@ -140,10 +140,10 @@ def test_run_sh_cpu_runs_every_check_and_summarises_each(tmp_path) -> None:
     assert pre["cuda"] is False and pre["packages"]["transformers"]["installed"] == kit.carried_wheels()["transformers"]
     # The RL jobs ran their steps on the CPU, the engine serving the trainer's numbers.
     for name, steps in (("quickstart", 5), ("moe_r3_support", 3), ("delta_sync", 3), ("async_delta", 4),
-                        ("megatron_quickstart", 3)):
+                        ("megatron_quickstart", 3), ("shared_prompts", 5)):
         assert checks[name]["steps"] == steps, name
         assert checks[name]["median_step_time"] > 0 and checks[name]["median_gen_tokens_per_s"] > 0, name
-    for name in ("quickstart", "delta_sync", "megatron_quickstart"):  # fp32 engine and trainer, same weights
+    for name in ("quickstart", "delta_sync", "megatron_quickstart", "shared_prompts"):  # fp32 engine and trainer
         assert checks[name]["logprob_diff_max"] < 1e-5, (name, checks[name]["logprob_diff_max"])
     assert checks["moe_r3_support"]["logprob_diff_max"] < 0.05  # bf16 engine, fp32 trainer, experts replayed
     fsdp2 = checks["fsdp2"]

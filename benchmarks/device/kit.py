@@ -451,6 +451,13 @@ def quickstart(ctx: Context) -> list[list[str]]:
     return [ctx.job("examples/quickstart.toml", *on(ctx), *threads(ctx), steps=5 if ctx.cpu else 100)]
 
 
+def shared_prompts(ctx: Context) -> list[list[str]]:
+    """The quickstart with every micro-batch in flat rows (on a GPU "auto" keeps its short
+    sequences in padded rows), so each prompt's samples share it: the tree masks' SDPA on the device."""
+    return [ctx.job("examples/quickstart.toml", 'backend.flat_rows="always"', "backend.share_prompts=true", *on(ctx),
+                    *threads(ctx), steps=5 if ctx.cpu else 100)]
+
+
 def moe_r3_support(ctx: Context) -> list[list[str]]:
     sets = ['model.family="qwen"', 'model.preset="tiny-moe"', *([] if ctx.cpu else MOE_REAL)]
     return [ctx.job("examples/replay_ablation.toml", *sets, *on(ctx), *threads(ctx), steps=3 if ctx.cpu else 10)]
@@ -645,6 +652,8 @@ CHECKS = [
           (90, 180), tinker_rl_loop, tinker_rl_summary),
     Check("tinker_load", "skyrl serve under the Tinker load benchmark: served tokens/s vs offline generation",
           (200, 300), tinker_load, tinker_summary),
+    Check("shared_prompts", "the quickstart in flat rows with shared prompts (tree-masked attention) on the device",
+          (90, 120), shared_prompts, run_summary),
 ]
 
 
